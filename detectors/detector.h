@@ -1,0 +1,120 @@
+// The detector extension point.
+//
+// A detector is one file in detectors/ that consumes samples of one kind and
+// emits named signal values. It registers itself with one line:
+//
+//   FORESHOCK_REGISTER_DETECTOR(QKDetector);
+//
+// The daemon creates one instance per worker thread. Samples of a given
+// (run, layer) always reach the same instance, in order, so a detector keeps
+// per-series state without locks. Detectors are pure computation: no gRPC,
+// no Prometheus, no threads.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "detectors/sample.h"
+
+namespace foreshock::detectors {
+
+// Where a signal lives. Its Prometheus labels follow: {run}, {run,layer}, and
+// {run,layer} for the head aggregate plus {run,layer,head} per head.
+enum class SignalScope : uint8_t { kRun, kLayer, kLayerHead };
+
+// How per-head values fold into the per-layer value (DESIGN.md section 4:
+// min for entropies, max for logits and shares).
+enum class HeadAggregation : uint8_t { kNone, kMin, kMax, kMean };
+
+// One exported signal. `name` is the series name and, with the "foreshock_"
+// prefix, the metric name; it is public contract once released.
+struct SignalSpec {
+  std::string_view name;
+  std::string_view help;
+  SignalScope scope;
+  HeadAggregation aggregation = HeadAggregation::kNone;
+};
+
+inline constexpr int kNoLayer = -1;  // run-level signal
+inline constexpr int kAllHeads = -1;  // value aggregated over heads
+
+struct Observation {
+  std::string_view signal;  // a SignalSpec::name of the emitting detector
+  int layer = kNoLayer;
+  int head = kAllHeads;
+  double value = 0;
+};
+
+// Receives what a detector computes from one sample. The sample's run and
+// step are known to the caller; Emit only carries the signal value.
+class Emitter {
+ public:
+  virtual ~Emitter() = default;
+  virtual void Emit(const Observation& observation) = 0;
+  // Non-finite values found in the sample (NaN or +-Inf). The sample is then
+  // not used for computation: non-finite input is a signal, not an error.
+  virtual void NonFinite(SampleKind kind, int64_t count) = 0;
+};
+
+// Tunables shared by all detectors; each detector reads what it needs.
+struct DetectorOptions {
+  // Compute the top singular vector overlap between consecutive QK increments.
+  bool qk_track_top_vector = true;
+};
+
+class Detector {
+ public:
+  virtual ~Detector() = default;
+  virtual void Process(const Sample& sample, Emitter& emitter) = 0;
+  // Drop all state kept for `run` (its series are gone or restarted).
+  virtual void ForgetRun(const std::string& run) = 0;
+};
+
+struct DetectorInfo {
+  std::string_view name;
+  SampleKind kind;  // the sample kind this detector consumes
+  std::span<const SignalSpec> signals;
+  std::function<std::unique_ptr<Detector>(const DetectorOptions&)> create;
+};
+
+// Every detector linked into the binary, in registration order.
+class DetectorRegistry {
+ public:
+  static DetectorRegistry& Instance();
+  void Register(DetectorInfo info);
+  const std::vector<DetectorInfo>& detectors() const { return detectors_; }
+  // The spec of a signal by name, or nullptr.
+  const SignalSpec* FindSignal(std::string_view name) const;
+
+ private:
+  std::vector<DetectorInfo> detectors_;
+};
+
+namespace internal {
+struct DetectorRegistration {
+  explicit DetectorRegistration(DetectorInfo info) {
+    DetectorRegistry::Instance().Register(std::move(info));
+  }
+};
+}  // namespace internal
+
+// A detector class T provides:
+//   static constexpr std::string_view kName;
+//   static constexpr SampleKind kKind;
+//   static std::span<const SignalSpec> Signals();
+//   explicit T(const DetectorOptions&);
+#define FORESHOCK_REGISTER_DETECTOR(T)                                              \
+  static const ::foreshock::detectors::internal::DetectorRegistration               \
+      foreshock_detector_registration_##T{::foreshock::detectors::DetectorInfo{     \
+          T::kName, T::kKind, T::Signals(),                                         \
+          [](const ::foreshock::detectors::DetectorOptions& options)                \
+              -> std::unique_ptr<::foreshock::detectors::Detector> {                \
+            return std::make_unique<T>(options);                                    \
+          }}}
+
+}  // namespace foreshock::detectors

@@ -1,0 +1,83 @@
+// Plain, validated samples as detectors see them. No protobuf, no gRPC: the
+// server translates the wire contract into these types after validation.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <variant>
+#include <vector>
+
+namespace foreshock::detectors {
+
+enum class DType : uint8_t { kFloat32, kBFloat16, kFloat16 };
+
+// Size in bytes of one element of `dtype`.
+constexpr size_t DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+const char* DTypeName(DType dtype);
+
+// Raw little-endian row-major tensor bytes, exactly as they came off the wire.
+// Invariant (checked by the server before a sample reaches a detector):
+// data.size() == product(shape) * DTypeSize(dtype), every dim > 0.
+struct RawTensor {
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  std::string data;
+
+  int64_t num_elements() const {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    return n;
+  }
+};
+
+struct ScalarsSample {
+  bool has_loss = false;
+  bool has_grad_norm = false;
+  bool has_lr = false;
+  double loss = 0;
+  double grad_norm = 0;
+  double lr = 0;
+};
+
+struct QKSample {
+  int layer = 0;
+  std::string probe_id;
+  RawTensor q;  // [heads, tokens, head_dim]
+  RawTensor k;  // same shape as q
+  bool causal = false;
+  int seq_len = 0;  // > 0: block-diagonal mask over back-to-back sequences
+};
+
+struct RouterSample {
+  int layer = 0;
+  std::string probe_id;
+  RawTensor logits;  // [tokens, experts]
+  int top_k = 1;
+};
+
+struct CurvatureSample {
+  double lambda_max = 0;
+  double residual = 0;
+  int hvps = 0;
+  bool preconditioned = false;
+  double lr = 0;
+  double beta1 = 0;
+  double overlap = 0;
+  std::vector<double> layer_rayleigh;
+};
+
+enum class SampleKind : uint8_t { kScalars, kQK, kRouter, kCurvature };
+const char* SampleKindName(SampleKind kind);  // "scalars", "qk", "router", "curvature"
+
+struct Sample {
+  std::string run;  // run_id from the stream's Hello
+  int32_t rank = 0;
+  int64_t step = 0;
+  std::variant<ScalarsSample, QKSample, RouterSample, CurvatureSample> payload;
+
+  SampleKind kind() const { return static_cast<SampleKind>(payload.index()); }
+  // Layer the sample belongs to, or -1 for run-level samples (scalars, curvature).
+  int layer() const;
+};
+
+}  // namespace foreshock::detectors

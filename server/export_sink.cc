@@ -1,0 +1,52 @@
+#include "server/export_sink.h"
+
+#include <chrono>
+
+#include <spdlog/spdlog.h>
+
+namespace foreshock::server {
+namespace {
+
+int64_t NowMillis() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+void ExportSink::OnObservation(const detectors::Sample& sample,
+                               const detectors::Observation& observation) {
+  metrics_.ExportObservation(sample.run, observation);
+  store_.Append(SeriesKey{sample.run, std::string(observation.signal), observation.layer,
+                          observation.head},
+                Point{sample.step, observation.value, NowMillis()});
+}
+
+void ExportSink::OnNonFinite(const detectors::Sample& sample, detectors::SampleKind kind,
+                             int64_t count) {
+  metrics_.nonfinite_values_total
+      .Add({{"run", sample.run}, {"kind", detectors::SampleKindName(kind)}})
+      .Increment(static_cast<double>(count));
+}
+
+void ExportSink::OnSampleDone(const detectors::Sample& sample) {
+  metrics_.samples_processed_total.Add({{"kind", detectors::SampleKindName(sample.kind())}})
+      .Increment();
+  runs_.OnStep(sample.run, sample.step);
+}
+
+void ExportSink::OnDetectorTime(std::string_view detector, double seconds) {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {
+      1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1};
+  metrics_.detector_seconds.Add({{"detector", std::string(detector)}}, kBuckets).Observe(seconds);
+}
+
+void ExportSink::OnDetectorError(std::string_view detector, const detectors::Sample& sample,
+                                 const char* what) {
+  spdlog::error("detector {} failed on a sample of run {} step {}: {}", detector, sample.run,
+                sample.step, what);
+  metrics_.detector_errors_total.Add({{"detector", std::string(detector)}}).Increment();
+}
+
+}  // namespace foreshock::server

@@ -1,0 +1,31 @@
+// Sends detector output to Prometheus gauges and the series store.
+#pragma once
+
+#include "server/metrics.h"
+#include "server/run_tracker.h"
+#include "server/series_store.h"
+#include "server/worker_pool.h"
+
+namespace foreshock::server {
+
+class ExportSink final : public ObservationSink {
+ public:
+  ExportSink(DaemonMetrics& metrics, SeriesStore& store, RunTracker& runs)
+      : metrics_(metrics), store_(store), runs_(runs) {}
+
+  void OnObservation(const detectors::Sample& sample,
+                     const detectors::Observation& observation) override;
+  void OnNonFinite(const detectors::Sample& sample, detectors::SampleKind kind,
+                   int64_t count) override;
+  void OnSampleDone(const detectors::Sample& sample) override;
+  void OnDetectorTime(std::string_view detector, double seconds) override;
+  void OnDetectorError(std::string_view detector, const detectors::Sample& sample,
+                       const char* what) override;
+
+ private:
+  DaemonMetrics& metrics_;
+  SeriesStore& store_;
+  RunTracker& runs_;
+};
+
+}  // namespace foreshock::server

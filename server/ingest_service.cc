@@ -1,0 +1,235 @@
+#include "server/ingest_service.h"
+
+#include <deque>
+#include <mutex>
+#include <optional>
+
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace foreshock::server {
+
+namespace v1 = foreshock::v1;
+
+// One stream's state machine. Reads are issued one at a time; a Batch whose
+// samples do not fit the admission budget leaves the stream parked (no read
+// outstanding) until a worker frees room, which is what pushes back on the
+// client. Acks are written in order through a small queue, since gRPC allows
+// one outstanding write per stream.
+class IngestReactor final
+    : public grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse> {
+ public:
+  IngestReactor(IngestService& service, uint64_t session) : service_(service), session_(session) {
+    service_.metrics_.ingest_streams_total.Add({}).Increment();
+    service_.metrics_.ingest_active_streams.Add({}).Increment();
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // client half-closed, or the call is cancelled
+      std::lock_guard<std::mutex> lock(mu_);
+      reads_done_ = true;
+      if (!finish_status_) finish_status_ = grpc::Status::OK;
+      MaybeFinishLocked();
+      return;
+    }
+    switch (request_.kind_case()) {
+      case v1::StreamRequest::kHello:
+        HandleHello();
+        break;
+      case v1::StreamRequest::kBatch:
+        HandleBatch();
+        break;
+      case v1::StreamRequest::KIND_NOT_SET:
+        FailStream(reason::kEmptyRequest, "StreamRequest carries neither hello nor batch");
+        break;
+    }
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_writes_.pop_front();
+    if (!ok) {  // the client is gone; nothing more will be delivered
+      pending_writes_.clear();
+      if (!finish_status_) finish_status_ = grpc::Status::CANCELLED;
+      reads_done_ = true;
+    }
+    if (!pending_writes_.empty()) {
+      StartWrite(&pending_writes_.front());
+      return;
+    }
+    MaybeFinishLocked();
+  }
+
+  void OnCancel() override {}
+
+  void OnDone() override {
+    service_.metrics_.ingest_active_streams.Add({}).Decrement();
+    delete this;
+  }
+
+ private:
+  void HandleHello() {
+    if (context_) {
+      FailStream(reason::kDuplicateHello, "a stream sends exactly one Hello, first");
+      return;
+    }
+    if (auto rejection = ValidateHello(request_.hello(), service_.limits_)) {
+      FailStream(rejection->code, rejection->detail);
+      return;
+    }
+    const v1::Hello& hello = request_.hello();
+    context_.emplace();
+    context_->run_id = hello.run_id();
+    context_->job = hello.job();
+    context_->rank = hello.rank();
+    context_->model = hello.model();
+    service_.on_hello_(hello);
+    spdlog::info("stream {} opened: run={} job={} rank={}", session_, context_->run_id,
+                 context_->job, context_->rank);
+
+    v1::StreamResponse response;
+    response.mutable_hello_ack()->set_session_id(absl::StrCat("s", session_));
+    Write(std::move(response));
+    StartRead(&request_);
+  }
+
+  void HandleBatch() {
+    if (!context_) {
+      FailStream(reason::kBatchBeforeHello, "the first message of a stream must be a Hello");
+      return;
+    }
+    DaemonMetrics& metrics = service_.metrics_;
+    v1::Batch& batch = *request_.mutable_batch();
+    metrics.ingest_bytes_total.Add({}).Increment(static_cast<double>(batch.ByteSizeLong()));
+
+    ack_ = v1::StreamResponse();
+    v1::Ack& ack = *ack_.mutable_ack();
+    ack.set_seq(batch.seq());
+    items_.clear();
+    size_t bytes = 0;
+
+    if (last_seq_ && batch.seq() <= *last_seq_) {
+      const std::string detail =
+          absl::StrCat("batch seq ", batch.seq(), " is not above the previous ", *last_seq_);
+      for (int i = 0; i < batch.records_size(); ++i) {
+        auto* rejection = ack.add_rejections();
+        rejection->set_index(i);
+        rejection->set_reason(absl::StrCat(reason::kNonIncreasingSeq, ": ", detail));
+      }
+      metrics.CountRejection(reason::kNonIncreasingSeq, std::max(1, batch.records_size()));
+    } else {
+      last_seq_ = batch.seq();
+      for (int i = 0; i < batch.records_size(); ++i) {
+        WorkItem item;
+        if (auto rejection = ValidateRecord(*batch.mutable_records(i), *context_,
+                                            service_.limits_, item.sample)) {
+          auto* r = ack.add_rejections();
+          r->set_index(i);
+          r->set_reason(rejection->ToString());
+          metrics.CountRejection(rejection->code);
+          continue;
+        }
+        metrics.ingest_records_total
+            .Add({{"kind", detectors::SampleKindName(item.sample.kind())}})
+            .Increment();
+        item.bytes = SampleBytes(item.sample);
+        bytes += item.bytes;
+        items_.push_back(std::move(item));
+      }
+    }
+    ack.set_accepted(static_cast<uint32_t>(items_.size()));
+    request_.Clear();
+
+    if (items_.empty()) {
+      Admitted();
+      return;
+    }
+    batch_bytes_ = bytes;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      parked_ = true;
+    }
+    if (service_.gate_.Acquire(bytes, [this] { Resume(); })) {
+      Admitted();
+    } else {
+      metrics.streams_waiting_for_queue.Add({}).Increment();
+    }
+  }
+
+  // Called from the worker thread that freed room for this parked stream.
+  void Resume() {
+    service_.metrics_.streams_waiting_for_queue.Add({}).Decrement();
+    Admitted();
+  }
+
+  void Admitted() {
+    if (!items_.empty()) {
+      service_.pool_.Dispatch(std::move(items_));
+      items_.clear();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      parked_ = false;
+      if (finish_status_) {  // the client went away while this stream was parked
+        MaybeFinishLocked();
+        return;
+      }
+    }
+    Write(std::move(ack_));
+    StartRead(&request_);
+  }
+
+  // Ends the stream with INVALID_ARGUMENT once queued acks are written.
+  void FailStream(std::string_view code, const std::string& detail) {
+    service_.metrics_.CountRejection(code);
+    spdlog::warn("stream {} rejected: {}: {}", session_, code, detail);
+    std::lock_guard<std::mutex> lock(mu_);
+    reads_done_ = true;
+    finish_status_ = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(code) + ": " + detail);
+    MaybeFinishLocked();
+  }
+
+  void Write(v1::StreamResponse response) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_ || (finish_status_ && !finish_status_->ok())) return;
+    pending_writes_.push_back(std::move(response));
+    if (pending_writes_.size() == 1) StartWrite(&pending_writes_.front());
+  }
+
+  void MaybeFinishLocked() {
+    if (finished_ || !reads_done_ || parked_ || !pending_writes_.empty() || !finish_status_) return;
+    finished_ = true;
+    Finish(*finish_status_);
+  }
+
+  IngestService& service_;
+  const uint64_t session_;
+  v1::StreamRequest request_;
+  std::optional<StreamContext> context_;
+  std::optional<uint64_t> last_seq_;
+
+  // The batch in progress (only one: the next read starts after admission).
+  std::vector<WorkItem> items_;
+  size_t batch_bytes_ = 0;
+  v1::StreamResponse ack_;
+
+  std::mutex mu_;  // guards what follows; reactor callbacks may run concurrently
+  std::deque<v1::StreamResponse> pending_writes_;
+  std::optional<grpc::Status> finish_status_;
+  bool reads_done_ = false;
+  bool parked_ = false;
+  bool finished_ = false;
+};
+
+IngestService::IngestService(const IngestLimits& limits, AdmissionGate& gate, WorkerPool& pool,
+                             DaemonMetrics& metrics, HelloObserver on_hello)
+    : limits_(limits), gate_(gate), pool_(pool), metrics_(metrics), on_hello_(std::move(on_hello)) {}
+
+grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* IngestService::Stream(
+    grpc::CallbackServerContext* context) {
+  return new IngestReactor(*this, next_session_.fetch_add(1));
+}
+
+}  // namespace foreshock::server

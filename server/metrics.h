@@ -1,0 +1,89 @@
+// Every metric the daemon exports, declared once. The tables below generate
+// the families and their HELP text; signal gauges come from the detector
+// registry, so a new detector needs no change here.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include "detectors/detector.h"
+
+namespace foreshock::server {
+
+// X(member, metric name without prefix, help)
+#define FORESHOCK_DAEMON_COUNTERS(X)                                                          \
+  X(ingest_records_total, "ingest_records_total",                                             \
+    "Records accepted by ingest, by sample kind (label kind).")                               \
+  X(ingest_rejected_total, "ingest_rejected_total",                                           \
+    "Records and streams rejected, by reason code (label reason). The Ack or gRPC status "    \
+    "carries the same code with a detail.")                                                   \
+  X(ingest_bytes_total, "ingest_bytes_total", "Bytes of Batch messages received.")            \
+  X(nonfinite_values_total, "nonfinite_values_total",                                         \
+    "Non-finite values (NaN, +-Inf) found in samples, by run and sample kind. Such a sample " \
+    "is counted and not used for computation.")                                               \
+  X(ingest_streams_total, "ingest_streams_total", "Ingest streams opened since start.")       \
+  X(samples_processed_total, "samples_processed_total",                                       \
+    "Samples run through the detectors, by sample kind (label kind).")                        \
+  X(detector_errors_total, "detector_errors_total",                                           \
+    "Samples a detector failed on (it skipped them), by detector (label detector).")
+
+#define FORESHOCK_DAEMON_GAUGES(X)                                                              \
+  X(ingest_active_streams, "ingest_active_streams", "Ingest streams open now.")                 \
+  X(queue_bytes, "queue_bytes",                                                                 \
+    "Bytes of accepted samples waiting for or in a worker. Bounded by --max_queue_mb; at "   \
+    "the bound, streams stop reading and gRPC flow control pushes back on clients.")            \
+  X(queue_depth, "queue_depth", "Samples waiting in each worker's queue (label worker).")       \
+  X(streams_waiting_for_queue, "streams_waiting_for_queue",                                     \
+    "Ingest streams paused because the work queue is full.")                                    \
+  X(run_info, "run_info",                                                                       \
+    "Always 1; labels carry the run's job name (job_name) and model shape from its Hello.")     \
+  X(last_step, "last_step", "Highest training step processed for the run.")
+
+#define FORESHOCK_DAEMON_HISTOGRAMS(X)                                    \
+  X(detector_seconds, "detector_seconds",                                 \
+    "Time a detector spent on one sample, by detector (label detector).")
+
+inline constexpr std::string_view kMetricPrefix = "foreshock_";
+
+class DaemonMetrics {
+ public:
+  DaemonMetrics(prometheus::Registry& registry, bool per_head_metrics);
+
+#define FORESHOCK_DECLARE_FAMILY(member, name, help) prometheus::Family<prometheus::Counter>& member;
+  FORESHOCK_DAEMON_COUNTERS(FORESHOCK_DECLARE_FAMILY)
+#undef FORESHOCK_DECLARE_FAMILY
+#define FORESHOCK_DECLARE_FAMILY(member, name, help) prometheus::Family<prometheus::Gauge>& member;
+  FORESHOCK_DAEMON_GAUGES(FORESHOCK_DECLARE_FAMILY)
+#undef FORESHOCK_DECLARE_FAMILY
+#define FORESHOCK_DECLARE_FAMILY(member, name, help) prometheus::Family<prometheus::Histogram>& member;
+  FORESHOCK_DAEMON_HISTOGRAMS(FORESHOCK_DECLARE_FAMILY)
+#undef FORESHOCK_DECLARE_FAMILY
+
+  // Gauge family of a detector signal, e.g. "qk_increment_entropy" ->
+  // foreshock_qk_increment_entropy; nullptr for an unknown signal.
+  prometheus::Family<prometheus::Gauge>* signal(std::string_view name) const;
+  // Exports one detector observation with the labels its scope calls for.
+  // Per-head values are exported only with --per_head_metrics.
+  void ExportObservation(const std::string& run, const detectors::Observation& observation);
+
+  // Rejections are counted in one place so that reason codes stay consistent.
+  void CountRejection(std::string_view reason_code, double n = 1);
+
+ private:
+  struct SignalFamily {
+    const detectors::SignalSpec* spec;
+    prometheus::Family<prometheus::Gauge>* family;
+  };
+  bool per_head_metrics_;
+  std::map<std::string, SignalFamily, std::less<>> signals_;
+};
+
+}  // namespace foreshock::server

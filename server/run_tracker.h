@@ -1,0 +1,44 @@
+// What the daemon knows about each run: its Hello (job, model shape) and the
+// highest step processed. Feeds foreshock_run_info and foreshock_last_step.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "foreshock/v1/ingest.pb.h"
+#include "server/metrics.h"
+
+namespace foreshock::server {
+
+class RunTracker {
+ public:
+  explicit RunTracker(DaemonMetrics& metrics) : metrics_(metrics) {}
+
+  void OnHello(const foreshock::v1::Hello& hello);
+  void OnStep(const std::string& run, int64_t step);
+
+  struct RunSummary {
+    std::string run;
+    std::string job;
+    foreshock::v1::ModelInfo model;
+    int64_t last_step = -1;
+    int ranks_seen = 0;
+  };
+  std::vector<RunSummary> Runs() const;
+
+ private:
+  struct RunState {
+    RunSummary summary;
+    std::map<int32_t, bool> ranks;
+    prometheus::Gauge* last_step_gauge = nullptr;
+    prometheus::Gauge* info_gauge = nullptr;
+  };
+  DaemonMetrics& metrics_;
+  mutable std::mutex mu_;
+  std::map<std::string, RunState> runs_;
+};
+
+}  // namespace foreshock::server

@@ -1,0 +1,77 @@
+// Turns wire records into detector samples, or into a rejection with a
+// reason. Every check the v1 contract promises lives here, so that nothing
+// malformed ever reaches a worker.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "detectors/sample.h"
+#include "foreshock/v1/ingest.pb.h"
+
+namespace foreshock::server {
+
+struct IngestLimits {
+  int64_t max_tokens = 4096;
+  int64_t max_head_dim = 256;
+  int64_t max_heads = 256;
+  int64_t max_layers = 1024;
+  int64_t max_experts = 1024;
+  size_t max_id_bytes = 256;  // run_id, job, probe_id
+};
+
+// A rejection: `code` is a stable snake_case identifier (the label of
+// foreshock_ingest_rejected_total), `detail` says what was wrong.
+struct Rejection {
+  std::string code;
+  std::string detail;
+  std::string ToString() const { return code + ": " + detail; }
+};
+
+// Stable rejection codes.
+namespace reason {
+inline constexpr char kMissingPayload[] = "missing_payload";
+inline constexpr char kUnknownDType[] = "unknown_dtype";
+inline constexpr char kBadShape[] = "bad_shape";
+inline constexpr char kByteLengthMismatch[] = "byte_length_mismatch";
+inline constexpr char kShapeMismatch[] = "shape_mismatch";
+inline constexpr char kShapeOverLimit[] = "shape_over_limit";
+inline constexpr char kLayerOutOfRange[] = "layer_out_of_range";
+inline constexpr char kHeadsMismatch[] = "heads_mismatch";
+inline constexpr char kBadSeqLen[] = "bad_seq_len";
+inline constexpr char kBadTopK[] = "bad_top_k";
+inline constexpr char kExpertsMismatch[] = "experts_mismatch";
+inline constexpr char kNotMoeLayer[] = "not_moe_layer";
+inline constexpr char kBadId[] = "bad_id";
+inline constexpr char kNonIncreasingSeq[] = "non_increasing_seq";
+inline constexpr char kNegativeStep[] = "negative_step";
+// Stream-level (the stream ends with INVALID_ARGUMENT).
+inline constexpr char kBatchBeforeHello[] = "batch_before_hello";
+inline constexpr char kDuplicateHello[] = "duplicate_hello";
+inline constexpr char kBadHello[] = "bad_hello";
+inline constexpr char kEmptyRequest[] = "empty_request";
+}  // namespace reason
+
+// What a stream's Hello established; records are checked against it.
+struct StreamContext {
+  std::string run_id;
+  std::string job;
+  int32_t rank = 0;
+  foreshock::v1::ModelInfo model;
+};
+
+// Checks a Hello against the limits.
+std::optional<Rejection> ValidateHello(const foreshock::v1::Hello& hello,
+                                       const IngestLimits& limits);
+
+// Validates `record` and, on success, moves its payload into `out` (tensor
+// bytes are moved, not copied). On failure `record` is left intact.
+std::optional<Rejection> ValidateRecord(foreshock::v1::Record& record,
+                                        const StreamContext& context,
+                                        const IngestLimits& limits, detectors::Sample& out);
+
+// Bytes a validated sample holds (what it costs in the work queue).
+size_t SampleBytes(const detectors::Sample& sample);
+
+}  // namespace foreshock::server

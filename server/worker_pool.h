@@ -1,0 +1,74 @@
+// CPU workers that run the detectors. Samples are sharded by (run, layer) so
+// that each series is processed in order by one worker, which owns its own
+// detector instances: detector state needs no locks.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "detectors/detector.h"
+
+namespace foreshock::server {
+
+// Where detector output goes: metrics, the series store, later the alert
+// engine. Called from worker threads; implementations must be thread-safe.
+class ObservationSink {
+ public:
+  virtual ~ObservationSink() = default;
+  virtual void OnObservation(const detectors::Sample& sample,
+                             const detectors::Observation& observation) = 0;
+  virtual void OnNonFinite(const detectors::Sample& sample, detectors::SampleKind kind,
+                           int64_t count) = 0;
+  // After every detector has seen `sample`.
+  virtual void OnSampleDone(const detectors::Sample& sample) = 0;
+  // How long detector `name` took on one sample.
+  virtual void OnDetectorTime(std::string_view detector, double seconds) {}
+  // A detector threw; the sample is skipped by that detector only.
+  virtual void OnDetectorError(std::string_view detector, const detectors::Sample& sample,
+                               const char* what) {}
+};
+
+struct WorkItem {
+  detectors::Sample sample;
+  size_t bytes = 0;  // admission budget to release once processed
+};
+
+class WorkerPool {
+ public:
+  // `on_done(bytes)` is called after each item is processed.
+  WorkerPool(int workers, const detectors::DetectorOptions& options, ObservationSink& sink,
+             std::function<void(size_t)> on_done);
+  ~WorkerPool();  // drains and joins
+
+  void Dispatch(std::vector<WorkItem> items);
+  // Processes everything queued, then stops the workers. Idempotent.
+  void DrainAndStop();
+
+  int size() const { return static_cast<int>(workers_.size()); }
+  size_t QueueDepth(int worker) const;
+  static size_t ShardOf(const detectors::Sample& sample, size_t shards);
+
+ private:
+  struct Worker {
+    mutable std::mutex mu;
+    std::condition_variable ready;
+    std::deque<WorkItem> queue;
+    bool stopping = false;
+    std::vector<std::pair<const detectors::DetectorInfo*, std::unique_ptr<detectors::Detector>>> detectors;
+    std::thread thread;
+  };
+  void Run(Worker& worker);
+  void Process(Worker& worker, const detectors::Sample& sample);
+
+  ObservationSink& sink_;
+  std::function<void(size_t)> on_done_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+};
+
+}  // namespace foreshock::server
