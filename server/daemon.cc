@@ -51,6 +51,9 @@ absl::Status Daemon::Start() {
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options_.listen, grpc::InsecureServerCredentials(), &grpc_port_);
   builder.SetMaxReceiveMessageSize(options_.max_message_bytes);
+  // gRPC sets SO_REUSEPORT by default: a second daemon on the same port would
+  // silently share the traffic instead of failing to start.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterService(ingest_.get());
   grpc_server_ = builder.BuildAndStart();
   if (!grpc_server_ || grpc_port_ == 0) {
@@ -78,7 +81,7 @@ void Daemon::Shutdown(std::chrono::milliseconds grace) {
   pool_->DrainAndStop();
   if (grpc_server_) grpc_server_->Wait();
   http_->Stop();
-  spdlog::info("foreshockd stopped");
+  spdlog::info("foreshockd stopped: {} samples processed", sink_->samples_processed());
 }
 
 void Daemon::WaitIdle() { gate_->WaitIdle(); }

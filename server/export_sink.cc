@@ -34,6 +34,7 @@ void ExportSink::OnSampleDone(const detectors::Sample& sample) {
   metrics_.samples_processed_total.Add({{"kind", detectors::SampleKindName(sample.kind())}})
       .Increment();
   runs_.OnStep(sample.run, sample.step);
+  samples_processed_.fetch_add(1);
 }
 
 void ExportSink::OnDetectorTime(std::string_view detector, double seconds) {

@@ -1,6 +1,8 @@
 // Sends detector output to Prometheus gauges and the series store.
 #pragma once
 
+#include <atomic>
+
 #include "server/metrics.h"
 #include "server/run_tracker.h"
 #include "server/series_store.h"
@@ -22,10 +24,13 @@ class ExportSink final : public ObservationSink {
   void OnDetectorError(std::string_view detector, const detectors::Sample& sample,
                        const char* what) override;
 
+  uint64_t samples_processed() const { return samples_processed_.load(); }
+
  private:
   DaemonMetrics& metrics_;
   SeriesStore& store_;
   RunTracker& runs_;
+  std::atomic<uint64_t> samples_processed_{0};
 };
 
 }  // namespace foreshock::server
