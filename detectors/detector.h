@@ -23,9 +23,11 @@
 
 namespace foreshock::detectors {
 
-// Where a signal lives. Its Prometheus labels follow: {run}, {run,layer}, and
-// {run,layer} for the head aggregate plus {run,layer,head} per head.
-enum class SignalScope : uint8_t { kRun, kLayer, kLayerHead };
+// Where a signal lives. Its Prometheus labels follow: {run}, {run,layer},
+// {run,layer} for the head aggregate plus {run,layer,head} per head, and
+// {run,block} for per-transformer-block values of run-level samples (the
+// block index travels in Observation::layer).
+enum class SignalScope : uint8_t { kRun, kLayer, kLayerHead, kRunBlock };
 
 // How per-head values fold into the per-layer value (DESIGN.md section 4:
 // min for entropies, max for logits and shares).
@@ -48,6 +50,9 @@ struct Observation {
   int layer = kNoLayer;
   int head = kAllHeads;
   double value = 0;
+  // False for values that are recorded and exported but must not drive
+  // detection, e.g. a curvature estimate that did not converge.
+  bool for_detection = true;
 };
 
 // Receives what a detector computes from one sample. The sample's run and
@@ -65,6 +70,26 @@ class Emitter {
 struct DetectorOptions {
   // Compute the top singular vector overlap between consecutive QK increments.
   bool qk_track_top_vector = true;
+
+  // Router: a token whose normalized routing entropy is below this counts as
+  // low-entropy (router_low_entropy_fraction).
+  double router_entropy_floor = 0.5;
+  // Router: an expert is dead when its mean load over this many samples of
+  // the same probe is below 0.1/E.
+  int router_dead_window = 8;
+  // Router: an expert is overloaded when its load exceeds capacity_factor/E.
+  double router_capacity_factor = 1.25;
+
+  // Curvature: estimates with residual ||Av - lambda v||/|lambda| above this
+  // are exported but flagged as unconverged and kept out of detection.
+  double curvature_max_residual = 0.1;
+
+  // Scalar baselines (what users have today): OLMo-style spike when loss or
+  // grad norm exceeds mean + sigmas * std of the trailing window ...
+  int baseline_spike_window = 128;
+  double baseline_spike_sigmas = 6.0;
+  // ... and Megatron-style spiky loss when loss exceeds factor x running max.
+  double baseline_spiky_loss_factor = 10.0;
 };
 
 class Detector {

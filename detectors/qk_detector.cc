@@ -1,0 +1,221 @@
+// The QK detector (DESIGN.md section 1.1).
+//
+// Per sample and head: attention entropy and max logit. Between consecutive
+// finite samples of one (run, layer, probe_id): the spectrum of the
+// first-order increment of the QK logits, computed from factors
+// (qk_spectrum.h), and the overlap of consecutive top directions.
+//
+// Conventions:
+// - A sample with any NaN/Inf in q or k is reported with Emitter::NonFinite
+//   and otherwise ignored: the previous finite sample stays the reference, so
+//   the next increment spans the gap.
+// - A shape change restarts the series (no increment across it).
+// - A zero increment (q and k identical to the previous sample) yields no
+//   increment signals for that head, and the next overlap needs two new
+//   increments in a row.
+// - Every signal is emitted per head (head >= 0) and aggregated over the heads
+//   that produced it (head = kAllHeads) with the spec's aggregation.
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "detectors/attention_stats.h"
+#include "detectors/detector.h"
+#include "detectors/dtype.h"
+#include "detectors/qk_spectrum.h"
+
+namespace foreshock::detectors {
+namespace {
+
+enum QKSignal : size_t {
+  kIncrementEntropy,
+  kIncrementEffectiveRank,
+  kIncrementTop1Share,
+  kSecondOrderRatio,
+  kIncrementTop1Overlap,
+  kAttentionEntropy,
+  kAttentionMaxLogit,
+  kQKSignalCount,
+};
+
+constexpr std::array<SignalSpec, kQKSignalCount> kQKSignals = {{
+    {"qk_increment_entropy",
+     "Normalized spectral entropy (0 to 1) of the first-order change of the attention logits "
+     "between consecutive probe samples; per layer, the minimum over heads.",
+     SignalScope::kLayerHead, HeadAggregation::kMin},
+    {"qk_increment_effective_rank",
+     "Effective rank exp(H) of the first-order change of the attention logits between "
+     "consecutive probe samples; per layer, the minimum over heads.",
+     SignalScope::kLayerHead, HeadAggregation::kMin},
+    {"qk_increment_top1_share",
+     "Share of the squared norm of the first-order attention logit change carried by its top "
+     "singular direction; per layer, the maximum over heads.",
+     SignalScope::kLayerHead, HeadAggregation::kMax},
+    {"qk_second_order_ratio",
+     "Norm of the second-order attention logit change dQ dK^T relative to the first-order "
+     "change; per layer, the maximum over heads.",
+     SignalScope::kLayerHead, HeadAggregation::kMax},
+    {"qk_increment_top1_overlap",
+     "Absolute cosine between the top token-space directions of consecutive attention logit "
+     "changes (1 means the same direction every step); per layer, the minimum over heads.",
+     SignalScope::kLayerHead, HeadAggregation::kMin},
+    {"attention_entropy",
+     "Softmax attention entropy in nats, averaged over probe queries with the sample's mask; "
+     "per layer, the minimum over heads.",
+     SignalScope::kLayerHead, HeadAggregation::kMin},
+    {"attention_max_logit",
+     "Largest attention logit q.k/sqrt(head_dim) over the probe's unmasked query-key pairs; "
+     "per layer, the maximum over heads.",
+     SignalScope::kLayerHead, HeadAggregation::kMax},
+}};
+
+// The per-layer value of a signal from its per-head values (never empty).
+double Aggregate(HeadAggregation aggregation, const std::vector<double>& values) {
+  switch (aggregation) {
+    case HeadAggregation::kMin: return *std::min_element(values.begin(), values.end());
+    case HeadAggregation::kMax: return *std::max_element(values.begin(), values.end());
+    case HeadAggregation::kMean:
+    case HeadAggregation::kNone: break;
+  }
+  double sum = 0;
+  for (double v : values) sum += v;
+  return sum / static_cast<double>(values.size());
+}
+
+class QKDetector final : public Detector {
+ public:
+  static constexpr std::string_view kName = "qk";
+  static constexpr SampleKind kKind = SampleKind::kQK;
+  static std::span<const SignalSpec> Signals() { return kQKSignals; }
+
+  explicit QKDetector(const DetectorOptions& options) : options_(options) {}
+
+  void Process(const Sample& sample, Emitter& emitter) override;
+
+  void ForgetRun(const std::string& run) override {
+    auto it = series_.lower_bound(SeriesKey{run, std::numeric_limits<int>::min(), ""});
+    while (it != series_.end() && std::get<0>(it->first) == run) it = series_.erase(it);
+  }
+
+ private:
+  using SeriesKey = std::tuple<std::string, int, std::string>;  // run, layer, probe_id
+  struct SeriesState {
+    // The previous finite sample, as raw bytes (decoded only when needed:
+    // half the memory for 16-bit dtypes).
+    RawTensor q;
+    RawTensor k;
+    // Per head: the previous increment's top direction; empty when unknown.
+    std::vector<std::vector<double>> top_vectors;
+  };
+
+  DetectorOptions options_;
+  std::map<SeriesKey, SeriesState> series_;
+  // Decoding buffers, reused across samples.
+  std::vector<float> q_, k_, q_prev_, k_prev_;
+};
+
+void QKDetector::Process(const Sample& sample, Emitter& emitter) {
+  const auto& qk = std::get<QKSample>(sample.payload);
+  // The server validates shapes; a malformed sample is dropped, never trusted.
+  if (qk.q.shape.size() != 3 || qk.q.shape != qk.k.shape) return;
+
+  const int64_t non_finite = CountNonFinite(qk.q) + CountNonFinite(qk.k);
+  if (non_finite > 0) {
+    emitter.NonFinite(SampleKind::kQK, non_finite);
+    return;
+  }
+
+  const int64_t heads = qk.q.shape[0];
+  const int64_t tokens = qk.q.shape[1];
+  const int64_t head_dim = qk.q.shape[2];
+  const int64_t head_size = tokens * head_dim;
+
+  SeriesState& state = series_[SeriesKey{sample.run, qk.layer, qk.probe_id}];
+  const bool has_previous = !state.q.shape.empty() && state.q.shape == qk.q.shape;
+  if (!has_previous) state.top_vectors.clear();
+  state.top_vectors.resize(static_cast<size_t>(heads));
+
+  DecodeTensor(qk.q, q_);
+  DecodeTensor(qk.k, k_);
+  if (has_previous) {
+    DecodeTensor(state.q, q_prev_);
+    DecodeTensor(state.k, k_prev_);
+  }
+
+  // values[signal] holds one entry per head that produced the signal.
+  std::array<std::vector<std::pair<int, double>>, kQKSignalCount> values;
+  const AttentionMask mask{qk.causal, qk.seq_len};
+  const QKSpectrumOptions spectrum_options{options_.qk_track_top_vector};
+  for (int64_t h = 0; h < heads; ++h) {
+    const int head = static_cast<int>(h);
+    using HeadMap = Eigen::Map<const RowMajorMatrix<float>>;
+    const HeadMap q(q_.data() + h * head_size, tokens, head_dim);
+    const HeadMap k(k_.data() + h * head_size, tokens, head_dim);
+
+    AttentionStats attention = ComputeAttentionStats<float>(q, k, mask);
+    if (!std::isfinite(attention.mean_entropy) || !std::isfinite(attention.max_logit)) {
+      // Finite inputs whose logits overflow float: redo this head in double.
+      const RowMajorMatrix<double> q64 = q.cast<double>();
+      const RowMajorMatrix<double> k64 = k.cast<double>();
+      attention = ComputeAttentionStats<double>(q64, k64, mask);
+    }
+    values[kAttentionEntropy].emplace_back(head, attention.mean_entropy);
+    values[kAttentionMaxLogit].emplace_back(head, attention.max_logit);
+
+    if (!has_previous) continue;
+    const HeadMap q_prev(q_prev_.data() + h * head_size, tokens, head_dim);
+    const HeadMap k_prev(k_prev_.data() + h * head_size, tokens, head_dim);
+    QKIncrementSpectrum spectrum =
+        ComputeQKIncrementSpectrum<float>(q_prev, k_prev, q, k, spectrum_options);
+    if (!std::isfinite(spectrum.normalized_entropy) || !std::isfinite(spectrum.top1_share) ||
+        !std::isfinite(spectrum.second_order_ratio)) {
+      // Finite inputs whose increment overflows float (|values| near 3e38): use double.
+      const RowMajorMatrix<double> q_prev64 = q_prev.cast<double>(), k_prev64 = k_prev.cast<double>();
+      const RowMajorMatrix<double> q64 = q.cast<double>(), k64 = k.cast<double>();
+      spectrum = ComputeQKIncrementSpectrum<double>(q_prev64, k_prev64, q64, k64, spectrum_options);
+    }
+    std::vector<double>& previous_top = state.top_vectors[static_cast<size_t>(h)];
+    if (spectrum.zero_increment) {
+      previous_top.clear();
+      continue;
+    }
+    values[kIncrementEntropy].emplace_back(head, spectrum.normalized_entropy);
+    values[kIncrementEffectiveRank].emplace_back(head, spectrum.effective_rank);
+    values[kIncrementTop1Share].emplace_back(head, spectrum.top1_share);
+    values[kSecondOrderRatio].emplace_back(head, spectrum.second_order_ratio);
+    if (options_.qk_track_top_vector) {
+      if (!previous_top.empty()) {
+        values[kIncrementTop1Overlap].emplace_back(
+            head, TopVectorOverlap(previous_top, spectrum.top_vector));
+      }
+      previous_top = std::move(spectrum.top_vector);
+    }
+  }
+
+  std::vector<double> head_values;
+  for (size_t signal = 0; signal < kQKSignalCount; ++signal) {
+    if (values[signal].empty()) continue;
+    const SignalSpec& spec = kQKSignals[signal];
+    head_values.clear();
+    for (const auto& [head, value] : values[signal]) {
+      emitter.Emit(Observation{spec.name, qk.layer, head, value});
+      head_values.push_back(value);
+    }
+    emitter.Emit(
+        Observation{spec.name, qk.layer, kAllHeads, Aggregate(spec.aggregation, head_values)});
+  }
+
+  state.q = qk.q;
+  state.k = qk.k;
+}
+
+}  // namespace
+
+FORESHOCK_REGISTER_DETECTOR(QKDetector);
+
+}  // namespace foreshock::detectors

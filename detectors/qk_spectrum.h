@@ -1,0 +1,98 @@
+// Spectrum of the first-order increment of one attention head's QK form
+// (DESIGN.md section 1.1), without forming the n x n matrix.
+//
+// With previous Q0, K0 and current Q, K (each [n, d], same probe tokens):
+//   dQ = Q - Q0, dK = K - K0,
+//   dS1 = (dQ K0^T + Q0 dK^T) / sqrt(d) = A B^T / sqrt(d),
+//   A = [dQ | Q0], B = [K0 | dK]  (n x 2d).
+// Thin QR A = Qa Ra, B = Qb Rb gives dS1 = Qa (Ra Rb^T / sqrt(d)) Qb^T, and
+// Qa, Qb have orthonormal columns, so the singular values of dS1 are those of
+// the small core Ra Rb^T / sqrt(d), of size min(n, 2d). Cost O(n d^2), not O(n^3).
+#pragma once
+
+#include <span>
+#include <vector>
+
+#include "detectors/dtype.h"
+
+namespace foreshock::detectors {
+
+struct QKSpectrumOptions {
+  // Also return the top left singular vector of dS1 (token space). It costs
+  // the core's left singular vectors plus applying Qa to one vector.
+  bool compute_top_vector = false;
+};
+
+// What a spectrum yields. Conventions for degenerate input:
+// `zero_increment` is true when dS1 is exactly zero (no token moved: Q == Q0
+// and K == K0, or the increment underflowed). The spectrum then has no shape:
+// every statistic stays 0 and the vectors stay empty; callers report nothing.
+struct QKIncrementSpectrum {
+  bool zero_increment = false;
+  // Singular values of dS1, descending. The factored path returns the
+  // min(n, 2d) that can be non-zero; the dense reference returns all n.
+  std::vector<double> singular_values;
+  // H~ = -sum p_i log p_i / log(2d), p_i = sigma_i / sum(sigma); in [0, 1].
+  // (When n < 2d the maximum is log(n)/log(2d): the normalization is fixed by
+  // the head dimension so that values compare across probe sizes.)
+  double normalized_entropy = 0;
+  // exp(H), H the unnormalized entropy in nats; in [1, min(n, 2d)].
+  double effective_rank = 0;
+  // sigma_1^2 / sum(sigma^2): the share of ||dS1||_F^2 in the top direction.
+  double top1_share = 0;
+  // ||dQ dK^T||_F / ||dS1||_F (both with the 1/sqrt(d) scale): how far the
+  // first-order increment is from the whole increment.
+  double second_order_ratio = 0;
+  // Unit n-vector (token space), the top left singular vector of dS1; its
+  // sign is arbitrary. Empty unless requested (or on a zero increment).
+  std::vector<double> top_vector;
+};
+
+// Entropy, effective rank and top-1 share of non-negative singular values
+// with a positive sum. `head_dim` fixes the normalization log(2 * head_dim).
+struct SpectrumSummary {
+  double normalized_entropy = 0;
+  double effective_rank = 0;
+  double top1_share = 0;
+};
+SpectrumSummary SummarizeSpectrum(std::span<const double> singular_values, int head_dim);
+
+// The factored computation (thin Householder QR of A and B, SVD of the core).
+// All four inputs are [n, d] with the same shape and finite values. If
+// Q - Q0 or K - K0 overflows Scalar (float inputs near 3e38), the statistics
+// are NaN: retry in double. Instantiated for float and
+// double; the statistics are returned in double either way.
+template <typename Scalar>
+QKIncrementSpectrum ComputeQKIncrementSpectrum(const ConstRowMajorRef<Scalar>& q_prev,
+                                               const ConstRowMajorRef<Scalar>& k_prev,
+                                               const ConstRowMajorRef<Scalar>& q,
+                                               const ConstRowMajorRef<Scalar>& k,
+                                               const QKSpectrumOptions& options = {});
+
+// Reference implementation for tests and benchmarks: forms dS1 (n x n) and
+// dQ dK^T in double and takes the SVD of dS1 with Eigen's BDCSVD. O(n^3).
+QKIncrementSpectrum ComputeQKIncrementSpectrumDense(const ConstRowMajorRef<double>& q_prev,
+                                                    const ConstRowMajorRef<double>& k_prev,
+                                                    const ConstRowMajorRef<double>& q,
+                                                    const ConstRowMajorRef<double>& k,
+                                                    const QKSpectrumOptions& options = {});
+
+// SVD of a small square matrix, as the factored path uses it for its core:
+// Householder bidiagonalization in Scalar, then the bidiagonal's singular
+// values by Golub-Reinsch implicit-shift QR in double (values only, O(k^2)),
+// and the top left singular vector by inverse iteration on the Golub-Kahan
+// tridiagonal. Several times faster than Eigen's BDCSVD at 128 x 128 (see
+// qk_bench, BM_CoreSvd); absolute accuracy about epsilon(Scalar) * sigma_1.
+struct SmallSvd {
+  std::vector<double> singular_values;  // descending
+  std::vector<double> top_left_vector;  // unit, sign arbitrary; empty unless requested
+};
+template <typename Scalar>
+SmallSvd ComputeSmallSvd(const Eigen::Ref<const Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>>& m,
+                         bool top_left_vector);
+
+// |<a, b>| for two unit vectors: the overlap of consecutive increments' top
+// directions, in [0, 1] and blind to the arbitrary sign of each.
+double TopVectorOverlap(std::span<const double> a, std::span<const double> b);
+
+}  // namespace foreshock::detectors

@@ -1,0 +1,124 @@
+// MoE router detector: how sharply, evenly and stably the router chooses
+// experts on the fixed probe batch (DESIGN.md section 1.2). A too-high
+// learning rate shows as rising logit norms and z-loss, falling entropy,
+// flip-rate spikes or freezes and dead experts.
+#include <array>
+#include <deque>
+#include <map>
+#include <tuple>
+
+#include "detectors/detector.h"
+#include "detectors/dtype.h"
+#include "detectors/router_stats.h"
+
+namespace foreshock::detectors {
+namespace {
+
+constexpr std::array<SignalSpec, 14> kRouterSignals = {{
+    {"router_entropy", "Routing entropy H(p_t)/log E, mean over probe tokens (1 = uniform).",
+     SignalScope::kLayer},
+    {"router_low_entropy_fraction",
+     "Fraction of probe tokens whose normalized routing entropy is below the floor.",
+     SignalScope::kLayer},
+    {"router_load_cv", "Coefficient of variation of expert load over the top-k assignments.",
+     SignalScope::kLayer},
+    {"router_load_cv_noise_floor",
+     "CV that uniform random routing would show on this probe, sqrt((E-k)/(k*T)).",
+     SignalScope::kLayer},
+    {"router_max_violation", "MaxVio: (max load - mean load) / mean load.", SignalScope::kLayer},
+    {"router_load_entropy", "Entropy of the expert load distribution, normalized by log E.",
+     SignalScope::kLayer},
+    {"router_dead_experts",
+     "Experts whose mean load over the dead-expert window is below 0.1/E.", SignalScope::kLayer},
+    {"router_overloaded_experts", "Experts whose load exceeds capacity_factor/E.",
+     SignalScope::kLayer},
+    {"router_topk_margin", "Mean over tokens of the logit margin z_(k) - z_(k+1).",
+     SignalScope::kLayer},
+    {"router_topk_margin_p10", "10th percentile over tokens of the margin z_(k) - z_(k+1).",
+     SignalScope::kLayer},
+    {"router_z_loss", "Router z-loss: mean over tokens of logsumexp(z)^2.", SignalScope::kLayer},
+    {"router_max_abs_logit", "Largest absolute router logit on the probe.", SignalScope::kLayer},
+    {"router_flip_rate",
+     "Fraction of probe tokens whose top-k expert set changed since the previous sample.",
+     SignalScope::kLayer},
+    {"router_js_divergence",
+     "Mean Jensen-Shannon divergence (nats) of the routing distributions between samples.",
+     SignalScope::kLayer},
+}};
+
+class RouterDetector final : public Detector {
+ public:
+  static constexpr std::string_view kName = "router";
+  static constexpr SampleKind kKind = SampleKind::kRouter;
+  static std::span<const SignalSpec> Signals() { return kRouterSignals; }
+
+  explicit RouterDetector(const DetectorOptions& options) : options_(options) {}
+
+  void Process(const Sample& sample, Emitter& emitter) override {
+    const auto& router = std::get<RouterSample>(sample.payload);
+    if (const int64_t bad = CountNonFinite(router.logits); bad > 0) {
+      emitter.NonFinite(SampleKind::kRouter, bad);
+      return;
+    }
+    const int tokens = static_cast<int>(router.logits.shape[0]);
+    const int experts = static_cast<int>(router.logits.shape[1]);
+    DecodeTensor(router.logits, logits_);
+
+    State& state = states_[Key{sample.run, router.layer, router.probe_id}];
+    const bool comparable = state.previous.tokens == tokens &&
+                            state.previous.experts == experts &&
+                            state.previous.top_k == router.top_k;
+    if (!comparable) state = State{};
+
+    RouterOptions options{router.top_k, options_.router_entropy_floor,
+                          options_.router_capacity_factor};
+    RouterDecisions current;
+    const RouterStats stats = ComputeRouterStats(logits_, tokens, experts, options, current);
+    state.loads.push_back(stats.load);
+    while (static_cast<int>(state.loads.size()) > std::max(1, options_.router_dead_window)) {
+      state.loads.pop_front();
+    }
+
+    const int layer = router.layer;
+    auto emit = [&](std::string_view signal, double value) {
+      emitter.Emit(Observation{signal, layer, kAllHeads, value});
+    };
+    emit("router_entropy", stats.entropy_mean);
+    emit("router_low_entropy_fraction", stats.low_entropy_fraction);
+    emit("router_load_cv", stats.load_cv);
+    emit("router_load_cv_noise_floor", stats.cv_noise_floor);
+    emit("router_max_violation", stats.max_violation);
+    emit("router_load_entropy", stats.load_entropy);
+    emit("router_dead_experts", CountDeadExperts(state.loads));
+    emit("router_overloaded_experts", stats.overloaded_experts);
+    emit("router_topk_margin", stats.topk_margin_mean);
+    emit("router_topk_margin_p10", stats.topk_margin_p10);
+    emit("router_z_loss", stats.z_loss);
+    emit("router_max_abs_logit", stats.max_abs_logit);
+    if (comparable) {
+      emit("router_flip_rate", FlipRate(state.previous, current));
+      emit("router_js_divergence", MeanJensenShannon(state.previous, current));
+    }
+    state.previous = std::move(current);
+  }
+
+  void ForgetRun(const std::string& run) override {
+    std::erase_if(states_, [&](const auto& entry) { return std::get<0>(entry.first) == run; });
+  }
+
+ private:
+  using Key = std::tuple<std::string, int, std::string>;  // run, layer, probe_id
+  struct State {
+    RouterDecisions previous;
+    std::deque<std::vector<double>> loads;  // the dead-expert window
+  };
+  const DetectorOptions options_;
+  std::map<Key, State> states_;
+  std::vector<float> logits_;  // decode buffer, reused
+};
+
+}  // namespace
+
+FORESHOCK_REGISTER_DETECTOR(RouterDetector);
+
+}  // namespace foreshock::detectors

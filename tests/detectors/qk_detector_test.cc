@@ -1,0 +1,325 @@
+// The QK detector through the interface the daemon uses: the registry and an Emitter.
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "detectors/attention_stats.h"
+#include "detectors/detector.h"
+#include "detectors/qk_spectrum.h"
+
+namespace foreshock::detectors {
+namespace {
+
+using MatrixD = RowMajorMatrix<double>;
+
+struct Recorded {
+  std::string signal;
+  int layer;
+  int head;
+  double value;
+};
+
+class RecordingEmitter : public Emitter {
+ public:
+  void Emit(const Observation& o) override { observations.push_back({std::string(o.signal), o.layer, o.head, o.value}); }
+  void NonFinite(SampleKind kind, int64_t count) override {
+    EXPECT_EQ(kind, SampleKind::kQK);
+    non_finite += count;
+  }
+  // signal -> head -> value; fails the test on a duplicate.
+  std::map<std::string, std::map<int, double>> BySignal() const {
+    std::map<std::string, std::map<int, double>> result;
+    for (const Recorded& r : observations) {
+      EXPECT_TRUE(result[r.signal].emplace(r.head, r.value).second) << r.signal << " head " << r.head;
+    }
+    return result;
+  }
+  std::vector<Recorded> observations;
+  int64_t non_finite = 0;
+};
+
+std::unique_ptr<Detector> MakeDetector(std::string_view name, const DetectorOptions& options = {}) {
+  for (const DetectorInfo& info : DetectorRegistry::Instance().detectors()) {
+    if (info.name == name) return info.create(options);
+  }
+  ADD_FAILURE() << "detector not registered: " << name;
+  return nullptr;
+}
+
+// Per-head [tokens, head_dim] values; every value exactly representable in float.
+using Heads = std::vector<MatrixD>;
+
+Heads RandomHeads(int heads, int n, int d, std::mt19937& rng, double scale = 1.0) {
+  std::normal_distribution<double> normal(0.0, scale);
+  Heads result;
+  for (int h = 0; h < heads; ++h) {
+    MatrixD m(n, d);
+    // Heads differ in scale so the per-layer min and max come from different heads.
+    for (int i = 0; i < n; ++i)
+      for (int j = 0; j < d; ++j) m(i, j) = static_cast<float>(normal(rng) * (1.0 + 0.5 * h));
+    result.push_back(m);
+  }
+  return result;
+}
+
+Heads Perturb(const Heads& base, std::mt19937& rng, double scale) {
+  std::normal_distribution<double> normal(0.0, scale);
+  Heads result = base;
+  for (MatrixD& m : result)
+    for (int i = 0; i < m.rows(); ++i)
+      for (int j = 0; j < m.cols(); ++j) m(i, j) = static_cast<float>(m(i, j) + normal(rng));
+  return result;
+}
+
+RawTensor ToFloat32Tensor(const Heads& heads) {
+  RawTensor t;
+  t.dtype = DType::kFloat32;
+  t.shape = {static_cast<int64_t>(heads.size()), heads[0].rows(), heads[0].cols()};
+  for (const MatrixD& m : heads)
+    for (int i = 0; i < m.rows(); ++i)
+      for (int j = 0; j < m.cols(); ++j) {
+        const uint32_t b = std::bit_cast<uint32_t>(static_cast<float>(m(i, j)));
+        for (int shift = 0; shift < 32; shift += 8) t.data.push_back(static_cast<char>((b >> shift) & 0xFF));
+      }
+  return t;
+}
+
+Sample MakeSample(const std::string& run, int layer, const std::string& probe, const Heads& q, const Heads& k,
+                  bool causal = true, int seq_len = 0) {
+  QKSample qk;
+  qk.layer = layer;
+  qk.probe_id = probe;
+  qk.q = ToFloat32Tensor(q);
+  qk.k = ToFloat32Tensor(k);
+  qk.causal = causal;
+  qk.seq_len = seq_len;
+  Sample sample;
+  sample.run = run;
+  sample.payload = std::move(qk);
+  return sample;
+}
+
+const std::vector<std::string> kIncrementSignals = {"qk_increment_entropy", "qk_increment_effective_rank",
+                                                    "qk_increment_top1_share", "qk_second_order_ratio"};
+
+// Every signal: one value per head plus an aggregate equal to min or max of them.
+void ExpectAggregates(const std::map<std::string, std::map<int, double>>& by_signal, int heads) {
+  const std::map<std::string, bool> takes_min = {
+      {"qk_increment_entropy", true},  {"qk_increment_effective_rank", true}, {"qk_increment_top1_share", false},
+      {"qk_second_order_ratio", false}, {"qk_increment_top1_overlap", true},  {"attention_entropy", true},
+      {"attention_max_logit", false}};
+  for (const auto& [signal, values] : by_signal) {
+    SCOPED_TRACE(signal);
+    ASSERT_TRUE(takes_min.count(signal));
+    ASSERT_EQ(values.size(), static_cast<size_t>(heads + 1));
+    ASSERT_TRUE(values.count(kAllHeads));
+    double lo = std::numeric_limits<double>::infinity(), hi = -lo;
+    for (int h = 0; h < heads; ++h) {
+      ASSERT_TRUE(values.count(h));
+      lo = std::min(lo, values.at(h));
+      hi = std::max(hi, values.at(h));
+    }
+    EXPECT_EQ(values.at(kAllHeads), takes_min.at(signal) ? lo : hi);
+  }
+}
+
+void ExpectRelative(double actual, double expected, double tolerance, const std::string& what) {
+  EXPECT_LE(std::abs(actual - expected), tolerance * std::abs(expected))
+      << what << ": actual " << actual << " expected " << expected;
+}
+
+TEST(QKDetector, IsRegisteredWithItsSignals) {
+  const DetectorInfo* qk = nullptr;
+  for (const DetectorInfo& info : DetectorRegistry::Instance().detectors())
+    if (info.name == "qk") qk = &info;
+  ASSERT_NE(qk, nullptr);
+  EXPECT_EQ(qk->kind, SampleKind::kQK);
+  const std::map<std::string, HeadAggregation> expected = {
+      {"qk_increment_entropy", HeadAggregation::kMin}, {"qk_increment_effective_rank", HeadAggregation::kMin},
+      {"qk_increment_top1_share", HeadAggregation::kMax}, {"qk_second_order_ratio", HeadAggregation::kMax},
+      {"qk_increment_top1_overlap", HeadAggregation::kMin}, {"attention_entropy", HeadAggregation::kMin},
+      {"attention_max_logit", HeadAggregation::kMax}};
+  ASSERT_EQ(qk->signals.size(), expected.size());
+  for (const SignalSpec& spec : qk->signals) {
+    SCOPED_TRACE(std::string(spec.name));
+    ASSERT_TRUE(expected.count(std::string(spec.name)));
+    EXPECT_EQ(spec.aggregation, expected.at(std::string(spec.name)));
+    EXPECT_EQ(spec.scope, SignalScope::kLayerHead);
+    EXPECT_FALSE(spec.help.empty());
+    EXPECT_EQ(spec.help.find('\n'), std::string_view::npos);
+  }
+}
+
+class QKDetectorSeries : public ::testing::Test {
+ protected:
+  static constexpr int kHeads = 3, kTokens = 48, kDim = 8, kLayer = 5;
+  void SetUp() override {
+    std::mt19937 rng(42);
+    q0 = RandomHeads(kHeads, kTokens, kDim, rng);
+    k0 = RandomHeads(kHeads, kTokens, kDim, rng);
+    q1 = Perturb(q0, rng, 0.05), k1 = Perturb(k0, rng, 0.05);
+    q2 = Perturb(q1, rng, 0.05), k2 = Perturb(k1, rng, 0.05);
+    detector = MakeDetector("qk");
+    ASSERT_NE(detector, nullptr);
+  }
+  std::map<std::string, std::map<int, double>> Process(const Heads& q, const Heads& k, const std::string& probe = "p",
+                                                       const std::string& run = "run-a") {
+    RecordingEmitter emitter;
+    detector->Process(MakeSample(run, kLayer, probe, q, k), emitter);
+    EXPECT_EQ(emitter.non_finite, 0);
+    for (const Recorded& r : emitter.observations) EXPECT_EQ(r.layer, kLayer);
+    return emitter.BySignal();
+  }
+  Heads q0, k0, q1, k1, q2, k2;
+  std::unique_ptr<Detector> detector;
+};
+
+TEST_F(QKDetectorSeries, FirstSampleEmitsOnlyAttentionSignals) {
+  const auto by_signal = Process(q0, k0);
+  EXPECT_EQ(by_signal.size(), 2u);
+  ASSERT_TRUE(by_signal.count("attention_entropy"));
+  ASSERT_TRUE(by_signal.count("attention_max_logit"));
+  ExpectAggregates(by_signal, kHeads);
+  for (int h = 0; h < kHeads; ++h) {
+    const AttentionStats expected = ComputeAttentionStats<double>(q0[h], k0[h], {true, 0});
+    ExpectRelative(by_signal.at("attention_entropy").at(h), expected.mean_entropy, 1e-4, "entropy");
+    ExpectRelative(by_signal.at("attention_max_logit").at(h), expected.max_logit, 1e-5, "max logit");
+  }
+}
+
+TEST_F(QKDetectorSeries, IncrementSignalsMatchDenseReferencePerHead) {
+  Process(q0, k0);
+  const auto second = Process(q1, k1);
+  ExpectAggregates(second, kHeads);
+  for (const std::string& signal : kIncrementSignals) ASSERT_TRUE(second.count(signal)) << signal;
+  EXPECT_FALSE(second.count("qk_increment_top1_overlap")) << "one increment has no predecessor";
+
+  std::vector<std::vector<double>> first_top(kHeads);
+  for (int h = 0; h < kHeads; ++h) {
+    const QKIncrementSpectrum dense =
+        ComputeQKIncrementSpectrumDense(q0[h], k0[h], q1[h], k1[h], {.compute_top_vector = true});
+    first_top[h] = dense.top_vector;
+    ExpectRelative(second.at("qk_increment_entropy").at(h), dense.normalized_entropy, 1e-3, "entropy");
+    ExpectRelative(second.at("qk_increment_effective_rank").at(h), dense.effective_rank, 1e-3, "rank");
+    ExpectRelative(second.at("qk_increment_top1_share").at(h), dense.top1_share, 1e-3, "share");
+    ExpectRelative(second.at("qk_second_order_ratio").at(h), dense.second_order_ratio, 1e-3, "ratio");
+  }
+
+  const auto third = Process(q2, k2);
+  ExpectAggregates(third, kHeads);
+  ASSERT_TRUE(third.count("qk_increment_top1_overlap"));
+  for (int h = 0; h < kHeads; ++h) {
+    const QKIncrementSpectrum dense =
+        ComputeQKIncrementSpectrumDense(q1[h], k1[h], q2[h], k2[h], {.compute_top_vector = true});
+    EXPECT_NEAR(third.at("qk_increment_top1_overlap").at(h), TopVectorOverlap(first_top[h], dense.top_vector), 1e-3);
+  }
+}
+
+TEST_F(QKDetectorSeries, NonFiniteSampleIsCountedAndSkipped) {
+  Process(q0, k0);
+  Heads bad_q = q1;
+  bad_q[1](3, 2) = std::numeric_limits<double>::quiet_NaN();
+  bad_q[2](0, 0) = std::numeric_limits<double>::infinity();
+  RecordingEmitter emitter;
+  detector->Process(MakeSample("run-a", kLayer, "p", bad_q, k1), emitter);
+  EXPECT_EQ(emitter.non_finite, 2);
+  EXPECT_TRUE(emitter.observations.empty());
+
+  // The next finite sample is compared with the last finite one (q0, k0).
+  const auto next = Process(q1, k1);
+  ASSERT_TRUE(next.count("qk_increment_entropy"));
+  const QKIncrementSpectrum dense = ComputeQKIncrementSpectrumDense(q0[0], k0[0], q1[0], k1[0]);
+  ExpectRelative(next.at("qk_increment_entropy").at(0), dense.normalized_entropy, 1e-3, "entropy");
+}
+
+TEST_F(QKDetectorSeries, ShapeChangeRestartsTheSeries) {
+  Process(q0, k0);
+  std::mt19937 rng(9);
+  const Heads longer_q = RandomHeads(kHeads, kTokens + 4, kDim, rng);
+  const Heads longer_k = RandomHeads(kHeads, kTokens + 4, kDim, rng);
+  EXPECT_EQ(Process(longer_q, longer_k).size(), 2u) << "no increment across a shape change";
+  EXPECT_TRUE(Process(Perturb(longer_q, rng, 0.05), longer_k).count("qk_increment_entropy"));
+}
+
+TEST_F(QKDetectorSeries, SeriesAreKeyedByRunAndProbe) {
+  Process(q0, k0, "p", "run-a");
+  EXPECT_EQ(Process(q1, k1, "other-probe", "run-a").size(), 2u);
+  EXPECT_EQ(Process(q1, k1, "p", "run-b").size(), 2u);
+  EXPECT_TRUE(Process(q1, k1, "p", "run-a").count("qk_increment_entropy"));
+}
+
+TEST_F(QKDetectorSeries, ForgetRunDropsOnlyThatRun) {
+  Process(q0, k0, "p", "run-a");
+  Process(q0, k0, "p", "run-b");
+  detector->ForgetRun("run-a");
+  EXPECT_EQ(Process(q1, k1, "p", "run-a").size(), 2u);
+  EXPECT_TRUE(Process(q1, k1, "p", "run-b").count("qk_increment_entropy"));
+}
+
+TEST_F(QKDetectorSeries, ZeroIncrementEmitsNoIncrementSignals) {
+  Process(q0, k0);
+  const auto same = Process(q0, k0);
+  EXPECT_EQ(same.size(), 2u);
+  for (const auto& [signal, values] : same)
+    for (const auto& [head, value] : values) EXPECT_TRUE(std::isfinite(value)) << signal;
+}
+
+// Finite float32 values near the top of the range overflow float arithmetic
+// (logits, and q - q_prev when signs flip); every emitted value must stay finite.
+TEST_F(QKDetectorSeries, HugeFiniteValuesGiveFiniteSignals) {
+  Heads huge_q0 = q0, huge_q1 = q0;
+  for (int h = 0; h < kHeads; ++h) {
+    // +-3e38 (float max is 3.4e38): q - q_prev = -6e38 and the logits overflow float.
+    huge_q0[h] = 3e38 * q0[h].array().sign();
+    huge_q1[h] = -huge_q0[h];
+  }
+  Process(huge_q0, k0);
+  const auto by_signal = Process(huge_q1, k1);
+  ASSERT_TRUE(by_signal.count("qk_increment_entropy"));
+  for (const auto& [signal, values] : by_signal)
+    for (const auto& [head, value] : values) EXPECT_TRUE(std::isfinite(value)) << signal << " head " << head;
+}
+
+TEST(QKDetector, NoOverlapWhenTopVectorTrackingIsOff) {
+  std::mt19937 rng(4);
+  auto detector = MakeDetector("qk", DetectorOptions{.qk_track_top_vector = false});
+  Heads q = RandomHeads(2, 20, 4, rng), k = RandomHeads(2, 20, 4, rng);
+  RecordingEmitter emitter;
+  for (int step = 0; step < 4; ++step) {
+    detector->Process(MakeSample("r", 0, "p", q, k), emitter);
+    q = Perturb(q, rng, 0.1);
+  }
+  for (const Recorded& r : emitter.observations) EXPECT_NE(r.signal, "qk_increment_top1_overlap");
+  EXPECT_TRUE(std::any_of(emitter.observations.begin(), emitter.observations.end(),
+                          [](const Recorded& r) { return r.signal == "qk_increment_entropy"; }));
+}
+
+TEST(QKDetector, DecodesBFloat16Samples) {
+  // bf16 1.0 = 0x3F80 everywhere, one head, 4 tokens, dim 2: every logit is 2/sqrt(2).
+  QKSample qk;
+  qk.layer = 0;
+  qk.probe_id = "p";
+  qk.causal = false;
+  qk.q.dtype = qk.k.dtype = DType::kBFloat16;
+  qk.q.shape = qk.k.shape = {1, 4, 2};
+  for (int i = 0; i < 8; ++i) qk.q.data += std::string("\x80\x3F", 2);
+  qk.k.data = qk.q.data;
+  Sample sample;
+  sample.run = "r";
+  sample.payload = qk;
+  RecordingEmitter emitter;
+  MakeDetector("qk")->Process(sample, emitter);
+  const auto by_signal = emitter.BySignal();
+  EXPECT_NEAR(by_signal.at("attention_max_logit").at(0), std::sqrt(2.0), 1e-6);
+  EXPECT_NEAR(by_signal.at("attention_entropy").at(0), std::log(4.0), 1e-6);
+}
+
+}  // namespace
+}  // namespace foreshock::detectors

@@ -1,0 +1,343 @@
+// The factored increment spectrum against the dense reference (dS1 formed as
+// an n x n matrix in double, Eigen BDCSVD), plus hand-computed spectra.
+#include "detectors/qk_spectrum.h"
+
+#include <algorithm>
+#include <cmath>
+#include <ostream>
+#include <random>
+#include <string>
+#include <tuple>
+
+#include <Eigen/SVD>
+#include <gtest/gtest.h>
+
+namespace foreshock::detectors {
+namespace {
+
+using MatrixD = RowMajorMatrix<double>;
+using MatrixF = RowMajorMatrix<float>;
+
+TEST(SummarizeSpectrum, HandComputedValues) {
+  // p = (0.75, 0.25): H = -(0.75 ln 0.75 + 0.25 ln 0.25).
+  const std::vector<double> sigma = {3.0, 1.0, 0.0, 0.0};
+  const double entropy = -(0.75 * std::log(0.75) + 0.25 * std::log(0.25));
+  const SpectrumSummary s = SummarizeSpectrum(sigma, /*head_dim=*/2);
+  EXPECT_NEAR(s.normalized_entropy, entropy / std::log(4.0), 1e-15);
+  EXPECT_NEAR(s.effective_rank, std::exp(entropy), 1e-15);
+  EXPECT_NEAR(s.top1_share, 9.0 / 10.0, 1e-15);
+}
+
+TEST(SummarizeSpectrum, FlatSpectrumHasFullRankAndUnitEntropy) {
+  const std::vector<double> sigma(8, 0.5);  // 2d values for d = 4
+  const SpectrumSummary s = SummarizeSpectrum(sigma, 4);
+  EXPECT_NEAR(s.normalized_entropy, 1.0, 1e-15);
+  EXPECT_NEAR(s.effective_rank, 8.0, 1e-13);
+  EXPECT_NEAR(s.top1_share, 1.0 / 8.0, 1e-15);
+}
+
+TEST(SummarizeSpectrum, SingleDirectionHasZeroEntropy) {
+  const SpectrumSummary s = SummarizeSpectrum(std::vector<double>{2.0, 0.0, 0.0}, 16);
+  EXPECT_EQ(s.normalized_entropy, 0.0);
+  EXPECT_EQ(s.effective_rank, 1.0);
+  EXPECT_EQ(s.top1_share, 1.0);
+}
+
+enum class InputKind {
+  kRandom,              // every factor full rank; increments 10% of the values
+  kLowRankIncrement,    // dQ rank 1, dK rank 2, Q0/K0 full rank
+  kLowRankEverything,   // Q0, K0 rank 3, dQ rank 2, dK rank 1
+  kSmallIncrement,      // increments 1e-3 of the values, as in a real training step
+};
+
+std::string KindName(InputKind kind) {
+  switch (kind) {
+    case InputKind::kRandom: return "Random";
+    case InputKind::kLowRankIncrement: return "LowRankIncrement";
+    case InputKind::kLowRankEverything: return "LowRankEverything";
+    case InputKind::kSmallIncrement: return "SmallIncrement";
+  }
+  return "";
+}
+
+void PrintTo(InputKind kind, std::ostream* os) { *os << KindName(kind); }
+
+struct Inputs {
+  MatrixD q_prev, k_prev, q, k;  // every value exactly representable in float
+};
+
+MatrixD Gaussian(int rows, int cols, std::mt19937& rng) {
+  std::normal_distribution<double> normal;
+  MatrixD m(rows, cols);
+  for (int i = 0; i < rows; ++i)
+    for (int j = 0; j < cols; ++j) m(i, j) = normal(rng);
+  return m;
+}
+
+MatrixD LowRank(int rows, int cols, int rank, std::mt19937& rng) {
+  return Gaussian(rows, rank, rng) * Gaussian(rank, cols, rng) / std::sqrt(static_cast<double>(rank));
+}
+
+MatrixD RoundToFloat(const MatrixD& m) { return m.cast<float>().cast<double>(); }
+
+Inputs MakeInputs(int n, int d, InputKind kind, unsigned seed) {
+  std::mt19937 rng(seed);
+  MatrixD q_prev, k_prev, dq, dk;
+  switch (kind) {
+    case InputKind::kRandom:
+      q_prev = Gaussian(n, d, rng), k_prev = Gaussian(n, d, rng);
+      dq = 0.1 * Gaussian(n, d, rng), dk = 0.1 * Gaussian(n, d, rng);
+      break;
+    case InputKind::kLowRankIncrement:
+      q_prev = Gaussian(n, d, rng), k_prev = Gaussian(n, d, rng);
+      dq = 0.1 * LowRank(n, d, 1, rng), dk = 0.1 * LowRank(n, d, 2, rng);
+      break;
+    case InputKind::kLowRankEverything:
+      q_prev = LowRank(n, d, 3, rng), k_prev = LowRank(n, d, 3, rng);
+      dq = 0.1 * LowRank(n, d, 2, rng), dk = 0.1 * LowRank(n, d, 1, rng);
+      break;
+    case InputKind::kSmallIncrement:
+      q_prev = Gaussian(n, d, rng), k_prev = Gaussian(n, d, rng);
+      dq = 1e-3 * Gaussian(n, d, rng), dk = 1e-3 * Gaussian(n, d, rng);
+      break;
+  }
+  Inputs in;
+  in.q_prev = RoundToFloat(q_prev);
+  in.k_prev = RoundToFloat(k_prev);
+  in.q = RoundToFloat(in.q_prev + dq);
+  in.k = RoundToFloat(in.k_prev + dk);
+  return in;
+}
+
+// The small-matrix SVD used for the core, against Eigen's JacobiSVD in double
+// (a different algorithm: one-sided Jacobi rotations).
+class SmallSvdVsJacobi : public ::testing::TestWithParam<std::tuple<int, int, double>> {};
+
+TEST_P(SmallSvdVsJacobi, SingularValuesAndTopVector) {
+  const auto [size, rank, magnitude] = GetParam();
+  std::mt19937 rng(static_cast<unsigned>(size * 31 + rank));
+  const MatrixD unscaled = rank >= size ? Gaussian(size, size, rng) : LowRank(size, size, rank, rng);
+  const Eigen::MatrixXd m = magnitude * RoundToFloat(unscaled);
+  Eigen::JacobiSVD<Eigen::MatrixXd> reference(m, Eigen::ComputeFullU);
+  const Eigen::VectorXd& expected = reference.singularValues();
+  const double sigma1 = expected[0];
+  // A gap between sigma_1 and sigma_2 makes the top vector well defined.
+  const bool gap = size == 1 || expected[1] < (1 - 1e-3) * sigma1;
+
+  struct Case {
+    const char* name;
+    SmallSvd svd;
+    double tolerance;
+  };
+  const Case cases[] = {{"double", ComputeSmallSvd<double>(m, true), 1e-13},
+                        {"float", ComputeSmallSvd<float>(m.cast<float>(), true), 1e-5}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    ASSERT_EQ(c.svd.singular_values.size(), static_cast<size_t>(size));
+    for (int i = 0; i < size; ++i) {
+      EXPECT_NEAR(c.svd.singular_values[i], expected[i], c.tolerance * sigma1) << "sigma " << i;
+      if (i > 0) {
+        EXPECT_LE(c.svd.singular_values[i], c.svd.singular_values[i - 1]);
+      }
+    }
+    ASSERT_EQ(c.svd.top_left_vector.size(), static_cast<size_t>(size));
+    if (gap) {
+      double dot = 0;
+      for (int i = 0; i < size; ++i) dot += c.svd.top_left_vector[i] * reference.matrixU()(i, 0);
+      EXPECT_NEAR(std::abs(dot), 1.0, 100 * c.tolerance);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Matrices, SmallSvdVsJacobi,
+    ::testing::Values(std::tuple{1, 1, 1.0}, std::tuple{2, 2, 1.0}, std::tuple{3, 3, 1.0},
+                      std::tuple{17, 17, 1.0}, std::tuple{40, 3, 1.0}, std::tuple{40, 1, 1.0},
+                      std::tuple{128, 128, 1.0}, std::tuple{128, 5, 1.0}, std::tuple{64, 64, 1e-30},
+                      std::tuple{64, 64, 1e30}),
+    [](const auto& info) {
+      return std::string("size") + std::to_string(std::get<0>(info.param)) + "_rank" +
+             std::to_string(std::get<1>(info.param)) + (std::get<2>(info.param) == 1.0 ? "" : "_scaled") +
+             (std::get<2>(info.param) > 1.0 ? "Up" : std::get<2>(info.param) < 1.0 ? "Down" : "");
+    });
+
+TEST(SmallSvd, ZeroAndDiagonalMatrices) {
+  const SmallSvd zero = ComputeSmallSvd<double>(Eigen::MatrixXd::Zero(5, 5), true);
+  EXPECT_EQ(zero.singular_values, std::vector<double>(5, 0.0));
+  EXPECT_TRUE(zero.top_left_vector.empty());
+  // diag(1, -4, 4, 0): singular values 4, 4, 1, 0 (sorted, signs dropped, repeats kept).
+  Eigen::MatrixXd diagonal = Eigen::MatrixXd::Zero(4, 4);
+  diagonal.diagonal() << 1, -4, 4, 0;
+  const SmallSvd s = ComputeSmallSvd<double>(diagonal, false);
+  const std::vector<double> expected = {4, 4, 1, 0};
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(s.singular_values[i], expected[i], 1e-15);
+}
+
+// |actual - expected| <= tolerance * |expected|.
+void ExpectRelative(double actual, double expected, double tolerance, const char* what) {
+  EXPECT_LE(std::abs(actual - expected), tolerance * std::abs(expected))
+      << what << ": actual " << actual << " expected " << expected;
+}
+
+class FactoredVsDense : public ::testing::TestWithParam<std::tuple<int, int, InputKind>> {};
+
+TEST_P(FactoredVsDense, AgreesWithDenseReference) {
+  const auto [n, d, kind] = GetParam();
+  const Inputs in = MakeInputs(n, d, kind, 1000u * n + 10u * d + static_cast<unsigned>(kind));
+  const QKSpectrumOptions options{.compute_top_vector = true};
+  const QKIncrementSpectrum dense = ComputeQKIncrementSpectrumDense(in.q_prev, in.k_prev, in.q, in.k, options);
+  ASSERT_FALSE(dense.zero_increment);
+  // The reference must itself be sensible: the rank bound 2d holds.
+  const size_t core_size = static_cast<size_t>(std::min(n, 2 * d));
+  ASSERT_EQ(dense.singular_values.size(), static_cast<size_t>(n));
+  for (size_t i = core_size; i < dense.singular_values.size(); ++i) {
+    ASSERT_LT(dense.singular_values[i], 1e-12 * dense.singular_values[0]);
+  }
+
+  const MatrixF qp = in.q_prev.cast<float>(), kp = in.k_prev.cast<float>();
+  const MatrixF qf = in.q.cast<float>(), kf = in.k.cast<float>();
+  struct Case {
+    const char* name;
+    QKIncrementSpectrum spectrum;
+    double tolerance;
+  };
+  const Case cases[] = {
+      {"double", ComputeQKIncrementSpectrum<double>(in.q_prev, in.k_prev, in.q, in.k, options), 1e-6},
+      {"float", ComputeQKIncrementSpectrum<float>(qp, kp, qf, kf, options), 1e-3},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const QKIncrementSpectrum& s = c.spectrum;
+    ASSERT_FALSE(s.zero_increment);
+    ASSERT_EQ(s.singular_values.size(), core_size);
+    for (size_t i = 0; i < core_size; ++i) {
+      EXPECT_NEAR(s.singular_values[i], dense.singular_values[i], c.tolerance * dense.singular_values[0]) << i;
+    }
+    ExpectRelative(s.normalized_entropy, dense.normalized_entropy, c.tolerance, "entropy");
+    ExpectRelative(s.effective_rank, dense.effective_rank, c.tolerance, "effective rank");
+    ExpectRelative(s.top1_share, dense.top1_share, c.tolerance, "top1 share");
+    ExpectRelative(s.second_order_ratio, dense.second_order_ratio, c.tolerance, "second-order ratio");
+    ASSERT_EQ(s.top_vector.size(), static_cast<size_t>(n));
+    double dot = 0, norm = 0;
+    for (int i = 0; i < n; ++i) {
+      dot += s.top_vector[i] * dense.top_vector[i];
+      norm += s.top_vector[i] * s.top_vector[i];
+    }
+    EXPECT_NEAR(norm, 1.0, 1e-9);
+    EXPECT_GE(std::abs(dot), 1.0 - c.tolerance) << "top vector";
+    EXPECT_NEAR(TopVectorOverlap(s.top_vector, dense.top_vector), std::abs(dot), 1e-12);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, FactoredVsDense,
+    ::testing::Combine(::testing::Values(16, 64, 257), ::testing::Values(4, 16, 64),
+                       ::testing::Values(InputKind::kRandom, InputKind::kLowRankIncrement,
+                                         InputKind::kLowRankEverything, InputKind::kSmallIncrement)),
+    [](const auto& info) {
+      return std::string("n") + std::to_string(std::get<0>(info.param)) + "_d" + std::to_string(std::get<1>(info.param)) +
+             "_" + KindName(std::get<2>(info.param));
+    });
+
+// A rank-one increment: only dQ moves, along one token direction u and one
+// feature direction v, so dS1 = u (K0 v)^T / sqrt(d) has exactly one singular
+// value, ||u|| ||K0 v|| / sqrt(d), and top vector u / ||u||.
+TEST(FactoredSpectrum, RankOneIncrementIsExact) {
+  const int n = 32, d = 8;
+  std::mt19937 rng(7);
+  const MatrixD q_prev = RoundToFloat(Gaussian(n, d, rng));
+  const MatrixD k_prev = RoundToFloat(Gaussian(n, d, rng));
+  MatrixD u = Gaussian(n, 1, rng), v = Gaussian(1, d, rng);
+  const MatrixD q = q_prev + u * v;
+  const QKIncrementSpectrum s =
+      ComputeQKIncrementSpectrum<double>(q_prev, k_prev, q, k_prev, {.compute_top_vector = true});
+  ASSERT_FALSE(s.zero_increment);
+  const double expected_sigma = u.norm() * (k_prev * v.transpose()).norm() / std::sqrt(double(d));
+  EXPECT_NEAR(s.singular_values[0], expected_sigma, 1e-12 * expected_sigma);
+  EXPECT_LT(s.singular_values[1], 1e-12 * expected_sigma);
+  EXPECT_NEAR(s.top1_share, 1.0, 1e-12);
+  EXPECT_NEAR(s.effective_rank, 1.0, 1e-9);
+  EXPECT_NEAR(s.second_order_ratio, 0.0, 1e-15);  // dK = 0
+  const Eigen::VectorXd u_unit = u.col(0) / u.norm();
+  double dot = 0;
+  for (int i = 0; i < n; ++i) dot += s.top_vector[i] * u_unit[i];
+  EXPECT_NEAR(std::abs(dot), 1.0, 1e-12);
+}
+
+// dQ = c Q0 and dK = c K0 give dS1 = 2c Q0 K0^T and dQ dK^T = c^2 Q0 K0^T,
+// so the second-order ratio is exactly c / 2.
+TEST(FactoredSpectrum, SecondOrderRatioOfUniformScaling) {
+  const int n = 40, d = 8;
+  std::mt19937 rng(11);
+  const MatrixD q_prev = Gaussian(n, d, rng), k_prev = Gaussian(n, d, rng);
+  const double c = 0.125;
+  const QKIncrementSpectrum s =
+      ComputeQKIncrementSpectrum<double>(q_prev, k_prev, (1 + c) * q_prev, (1 + c) * k_prev);
+  EXPECT_NEAR(s.second_order_ratio, c / 2, 1e-12);
+}
+
+// Statistics do not depend on the magnitude of Q and K; the float path must
+// survive magnitudes whose squares leave float's range (1e-20 and 1e18 here).
+TEST(FactoredSpectrum, ExtremeMagnitudesInFloat) {
+  const Inputs in = MakeInputs(64, 16, InputKind::kRandom, 77);
+  const QKIncrementSpectrum reference = ComputeQKIncrementSpectrumDense(in.q_prev, in.k_prev, in.q, in.k);
+  for (double magnitude : {1e-20, 1e18}) {
+    SCOPED_TRACE(magnitude);
+    auto scaled = [&](const MatrixD& m) { return MatrixF((magnitude * m).cast<float>()); };
+    const QKIncrementSpectrum s = ComputeQKIncrementSpectrum<float>(scaled(in.q_prev), scaled(in.k_prev),
+                                                                    scaled(in.q), scaled(in.k));
+    ASSERT_FALSE(s.zero_increment);
+    ExpectRelative(s.normalized_entropy, reference.normalized_entropy, 1e-3, "entropy");
+    ExpectRelative(s.top1_share, reference.top1_share, 1e-3, "top1 share");
+    ExpectRelative(s.second_order_ratio, reference.second_order_ratio, 1e-3, "second-order ratio");
+    // sigma scales with the product of the Q and K magnitudes.
+    ExpectRelative(s.singular_values[0], magnitude * magnitude * reference.singular_values[0], 1e-3, "sigma_1");
+  }
+}
+
+// A = [dQ | Q0] = 0 (nothing in Q) makes dS1 = 0 even though K moved.
+TEST(FactoredSpectrum, ZeroQueriesGiveZeroIncrement) {
+  std::mt19937 rng(8);
+  const MatrixD zero = MatrixD::Zero(10, 4);
+  const MatrixD k_prev = Gaussian(10, 4, rng), k = Gaussian(10, 4, rng);
+  EXPECT_TRUE(ComputeQKIncrementSpectrum<double>(zero, k_prev, zero, k).zero_increment);
+}
+
+TEST(FactoredSpectrum, ZeroIncrementIsFlaggedWithoutNaN) {
+  std::mt19937 rng(3);
+  const MatrixD q = Gaussian(20, 4, rng), k = Gaussian(20, 4, rng);
+  for (const QKIncrementSpectrum& s :
+       {ComputeQKIncrementSpectrum<double>(q, k, q, k, {.compute_top_vector = true}),
+        ComputeQKIncrementSpectrum<float>(q.cast<float>(), k.cast<float>(), q.cast<float>(),
+                                          k.cast<float>(), {.compute_top_vector = true}),
+        ComputeQKIncrementSpectrumDense(q, k, q, k, {.compute_top_vector = true})}) {
+    EXPECT_TRUE(s.zero_increment);
+    EXPECT_TRUE(s.singular_values.empty());
+    EXPECT_TRUE(s.top_vector.empty());
+    EXPECT_EQ(s.normalized_entropy, 0.0);
+    EXPECT_EQ(s.effective_rank, 0.0);
+    EXPECT_EQ(s.top1_share, 0.0);
+    EXPECT_EQ(s.second_order_ratio, 0.0);
+  }
+}
+
+TEST(FactoredSpectrum, TopVectorOnlyWhenRequested) {
+  std::mt19937 rng(5);
+  const MatrixD q_prev = Gaussian(20, 4, rng), k_prev = Gaussian(20, 4, rng);
+  const MatrixD q = q_prev + 0.1 * Gaussian(20, 4, rng);
+  EXPECT_TRUE(ComputeQKIncrementSpectrum<double>(q_prev, k_prev, q, k_prev).top_vector.empty());
+  EXPECT_EQ(ComputeQKIncrementSpectrum<double>(q_prev, k_prev, q, k_prev, {.compute_top_vector = true})
+                .top_vector.size(),
+            20u);
+}
+
+TEST(TopVectorOverlap, IgnoresSign) {
+  const std::vector<double> a = {0.6, 0.8, 0.0};
+  const std::vector<double> b = {-0.6, -0.8, 0.0};
+  const std::vector<double> c = {0.0, 0.0, 1.0};
+  EXPECT_NEAR(TopVectorOverlap(a, b), 1.0, 1e-15);
+  EXPECT_EQ(TopVectorOverlap(a, c), 0.0);
+}
+
+}  // namespace
+}  // namespace foreshock::detectors

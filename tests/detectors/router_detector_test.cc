@@ -1,0 +1,125 @@
+// Router statistics on hand-checkable inputs. The same statistics are checked
+// against numpy on random and adversarial logits end to end in
+// tests/python/test_router_e2e.py.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "detectors/router_stats.h"
+#include "tests/detectors/detector_test_support.h"
+
+namespace foreshock::detectors {
+namespace {
+
+using testing::MakeDetector;
+using testing::RecordingEmitter;
+
+Sample RouterSampleOf(const std::vector<float>& logits, int tokens, int experts, int top_k,
+                      int64_t step = 0, std::string run = "r") {
+  RouterSample router;
+  router.layer = 1;
+  router.top_k = top_k;
+  router.logits.dtype = DType::kFloat32;
+  router.logits.shape = {tokens, experts};
+  router.logits.data.resize(logits.size() * 4);
+  std::memcpy(router.logits.data.data(), logits.data(), router.logits.data.size());
+  Sample sample;
+  sample.run = std::move(run);
+  sample.step = step;
+  sample.payload = std::move(router);
+  return sample;
+}
+
+TEST(RouterStatsTest, UniformLogitsAreMaximallyUncertainAndBalanced) {
+  // 4 tokens, 4 experts, all logits equal: entropy 1; ties go to the lowest
+  // indices, so top-1 always picks expert 0.
+  const std::vector<float> z(16, 0.5f);
+  RouterDecisions decisions;
+  const RouterStats s = ComputeRouterStats(z, 4, 4, RouterOptions{1, 0.5, 1.25}, decisions);
+  EXPECT_NEAR(s.entropy_mean, 1.0, 1e-12);
+  EXPECT_EQ(s.low_entropy_fraction, 0.0);
+  EXPECT_EQ(s.load, (std::vector<double>{1, 0, 0, 0}));
+  EXPECT_NEAR(s.max_violation, 3.0, 1e-12);  // (1 - 1/4) / (1/4)
+  EXPECT_NEAR(s.load_cv, std::sqrt(3.0), 1e-12);
+  EXPECT_EQ(s.load_entropy, 0.0);
+  EXPECT_EQ(s.overloaded_experts, 1);
+  EXPECT_EQ(s.topk_margin_mean, 0.0);
+  const double lse = 0.5 + std::log(4.0);
+  EXPECT_NEAR(s.z_loss, lse * lse, 1e-12);
+  EXPECT_NEAR(s.cv_noise_floor, std::sqrt(3.0 / 4.0), 1e-12);
+  EXPECT_EQ(decisions.topk, (std::vector<int32_t>{0, 0, 0, 0}));
+}
+
+TEST(RouterStatsTest, TwoExpertsTopOneMarginAndPercentile) {
+  // Margins z0 - z1 of 5 tokens: 1, 2, 3, 4, 5 -> mean 3, p10 = 1 + 0.4 * (2 - 1).
+  const std::vector<float> z = {1, 0, 2, 0, 3, 0, 4, 0, 5, 0};
+  RouterDecisions decisions;
+  const RouterStats s = ComputeRouterStats(z, 5, 2, RouterOptions{1, 0.5, 1.25}, decisions);
+  EXPECT_NEAR(s.topk_margin_mean, 3.0, 1e-12);
+  EXPECT_NEAR(s.topk_margin_p10, 1.4, 1e-12);
+  EXPECT_EQ(s.load, (std::vector<double>{1, 0}));
+  EXPECT_EQ(s.max_abs_logit, 5.0);
+}
+
+TEST(RouterStatsTest, FlipRateAndJensenShannon) {
+  RouterDecisions a, b;
+  const std::vector<float> z0 = {3, 0, 0, /**/ 0, 3, 0};
+  const std::vector<float> z1 = {3, 0, 0, /**/ 0, 0, 3};
+  ComputeRouterStats(z0, 2, 3, RouterOptions{1}, a);
+  ComputeRouterStats(z1, 2, 3, RouterOptions{1}, b);
+  EXPECT_EQ(FlipRate(a, b), 0.5);
+  EXPECT_EQ(FlipRate(a, a), 0.0);
+  EXPECT_EQ(MeanJensenShannon(a, a), 0.0);
+  const double js = MeanJensenShannon(a, b);
+  EXPECT_GT(js, 0.0);
+  EXPECT_LT(js, std::log(2.0) / 2 + 1e-12);  // one of two tokens changed; JS <= log 2
+  EXPECT_NEAR(js, MeanJensenShannon(b, a), 1e-15);
+}
+
+TEST(RouterStatsTest, DeadExpertsUseTheWindowMean) {
+  std::deque<std::vector<double>> window = {{0.5, 0.5, 0.0, 0.0}, {0.5, 0.4, 0.1, 0.0}};
+  // Means: 0.5, 0.45, 0.05, 0 -> below 0.025: only expert 3.
+  EXPECT_EQ(CountDeadExperts(window), 1);
+  EXPECT_EQ(CountDeadExperts({}), 0);
+}
+
+TEST(RouterDetectorTest, EmitsContractSignalsAndFlipRateFromTheSecondSample) {
+  auto detector = MakeDetector("router");
+  RecordingEmitter emitter;
+  const std::vector<float> z0 = {2, 1, 0, 0, /**/ 0, 2, 1, 0};
+  detector->Process(RouterSampleOf(z0, 2, 4, 2), emitter);
+  for (const char* s : {"router_entropy", "router_load_cv", "router_max_violation",
+                        "router_dead_experts", "router_topk_margin", "router_z_loss"}) {
+    EXPECT_TRUE(emitter.Has(s)) << s;
+  }
+  EXPECT_FALSE(emitter.Has("router_flip_rate"));
+  EXPECT_EQ(emitter.Value("router_dead_experts", 1), 1);  // expert 3 never chosen
+
+  emitter.Clear();
+  const std::vector<float> z1 = {2, 1, 0, 0, /**/ 0, 0, 1, 2};
+  detector->Process(RouterSampleOf(z1, 2, 4, 2, 10), emitter);
+  EXPECT_EQ(emitter.Value("router_flip_rate", 1), 0.5);
+  // Window mean of expert 3 is now (0 + 0.25) / 2 >= 0.025: alive.
+  EXPECT_EQ(emitter.Value("router_dead_experts", 1), 0);
+
+  // A different token count is a different probe shape: no flip rate.
+  emitter.Clear();
+  detector->Process(RouterSampleOf(std::vector<float>(12, 0.f), 3, 4, 2, 20), emitter);
+  EXPECT_FALSE(emitter.Has("router_flip_rate"));
+}
+
+TEST(RouterDetectorTest, NonFiniteLogitsAreCountedAndNotUsed) {
+  auto detector = MakeDetector("router");
+  RecordingEmitter emitter;
+  std::vector<float> z(8, 0.f);
+  z[3] = NAN;
+  z[5] = INFINITY;
+  detector->Process(RouterSampleOf(z, 2, 4, 1), emitter);
+  EXPECT_EQ(emitter.non_finite, 2);
+  EXPECT_EQ(emitter.non_finite_kind, SampleKind::kRouter);
+  EXPECT_TRUE(emitter.observations.empty());
+}
+
+}  // namespace
+}  // namespace foreshock::detectors
