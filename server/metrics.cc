@@ -55,9 +55,17 @@ void DaemonMetrics::ExportObservation(const std::string& run,
   const bool per_head = observation.head != detectors::kAllHeads;
   if (per_head && !per_head_metrics_) return;
   prometheus::Labels labels{{"run", run}};
-  if (it->second.spec->scope != detectors::SignalScope::kRun) {
-    labels.emplace("layer", std::to_string(observation.layer));
-    if (per_head) labels.emplace("head", std::to_string(observation.head));
+  switch (it->second.spec->scope) {
+    case detectors::SignalScope::kRun:
+      break;
+    case detectors::SignalScope::kRunBlock:
+      labels.emplace("block", std::to_string(observation.layer));
+      break;
+    case detectors::SignalScope::kLayer:
+    case detectors::SignalScope::kLayerHead:
+      labels.emplace("layer", std::to_string(observation.layer));
+      if (per_head) labels.emplace("head", std::to_string(observation.head));
+      break;
   }
   it->second.family->Add(labels).Set(observation.value);
 }
