@@ -4,6 +4,8 @@
 #include <cmath>
 #include <numeric>
 
+#include <Eigen/Core>
+
 namespace foreshock::detectors {
 namespace {
 
@@ -23,6 +25,7 @@ double Percentile(std::vector<double> values, double q) {
 
 RouterStats ComputeRouterStats(std::span<const float> logits, int tokens, int experts,
                                const RouterOptions& options, RouterDecisions& decisions) {
+  using RowArray = Eigen::Array<float, 1, Eigen::Dynamic>;
   const int k = options.top_k;
   const double log_e = std::log(static_cast<double>(experts));
   RouterStats stats;
@@ -32,28 +35,29 @@ RouterStats ComputeRouterStats(std::span<const float> logits, int tokens, int ex
   decisions.top_k = k;
   decisions.topk.resize(static_cast<size_t>(tokens) * k);
   decisions.probs.resize(static_cast<size_t>(tokens) * experts);
+  decisions.entropy.resize(tokens);
 
   std::vector<double> margins(tokens);
   std::vector<int32_t> order(experts);
+  RowArray shifted(experts);
   int low_entropy = 0;
   double entropy_sum = 0, z_loss_sum = 0, max_abs = 0;
   for (int t = 0; t < tokens; ++t) {
     const float* z = logits.data() + static_cast<size_t>(t) * experts;
-    double* p = decisions.probs.data() + static_cast<size_t>(t) * experts;
-    double z_max = z[0];
-    for (int e = 0; e < experts; ++e) {
-      z_max = std::max(z_max, static_cast<double>(z[e]));
-      max_abs = std::max(max_abs, std::abs(static_cast<double>(z[e])));
-    }
-    double sum = 0;
-    for (int e = 0; e < experts; ++e) sum += (p[e] = std::exp(z[e] - z_max));
-    const double lse = z_max + std::log(sum);
-    double h = 0;
-    for (int e = 0; e < experts; ++e) {
-      p[e] /= sum;
-      // -p log p with log p = z - lse, exact even where p underflows to 0.
-      h -= p[e] * (static_cast<double>(z[e]) - lse);
-    }
+    const Eigen::Map<const RowArray> row(z, experts);
+    Eigen::Map<RowArray> p(decisions.probs.data() + static_cast<size_t>(t) * experts, experts);
+    // Softmax and entropy with Eigen's vectorized exp, accumulated in double.
+    const float z_max = row.maxCoeff();
+    max_abs = std::max(max_abs, static_cast<double>(row.abs().maxCoeff()));
+    shifted = row - z_max;
+    p = shifted.exp();
+    const double sum = p.template cast<double>().sum();
+    const double log_sum = std::log(sum);
+    p /= static_cast<float>(sum);
+    // H = -sum p log p = log_sum - sum p (z - z_max): exact where p underflows.
+    const double h = log_sum - (p.template cast<double>() * shifted.template cast<double>()).sum();
+    decisions.entropy[t] = h;
+    const double lse = z_max + log_sum;
     const double h_norm = h / log_e;
     entropy_sum += h_norm;
     if (h_norm < options.entropy_floor) ++low_entropy;
@@ -105,18 +109,19 @@ double FlipRate(const RouterDecisions& previous, const RouterDecisions& current)
 }
 
 double MeanJensenShannon(const RouterDecisions& previous, const RouterDecisions& current) {
+  // JS(p, q) = H(m) - (H(p) + H(q)) / 2 with m = (p + q) / 2: one log per
+  // element, and H(p), H(q) are already known.
+  using RowArray = Eigen::Array<float, 1, Eigen::Dynamic>;
   const int experts = current.experts;
+  RowArray m(experts);
   double total = 0;
   for (int t = 0; t < current.tokens; ++t) {
-    const double* p = previous.probs.data() + static_cast<size_t>(t) * experts;
-    const double* q = current.probs.data() + static_cast<size_t>(t) * experts;
-    double js = 0;
-    for (int e = 0; e < experts; ++e) {
-      const double m = 0.5 * (p[e] + q[e]);
-      if (p[e] > 0) js += 0.5 * p[e] * std::log(p[e] / m);
-      if (q[e] > 0) js += 0.5 * q[e] * std::log(q[e] / m);
-    }
-    total += js;
+    const Eigen::Map<const RowArray> p(previous.probs.data() + static_cast<size_t>(t) * experts, experts);
+    const Eigen::Map<const RowArray> q(current.probs.data() + static_cast<size_t>(t) * experts, experts);
+    m = 0.5f * (p + q);
+    // m log m with 0 log 0 = 0 (m is 0 only where p and q both underflowed).
+    const double h_m = -(m > 0.f).select(m * m.log(), 0.f).template cast<double>().sum();
+    total += std::max(0.0, h_m - 0.5 * (previous.entropy[t] + current.entropy[t]));
   }
   return total / current.tokens;
 }

@@ -24,7 +24,8 @@ struct RouterDecisions {
   int experts = 0;
   int top_k = 0;
   std::vector<int32_t> topk;   // [tokens, top_k], expert indices ascending within a token
-  std::vector<double> probs;   // [tokens, experts], softmax of the logits
+  std::vector<float> probs;    // [tokens, experts], softmax of the logits
+  std::vector<double> entropy; // [tokens], H(p_t) in nats
 };
 
 struct RouterStats {
