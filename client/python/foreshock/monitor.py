@@ -1,0 +1,216 @@
+"""Monitor: the training-side entry point of the Foreshock client.
+
+    monitor = Monitor("127.0.0.1:50051", run_id="run-42", job="pretrain",
+                      model=model, probe_batch=probe_tokens, every=50)
+    for step in ...:
+        ...; optimizer.step()
+        monitor.step(step, loss=loss.item(), grad_norm=gn, lr=lr)
+    monitor.close()
+
+What runs on the training thread: building records and a non-blocking
+enqueue every step, plus, every `every` steps, one no-grad forward of the
+fixed probe batch. Everything that touches the network runs on the sender
+thread (sender.py).
+"""
+import logging
+import time
+
+import torch
+
+from foreshock import capture, encoding
+from foreshock.sender import RecordQueue, Sender
+from foreshock.v1 import ingest_pb2 as pb
+
+log = logging.getLogger("foreshock")
+
+
+class Monitor:
+    """Samples a model's internals on a fixed probe batch and streams them to foreshockd.
+
+    Args:
+      endpoint: foreshockd's gRPC address, "host:port".
+      run_id, job, rank, labels: identify the stream (sent in Hello).
+      model: the torch module to probe (None: scalars only).
+      probe_batch: the fixed model input of every probe: a tensor (model(x)),
+        a tuple/list (model(*x)) or a dict (model(**x)). Keep it fixed for the
+        whole run: increments compare consecutive samples of the same batch.
+      every: probe interval in steps (a probe runs when step % every == 0).
+      model_info: a ModelInfo for Hello; by default derived from discovery.
+        Its n_heads/top_k also serve discovery for modules lacking them.
+      dtype: wire dtype of Q/K, "bf16" (default), "fp16" or "fp32".
+      queue_size: bound of the record queue, in records (queue_bytes bounds bytes).
+      tap: optional callable receiving every Record before it is queued.
+      probe_id: names the probe batch; increments pair samples of one probe_id.
+      causal: whether the sampled attention is causal.
+      discover: attach discovery hooks for Q/K (ignored once capture_qk is used).
+      discover_routers: attach discovery hooks for MoE routers (on by default).
+      router_dtype: wire dtype of router logits (fp32 by default: they are
+        small, and bf16 ties would blur top-k flips).
+    """
+
+    def __init__(self, endpoint, run_id, job, model=None, probe_batch=None, every=100, rank=0,
+                 labels=None, model_info=None, dtype="bf16", queue_size=1024, tap=None, *,
+                 probe_id="default", causal=True, discover=True, discover_routers=True,
+                 router_dtype="fp32", queue_bytes=256 << 20, max_batch_bytes=1 << 20,
+                 backoff_initial_s=0.1, backoff_max_s=5.0, channel_options=()):
+        if every < 1:
+            raise ValueError("every must be >= 1")
+        self.model = model
+        self.probe_batch = probe_batch
+        self.every = every
+        self.dtype = encoding.check_dtype(dtype)
+        self.router_dtype = encoding.check_dtype(router_dtype)
+        self.probe_id = probe_id
+        self.causal = causal
+        self.tap = tap
+
+        given = model_info or capture.ModelInfo()
+        self.attention_sites = []
+        self.router_sites = []
+        if model is not None and discover:
+            self.attention_sites = capture.discover_attention(model, given.n_heads)
+        if model is not None and discover_routers:
+            self.router_sites = capture.discover_routers(model, self.attention_sites, given.top_k)
+        self.model_info = model_info or capture.model_info_from_sites(self.attention_sites,
+                                                                      self.router_sites)
+        # Set by the first probe in which capture_qk/capture_router is called:
+        # from then on the discovery hooks of that kind are not attached.
+        self._explicit_qk = False
+        self._explicit_router = False
+        self._collector = None  # a ProbeCollector while a probe forward runs
+
+        self._counts = dict(enqueued=0, dropped_queue_full=0, dropped_after_close=0, probes=0)
+        self._probe_seconds = 0.0
+        self._queue = RecordQueue(queue_size, queue_bytes)
+        hello = pb.Hello(run_id=run_id, job=job, rank=rank,
+                         model=self.model_info.to_proto(), labels=dict(labels or {}))
+        self._sender = Sender(endpoint, hello, self._queue, max_batch_bytes=max_batch_bytes,
+                              backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
+                              channel_options=channel_options)
+        self._closed = False
+        self._sender.start()
+
+    # -- training-thread API --------------------------------------------------
+
+    def step(self, step, loss=None, grad_norm=None, lr=None):
+        """Records the step's scalars; every `every` steps, also probes the model.
+
+        Call it after optimizer.step(), so the probe sees the updated weights.
+        Scalars may be floats or 0-d tensors (a tensor costs a device sync).
+        """
+        record = pb.Record(step=step)
+        record.scalars.SetInParent()  # an all-absent StepScalars still marks the step
+        if loss is not None:
+            record.scalars.loss = float(loss)
+        if grad_norm is not None:
+            record.scalars.grad_norm = float(grad_norm)
+        if lr is not None:
+            record.scalars.lr = float(lr)
+        self._emit(record)
+        if self.model is not None and self.probe_batch is not None and step % self.every == 0:
+            self.probe(step)
+
+    def probe(self, step):
+        """Runs the probe forward now and queues its QK (and router) samples."""
+        if self.model is None or self.probe_batch is None:
+            raise ValueError("probe() needs the monitor's model and probe_batch")
+        start = time.perf_counter()
+        collector = capture.ProbeCollector()
+        handles = collector.attach(
+            [] if self._explicit_qk else self.attention_sites,
+            [] if self._explicit_router else self.router_sites)
+        was_training = self.model.training
+        self.model.eval()
+        self._collector = collector
+        try:
+            with torch.no_grad():
+                batch = self.probe_batch
+                if isinstance(batch, dict):
+                    self.model(**batch)
+                elif isinstance(batch, (tuple, list)):
+                    self.model(*batch)
+                else:
+                    self.model(batch)
+        finally:
+            self._collector = None
+            for handle in handles:
+                handle.remove()
+            self.model.train(was_training)
+        self._explicit_qk |= bool(collector.explicit_qk)
+        self._explicit_router |= bool(collector.explicit_router)
+        qk = collector.explicit_qk if self._explicit_qk else collector.discovered_qk
+        routers = collector.explicit_router if self._explicit_router \
+            else collector.discovered_router
+        for layer in sorted(qk):
+            q, k, seq_len = qk[layer]
+            record = pb.Record(step=step)
+            record.qk.CopyFrom(pb.QKSample(
+                layer=layer, probe_id=self.probe_id, causal=self.causal, seq_len=seq_len,
+                q=encoding.encode_tensor(q, self.dtype), k=encoding.encode_tensor(k, self.dtype)))
+            self._emit(record)
+        for layer in sorted(routers):
+            logits, top_k = routers[layer]
+            record = pb.Record(step=step)
+            record.router.CopyFrom(pb.RouterSample(
+                layer=layer, probe_id=self.probe_id, top_k=top_k,
+                logits=encoding.encode_tensor(logits, self.router_dtype)))
+            self._emit(record)
+        self._counts["probes"] += 1
+        self._probe_seconds += time.perf_counter() - start
+
+    def capture_qk(self, layer, q, k):
+        """Hands the monitor this layer's Q and K; call it from the attention forward,
+        after rotary embedding. q, k: [B, H, T, d] or [H, T, d]; K may have fewer
+        (grouped-query) heads. Outside a probe forward it returns at once."""
+        collector = self._collector
+        if collector is None:
+            return
+        q, seq_len = capture.heads_tokens_from_bhtd(q)
+        k, _ = capture.heads_tokens_from_bhtd(k)
+        collector.add_qk(collector.explicit_qk, layer, q, k, seq_len)
+
+    def capture_router(self, layer, logits, top_k):
+        """Hands the monitor this MoE layer's router logits ([..., experts], before
+        softmax) and its top-k. Outside a probe forward it returns at once."""
+        collector = self._collector
+        if collector is None:
+            return
+        collector.add_router(collector.explicit_router, layer, logits, top_k)
+
+    @property
+    def probing(self):
+        """True while the probe forward runs (e.g. to skip work only training needs)."""
+        return self._collector is not None
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def stats(self):
+        """Counters of the client: what was queued, sent, acked, rejected, lost or dropped."""
+        stats = self._sender.stats()
+        stats.update(self._counts, queued=len(self._queue),
+                     probe_seconds_total=self._probe_seconds)
+        return stats
+
+    def close(self, timeout=5.0):
+        """Sends what is queued and waits for its acks for up to `timeout` s, then stops."""
+        if not self._closed:
+            self._closed = True
+            self._sender.close(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def _emit(self, record):
+        if self._closed:
+            self._counts["dropped_after_close"] += 1
+            return
+        if self.tap is not None:
+            self.tap(record)
+        if self._queue.put_nowait(record, record.ByteSize()):
+            self._counts["enqueued"] += 1
+        else:
+            self._counts["dropped_queue_full"] += 1

@@ -1,0 +1,249 @@
+"""The background sender: a bounded record queue and the thread that streams it.
+
+The training thread only ever calls RecordQueue.put_nowait, which never waits
+on the network: when the queue is full the record is dropped and counted.
+One sender thread owns the gRPC stream `foreshock.v1.Ingest/Stream`:
+
+- each stream starts with Hello and takes records from the queue only once the
+  HelloAck came back, so records wait in the queue (not on a dead socket)
+  while the daemon is down;
+- records go out in Batches of up to `max_batch_bytes`, with `seq` strictly
+  increasing per stream, starting at 1;
+- every Ack settles one batch: accepted records and rejections (by reason code);
+- when the stream breaks, batches sent but not acked are counted as
+  `lost_in_flight` (never resent: the daemon may have applied them), and the
+  thread reconnects with exponential backoff and jitter; the new stream sends
+  Hello again.
+"""
+import collections
+import logging
+import random
+import threading
+import time
+
+import grpc
+
+from foreshock.v1 import ingest_pb2 as pb
+from foreshock.v1 import ingest_pb2_grpc as pb_grpc
+
+log = logging.getLogger("foreshock")
+
+# How often blocked waits wake up to notice a closed stream or an abort.
+_POLL_S = 0.05
+
+
+class RecordQueue:
+    """A FIFO bounded both in records and in bytes; put_nowait never blocks."""
+
+    def __init__(self, max_records, max_bytes):
+        if max_records < 1 or max_bytes < 1:
+            raise ValueError("queue bounds must be positive")
+        self.max_records = max_records
+        self.max_bytes = max_bytes
+        self._items = collections.deque()  # (record, byte size)
+        self._bytes = 0
+        self._cond = threading.Condition()
+
+    def put_nowait(self, record, size):
+        """Appends the record, or returns False when it does not fit."""
+        with self._cond:
+            if len(self._items) >= self.max_records or self._bytes + size > self.max_bytes:
+                return False
+            self._items.append((record, size))
+            self._bytes += size
+            self._cond.notify()
+            return True
+
+    def take_batch(self, max_bytes, timeout):
+        """Waits up to `timeout` for a record, then takes records while they fit in
+        `max_bytes` (always at least one, however large)."""
+        with self._cond:
+            if not self._items:
+                self._cond.wait(timeout)
+            batch, total = [], 0
+            while self._items and (not batch or total + self._items[0][1] <= max_bytes):
+                record, size = self._items.popleft()
+                batch.append((record, size))
+                total += size
+            self._bytes -= total
+            return batch
+
+    def put_front(self, batch):
+        """Returns records that never reached the wire to the head of the queue."""
+        with self._cond:
+            for item in reversed(batch):
+                self._items.appendleft(item)
+                self._bytes += item[1]
+            self._cond.notify()
+
+    def __len__(self):
+        with self._cond:
+            return len(self._items)
+
+
+class _Stream:
+    """State of one gRPC stream, shared by its request generator and the response loop."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.hello_acked = threading.Event()
+        self.closed = False
+        self.in_flight = {}  # seq -> number of records
+
+
+class Sender:
+    """Owns the sender thread. Thread-safe: stats() and close() may be called from anywhere."""
+
+    def __init__(self, endpoint, hello, queue, *, max_batch_bytes=1 << 20,
+                 backoff_initial_s=0.1, backoff_max_s=5.0, channel_options=()):
+        self._endpoint = endpoint
+        self._hello = pb.StreamRequest(hello=hello)
+        self._queue = queue
+        self._max_batch_bytes = max_batch_bytes
+        self._backoff_initial_s = backoff_initial_s
+        self._backoff_max_s = backoff_max_s
+        self._channel_options = list(channel_options)
+        self._closing = threading.Event()  # flush what is queued, then stop
+        self._abort = threading.Event()    # stop now
+        self._lock = threading.Lock()
+        self._call = None
+        self._counts = dict(sent=0, batches_sent=0, acked_records=0, lost_in_flight=0,
+                            reconnects=0, unsent_at_close=0)
+        self._rejected = collections.Counter()
+        self._connected = False
+        self._thread = threading.Thread(target=self._run, name="foreshock-sender", daemon=True)
+
+    def start(self):
+        self._thread.start()
+
+    def stats(self):
+        with self._lock:
+            return dict(self._counts, rejected=dict(self._rejected), connected=self._connected)
+
+    def close(self, timeout):
+        """Sends what is queued and waits for its acks, for at most `timeout` seconds."""
+        self._closing.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._abort.set()
+            with self._lock:
+                call = self._call
+            if call is not None:
+                call.cancel()
+            self._thread.join(1.0)
+        with self._lock:
+            self._counts["unsent_at_close"] = len(self._queue)
+
+    # -- sender thread -------------------------------------------------------
+
+    def _run(self):
+        backoff = self._backoff_initial_s
+        first = True
+        failures = 0  # consecutive streams without a HelloAck: log only the first
+        while not self._abort.is_set():
+            if self._closing.is_set() and len(self._queue) == 0:
+                return  # nothing left to deliver
+            if not first:
+                with self._lock:
+                    self._counts["reconnects"] += 1
+            first = False
+            handshaken, finished = self._run_stream(quiet=failures > 0)
+            if finished:
+                return
+            if handshaken:
+                backoff = self._backoff_initial_s
+                failures = 0
+            else:
+                failures += 1
+            # Full jitter on the upper half keeps many ranks from reconnecting in lockstep.
+            self._abort.wait(backoff * random.uniform(0.5, 1.0))
+            backoff = min(backoff * 2, self._backoff_max_s)
+
+    def _run_stream(self, quiet):
+        """One stream's life. Returns (got a HelloAck, ended cleanly after a flush)."""
+        stream = _Stream()
+        channel = grpc.insecure_channel(self._endpoint, options=self._channel_options)
+        finished = False
+        try:
+            call = pb_grpc.IngestStub(channel).Stream(self._requests(stream))
+            with self._lock:
+                self._call = call
+            if self._abort.is_set():
+                call.cancel()
+            for response in call:
+                kind = response.WhichOneof("kind")
+                if kind == "hello_ack":
+                    with self._lock:
+                        self._connected = True
+                    log.info("foreshock: connected to %s (session %s)", self._endpoint,
+                             response.hello_ack.session_id)
+                    stream.hello_acked.set()
+                elif kind == "ack":
+                    self._on_ack(stream, response.ack)
+            # The server ends the stream after our half-close, i.e. after a flush.
+            finished = self._closing.is_set()
+        except grpc.RpcError as err:
+            if not self._abort.is_set():
+                log.log(logging.DEBUG if quiet and not stream.hello_acked.is_set()
+                        else logging.WARNING,
+                        "foreshock: stream to %s ended: %s %s; reconnecting", self._endpoint,
+                        err.code().name, err.details())
+        finally:
+            with stream.lock:
+                stream.closed = True
+                lost = sum(stream.in_flight.values())
+                stream.in_flight.clear()
+            with self._lock:
+                self._counts["lost_in_flight"] += lost
+                self._connected = False
+                self._call = None
+            channel.close()
+        return stream.hello_acked.is_set(), finished
+
+    def _requests(self, stream):
+        """Request iterator of one stream; gRPC consumes it on its own thread."""
+        yield self._hello
+        while not stream.hello_acked.wait(_POLL_S):
+            if stream.closed or self._abort.is_set():
+                return
+        seq = 0
+        while not (stream.closed or self._abort.is_set()):
+            if self._closing.is_set() and len(self._queue) == 0:
+                with stream.lock:
+                    settled = not stream.in_flight
+                if settled:
+                    return  # half-close: everything queued was sent and acked
+                time.sleep(_POLL_S)
+                continue
+            batch = self._queue.take_batch(self._max_batch_bytes, _POLL_S)
+            if not batch:
+                continue
+            with stream.lock:
+                if stream.closed:
+                    self._queue.put_front(batch)
+                    return
+                seq += 1
+                stream.in_flight[seq] = len(batch)
+            with self._lock:
+                self._counts["sent"] += len(batch)
+                self._counts["batches_sent"] += 1
+            yield pb.StreamRequest(batch=pb.Batch(seq=seq, records=[r for r, _ in batch]))
+
+    def _on_ack(self, stream, ack):
+        with stream.lock:
+            n_records = stream.in_flight.pop(ack.seq, None)
+        if n_records is None:
+            log.warning("foreshock: ack for unknown batch seq %d", ack.seq)
+            return
+        if ack.accepted + len(ack.rejections) != n_records:
+            log.warning("foreshock: batch %d had %d records; ack settles %d accepted + %d "
+                        "rejected", ack.seq, n_records, ack.accepted, len(ack.rejections))
+        with self._lock:
+            self._counts["acked_records"] += ack.accepted
+            for rejection in ack.rejections:
+                # Reasons read "<code>: <detail>"; the code is the stable part.
+                self._rejected[rejection.reason.split(":", 1)[0].strip()] += 1
+        if ack.rejections:
+            first = ack.rejections[0]
+            log.warning("foreshock: batch %d: %d record(s) rejected, e.g. record %d: %s",
+                        ack.seq, len(ack.rejections), first.index, first.reason)

@@ -1,0 +1,1 @@
+"""Demo: a tiny MoE GPT trained on CPU with the Foreshock client (see README.md)."""

@@ -1,0 +1,295 @@
+"""A tiny character-level GPT with MoE feed-forward layers, for Foreshock demos and
+fault-injection runs (DESIGN.md section 6).
+
+Default shape: 4 layers, d_model 64, 4 heads of 16, context 64; layers 1 and 3
+have an MoE feed-forward (4 experts, top-2, router = Linear named `router`),
+the others a dense MLP. Attention is written out (softmax(QK^T/sqrt d) V,
+causal) with a hook point for `monitor.capture_qk`, and a fault path:
+
+- low-precision attention (`set_lowprec`): biased BF16 truncation toward zero
+  of the attention probabilities and/or output, with a strength knob, through
+  a custom autograd Function whose backward takes FlashAttention's
+  D = rowsum(dO * O) from the low-precision O (Qiu & Yao's mechanism).
+
+Text: the license texts under /usr/share/common-licenses, in two corpora
+("gnu" and "permissive") so a run can switch text as a benign control.
+"""
+import dataclasses
+import math
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+LICENSE_DIR = "/usr/share/common-licenses"
+# GPL, LGPL and GFDL without a version are links to the latest: left out as duplicates.
+CORPORA = {
+    "gnu": ("GPL-1", "GPL-2", "GPL-3", "LGPL-2", "LGPL-2.1", "LGPL-3", "GFDL-1.2", "GFDL-1.3"),
+    "permissive": ("Apache-2.0", "Artistic", "BSD", "CC0-1.0", "MPL-1.1", "MPL-2.0"),
+}
+
+
+# -- data ---------------------------------------------------------------------
+
+def load_text(corpus, license_dir=LICENSE_DIR):
+    """The files of one corpus, concatenated."""
+    parts = []
+    for name in CORPORA[corpus]:
+        with open(os.path.join(license_dir, name), encoding="utf-8", errors="replace") as f:
+            parts.append(f.read())
+    return "\n".join(parts)
+
+
+class CharVocab:
+    """Characters of every corpus, so that switching text never meets an unknown one."""
+
+    def __init__(self, texts):
+        self.chars = sorted(set("".join(texts)))
+        self.index = {c: i for i, c in enumerate(self.chars)}
+
+    def __len__(self):
+        return len(self.chars)
+
+    def encode(self, text):
+        return torch.tensor([self.index[c] for c in text], dtype=torch.long)
+
+    def decode(self, ids):
+        return "".join(self.chars[i] for i in ids)
+
+
+class CharDataset:
+    """One corpus as token ids: random training windows, and a held-out tail."""
+
+    def __init__(self, ids, block_size, holdout_fraction=0.1):
+        split = int(len(ids) * (1 - holdout_fraction))
+        self.train_ids, self.holdout_ids = ids[:split], ids[split:]
+        self.block_size = block_size
+
+    def batch(self, batch_size, generator):
+        starts = torch.randint(len(self.train_ids) - self.block_size - 1, (batch_size,),
+                               generator=generator)
+        x = torch.stack([self.train_ids[s:s + self.block_size] for s in starts])
+        y = torch.stack([self.train_ids[s + 1:s + 1 + self.block_size] for s in starts])
+        return x, y
+
+    def probe_batch(self, n_sequences):
+        """Fixed, evenly spaced windows of the held-out text: the monitor's probe input."""
+        span = len(self.holdout_ids) - self.block_size
+        starts = [i * span // max(1, n_sequences - 1) for i in range(n_sequences)]
+        return torch.stack([self.holdout_ids[s:s + self.block_size] for s in starts])
+
+
+# -- low-precision fault ------------------------------------------------------
+
+def truncate_bf16(x):
+    """Rounds values toward zero to bf16 (drops the low 16 bits of the float32 mantissa)."""
+    bits = x.to(torch.float32).contiguous().view(torch.int32) & -65536  # 0xFFFF0000
+    return bits.view(torch.float32).to(x.dtype)
+
+
+def biased_lowprec(x, strength):
+    """x - strength * (x - truncate_bf16(x)): strength 1 is BF16 truncation; above 1
+    multiplies the rounding bias toward zero (a fault knob, not a real format)."""
+    return x - strength * (x - truncate_bf16(x))
+
+
+def causal_mask(t, device):
+    return torch.ones(t, t, dtype=torch.bool, device=device).tril()
+
+
+class LowPrecisionAttention(torch.autograd.Function):
+    """Causal attention whose P and/or O pass through `biased_lowprec`.
+
+    The backward is FlashAttention's: dS = P * (dP - D) with D = rowsum(dO * O)
+    computed from the stored low-precision O, not rowsum(P * dP). With exact
+    arithmetic the two are equal; with a biased O, the error of D has the same
+    sign step after step, which is the failure mechanism being injected. At
+    strength 0 this Function equals plain attention, gradients included.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, strength, on_probs, on_out):
+        scale = q.shape[-1] ** -0.5
+        s = (q @ k.transpose(-2, -1)) * scale
+        s = s.masked_fill(~causal_mask(q.shape[-2], q.device), float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        p_mm = biased_lowprec(p, strength) if on_probs else p  # P as fed to the PV matmul
+        o = p_mm @ v
+        if on_out:
+            o = biased_lowprec(o, strength)
+        ctx.save_for_backward(q, k, v, p, p_mm, o)
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    def backward(ctx, d_o):
+        q, k, v, p, p_mm, o = ctx.saved_tensors
+        d_v = p_mm.transpose(-2, -1) @ d_o
+        d_p = d_o @ v.transpose(-2, -1)
+        d_row = (d_o * o).sum(dim=-1, keepdim=True)  # D from the low-precision O
+        d_s = p * (d_p - d_row)  # P recomputed in full precision, as FlashAttention does
+        d_q = (d_s @ k) * ctx.scale
+        d_k = (d_s.transpose(-2, -1) @ q) * ctx.scale
+        return d_q, d_k, d_v, None, None, None
+
+
+def causal_attention(q, k, v, lowprec_strength=0.0, on_probs=True, on_out=True):
+    """softmax(Q K^T / sqrt(d), causal) V for [B, H, T, d] inputs."""
+    if lowprec_strength:
+        return LowPrecisionAttention.apply(q, k, v, lowprec_strength, on_probs, on_out)
+    s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~causal_mask(q.shape[-2], q.device), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+# -- model ----------------------------------------------------------------------
+
+@dataclasses.dataclass
+class GPTConfig:
+    vocab_size: int
+    block_size: int = 64
+    n_layer: int = 4
+    d_model: int = 64
+    n_head: int = 4
+    mlp_hidden: int = 256
+    n_experts: int = 4
+    top_k: int = 2
+    expert_hidden: int = 128
+    moe_layers: tuple = (1, 3)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        assert cfg.d_model % cfg.n_head == 0
+        self.layer_idx = layer_idx
+        self.n_head = cfg.n_head
+        self.head_dim = cfg.d_model // cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)  # [Q | K | V]
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.qk_hook = None  # e.g. monitor.capture_qk
+        self.lowprec_strength = 0.0
+        self.lowprec_on_probs = True
+        self.lowprec_on_out = True
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.n_head, self.head_dim).transpose(1, 2)
+                   for z in self.qkv(x).split(c, dim=2))
+        if self.qk_hook is not None:
+            self.qk_hook(self.layer_idx, q, k)  # the capture point: Q, K as attention uses them
+        y = causal_attention(q, k, v, self.lowprec_strength, self.lowprec_on_probs,
+                             self.lowprec_on_out)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model, hidden):
+        super().__init__()
+        self.up = nn.Linear(d_model, hidden)
+        self.down = nn.Linear(hidden, d_model)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class MoEFeedForward(nn.Module):
+    """Top-k routed experts; `router` gives the logits, `aux_loss` balances the load."""
+
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_experts = cfg.n_experts
+        self.top_k = cfg.top_k
+        self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg.d_model, cfg.expert_hidden)
+                                     for _ in range(cfg.n_experts))
+        self.router_hook = None  # e.g. monitor.capture_router
+        self.aux_loss = None
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = self.router(x)
+        if self.router_hook is not None:
+            self.router_hook(self.layer_idx, logits, self.top_k)
+        probs = torch.softmax(logits, dim=-1)
+        top_p, top_i = probs.topk(self.top_k, dim=-1)
+        weights = top_p / top_p.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = (top_i == e).nonzero(as_tuple=True)
+            if token.numel():
+                out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+        # Switch-Transformer balance loss: E * sum_e (share of assignments) * (mean prob).
+        assigned = F.one_hot(top_i, self.n_experts).sum(dim=1).float().mean(dim=0) / self.top_k
+        self.aux_loss = self.n_experts * (assigned * probs.mean(dim=0)).sum()
+        return out.reshape(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg, layer_idx)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.ffn = (MoEFeedForward(cfg, layer_idx) if layer_idx in cfg.moe_layers
+                    else MLP(cfg.d_model, cfg.mlp_hidden))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.ffn(self.ln2(x))
+
+
+class TinyMoEGPT(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.proj.weight", "down.weight")):
+                # GPT-2: residual branches scaled down with depth.
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def moe_aux_loss(self):
+        """Sum of the MoE balance losses of the last forward."""
+        return sum(b.ffn.aux_loss for b in self.blocks if isinstance(b.ffn, MoEFeedForward))
+
+    def set_qk_hook(self, hook):
+        """hook(layer, q, k) with q, k [B, H, T, d]; e.g. monitor.capture_qk. None removes it."""
+        for block in self.blocks:
+            block.attn.qk_hook = hook
+
+    def set_router_hook(self, hook):
+        """hook(layer, logits [N, E], top_k); e.g. monitor.capture_router."""
+        for block in self.blocks:
+            if isinstance(block.ffn, MoEFeedForward):
+                block.ffn.router_hook = hook
+
+    def set_lowprec(self, strength, on_probs=True, on_out=True, layers=None):
+        """Turns the biased low-precision attention fault on (strength > 0) or off (0)."""
+        for i, block in enumerate(self.blocks):
+            on = layers is None or i in layers
+            block.attn.lowprec_strength = strength if on else 0.0
+            block.attn.lowprec_on_probs = on_probs
+            block.attn.lowprec_on_out = on_out

@@ -1,0 +1,252 @@
+"""Trains the tiny MoE GPT on CPU while the Foreshock client streams to foreshockd.
+
+    /usr/bin/python3 demo/train.py --endpoint 127.0.0.1:50051 \\
+        --metrics-url http://127.0.0.1:9464/metrics --run-id demo-lowprec \\
+        --fault lowprec --fault-step 300 --fault-strength 64
+
+Faults (DESIGN.md section 6), injected at --fault-step:
+  lowprec  biased BF16 truncation of attention P and O (--fault-strength, --lowprec-on)
+  lr       learning rate times --lr-factor (at once, or a geometric ramp over --lr-ramp-steps)
+  both     the two together
+Benign controls: --lr-decay-step/--lr-decay-factor and --text-switch-step/--text-switch-to.
+
+At the end it prints, per layer, the QK signals the daemon exported through the
+run (scraped from --metrics-url) and the client's counters.
+"""
+import argparse
+import math
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+if __package__ in (None, ""):
+    # Run as a script: make the repository root and the client importable.
+    _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path[:0] = [_ROOT, os.path.join(_ROOT, "client", "python")]
+
+from demo import tiny_moe_gpt as tmg  # noqa: E402
+import foreshock  # noqa: E402
+from foreshock import prometheus  # noqa: E402
+
+TABLE_METRICS = ("foreshock_qk_increment_entropy", "foreshock_qk_increment_top1_share",
+                 "foreshock_attention_entropy", "foreshock_attention_max_logit")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--endpoint", default="127.0.0.1:50051",
+                   help="foreshockd gRPC address; empty: train without monitoring")
+    p.add_argument("--run-id", default="demo")
+    p.add_argument("--job", default="tiny-moe-gpt")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient clipping norm (0: off)")
+    p.add_argument("--seed", type=int, default=0)
+    # One thread: on 2 shared cores, a second intra-op thread made steps of this
+    # tiny model no faster at best and ~30x slower when the other core was busy.
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--fault", choices=("none", "lowprec", "lr", "both"), default="none")
+    p.add_argument("--fault-step", type=int, default=300)
+    p.add_argument("--fault-strength", type=float, default=64.0,
+                   help="lowprec: multiplier of the BF16 truncation bias (1 = plain truncation)")
+    p.add_argument("--lowprec-on", choices=("probs", "out", "both"), default="both",
+                   help="lowprec: which attention tensors are truncated")
+    p.add_argument("--lr-factor", type=float, default=10.0)
+    p.add_argument("--lr-ramp-steps", type=int, default=0,
+                   help="lr: reach --lr-factor geometrically over this many steps (0: at once)")
+    p.add_argument("--lr-decay-step", type=int, default=None, help="benign: decay the LR here")
+    p.add_argument("--lr-decay-factor", type=float, default=0.3)
+    p.add_argument("--text", choices=tuple(tmg.CORPORA), default="gnu")
+    p.add_argument("--text-switch-step", type=int, default=None,
+                   help="benign: switch the training text here")
+    p.add_argument("--text-switch-to", choices=tuple(tmg.CORPORA), default="permissive")
+    p.add_argument("--every", type=int, default=10, help="probe interval in steps")
+    p.add_argument("--probe-seqs", type=int, default=4, help="sequences in the probe batch")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--metrics-url", default=None,
+                   help="foreshockd /metrics URL, scraped through the run for the final table")
+    p.add_argument("--scrape-interval", type=float, default=2.0, help="seconds between scrapes")
+    p.add_argument("--log-every", type=int, default=100)
+    return p.parse_args(argv)
+
+
+def lr_at(step, args):
+    """Warmup then constant, with the lr fault and the benign decay applied."""
+    lr = args.lr * min(1.0, (step + 1) / max(1, args.warmup))
+    if args.fault in ("lr", "both") and step >= args.fault_step:
+        if args.lr_ramp_steps > 0:
+            progress = min(1.0, (step - args.fault_step + 1) / args.lr_ramp_steps)
+            lr *= args.lr_factor ** progress
+        else:
+            lr *= args.lr_factor
+    if args.lr_decay_step is not None and step >= args.lr_decay_step:
+        lr *= args.lr_decay_factor
+    return lr
+
+
+class MetricsRecorder:
+    """Scrapes /metrics on a background thread (training never waits on it)."""
+
+    def __init__(self, url, run, interval_s):
+        self.url, self.run, self.interval_s = url, run, interval_s
+        self.snapshots = []  # (daemon's last_step, {metric: {layer: value}})
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="metrics-scraper", daemon=True)
+
+    def start(self):
+        self._thread.start()
+
+    def scrape_once(self):
+        try:
+            samples = prometheus.scrape(self.url)
+        except (OSError, ValueError):
+            self.errors += 1
+            return None
+        last_step = prometheus.value(samples, "foreshock_last_step", run=self.run)
+        values = {m: prometheus.by_layer(samples, m, self.run) for m in TABLE_METRICS}
+        if last_step is not None and any(values.values()):
+            self.snapshots.append((int(last_step), values))
+        return last_step
+
+    def _loop(self):
+        while not self._stop.wait(self.interval_s):
+            self.scrape_once()
+
+    def finish(self, final_step, timeout_s=10.0):
+        """Stops the thread, then scrapes until the daemon has caught up with final_step."""
+        self._stop.set()
+        self._thread.join()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            last_step = self.scrape_once()
+            if last_step is not None and last_step >= final_step:
+                return
+            time.sleep(0.2)
+
+    def table(self, max_rows=10):
+        by_step = {}
+        for step, values in self.snapshots:
+            by_step[step] = values  # the latest scrape of a step wins
+        steps = sorted(by_step)
+        if len(steps) > max_rows:
+            steps = [steps[round(i * (len(steps) - 1) / (max_rows - 1))] for i in range(max_rows)]
+        lines = []
+        for metric in TABLE_METRICS:
+            layers = sorted({layer for s in steps for layer in by_step[s][metric]})
+            lines.append(metric)
+            lines.append("  " + "step".rjust(6) + "".join(f"  layer {l}".rjust(10) for l in layers))
+            for s in steps:
+                row = by_step[s][metric]
+                lines.append("  " + str(s).rjust(6) + "".join(
+                    (f"{row[l]:10.4f}" if l in row else " " * 9 + "-") for l in layers))
+        return "\n".join(lines)
+
+
+def run(args, tap=None, out=print):
+    """Trains; returns losses, timings and the client's stats. `tap` goes to the Monitor."""
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)  # Adam's tiny second moments are slow as denormals on CPU
+    texts = {name: tmg.load_text(name) for name in tmg.CORPORA}
+    vocab = tmg.CharVocab(texts.values())
+    cfg = tmg.GPTConfig(vocab_size=len(vocab))
+    datasets = {name: tmg.CharDataset(vocab.encode(text), cfg.block_size)
+                for name, text in texts.items()}
+    data = datasets[args.text]
+    model = tmg.TinyMoEGPT(cfg)
+    # The probe stays on the starting text's held-out windows for the whole run.
+    probe = data.probe_batch(args.probe_seqs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                  weight_decay=0.01)
+    batches = torch.Generator().manual_seed(args.seed)
+
+    monitor = None
+    if args.endpoint:
+        monitor = foreshock.Monitor(
+            args.endpoint, run_id=args.run_id, job=args.job, model=model, probe_batch=probe,
+            every=args.every, dtype=args.dtype, tap=tap,
+            labels={"fault": args.fault, "seed": str(args.seed)})
+        # The explicit one-line capture API (same Q/K as discovery finds here: no rotary).
+        model.set_qk_hook(monitor.capture_qk)
+        model.set_router_hook(monitor.capture_router)
+    recorder = None
+    if args.metrics_url:
+        recorder = MetricsRecorder(args.metrics_url, args.run_id, args.scrape_interval)
+        recorder.start()
+
+    losses, train_seconds, monitor_seconds = [], [], []
+    try:
+        for step in range(args.steps):
+            t0 = time.perf_counter()
+            if step == args.fault_step and args.fault in ("lowprec", "both"):
+                model.set_lowprec(args.fault_strength,
+                                  on_probs=args.lowprec_on in ("probs", "both"),
+                                  on_out=args.lowprec_on in ("out", "both"))
+            if args.text_switch_step is not None and step == args.text_switch_step:
+                data = datasets[args.text_switch_to]
+            lr = lr_at(step, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, y = data.batch(args.batch_size, batches)
+            logits = model(x)
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            loss = ce + 0.01 * model.moe_aux_loss()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                model.parameters(), args.clip if args.clip > 0 else math.inf)
+            optimizer.step()
+            ce_value, grad_norm_value = ce.item(), grad_norm.item()
+            t1 = time.perf_counter()
+            if monitor is not None:
+                monitor.step(step, loss=ce_value, grad_norm=grad_norm_value, lr=lr)
+            t2 = time.perf_counter()
+            losses.append(ce_value)
+            train_seconds.append(t1 - t0)
+            monitor_seconds.append(t2 - t1)
+            if args.log_every and (step % args.log_every == 0 or step == args.steps - 1):
+                out(f"step {step:5d}  loss {ce_value:.4f}  grad_norm {grad_norm_value:.3f}  "
+                    f"lr {lr:.2e}  step {1e3 * (t1 - t0):.1f} ms")
+    finally:
+        stats = None
+        if monitor is not None:
+            monitor.close(timeout=10.0)
+            stats = monitor.stats()
+        if recorder is not None:
+            recorder.finish(args.steps - 1)
+
+    probe_steps = [s for s in range(args.steps) if s % args.every == 0]
+    other_steps = [s for s in range(args.steps) if s % args.every != 0]
+    result = dict(
+        losses=losses, train_seconds=train_seconds, monitor_seconds=monitor_seconds,
+        mean_step_s=sum(train_seconds) / len(train_seconds),
+        mean_probe_s=(sum(monitor_seconds[s] for s in probe_steps) / len(probe_steps)
+                      if monitor is not None and probe_steps else 0.0),
+        mean_nonprobe_monitor_s=(sum(monitor_seconds[s] for s in other_steps) / len(other_steps)
+                                 if monitor is not None and other_steps else 0.0),
+        stats=stats, recorder=recorder, model=model)
+    out(f"\nmean train step {1e3 * result['mean_step_s']:.1f} ms; monitor.step "
+        f"{1e3 * result['mean_probe_s']:.2f} ms on probe steps (every {args.every}), "
+        f"{1e3 * result['mean_nonprobe_monitor_s']:.3f} ms otherwise")
+    if recorder is not None:
+        out("\nQK signals exported by foreshockd (rows: the daemon's last_step at each scrape)")
+        out(recorder.table() if recorder.snapshots else
+            f"  (no values scraped from {args.metrics_url}; {recorder.errors} failed scrapes)")
+    if stats is not None:
+        out("\nclient stats: " + ", ".join(f"{k}={v}" for k, v in sorted(stats.items())))
+    return result
+
+
+def main(argv=None):
+    run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

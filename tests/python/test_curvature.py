@@ -1,0 +1,225 @@
+"""The curvature estimator against an exact Hessian on a tiny model, its
+warm-start advantage, its HVP fallbacks, and the guarantee that it never
+changes training."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import pytest
+
+from foreshock.curvature import (CurvatureEstimator, _dot, _lanczos, _optimizer_preconditioner,
+                                 block_index_of, exact_preconditioned_top_eigenvalue,
+                                 hvps_to_tolerance)
+
+
+class Block(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(self.ln(x))))
+
+
+class TinyNet(nn.Module):
+    """~500 parameters in residual blocks: small enough to form the Hessian."""
+
+    def __init__(self, vocab=12, d=6, hidden=12, n_blocks=2, dropout=0.0):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, hidden) for _ in range(n_blocks))
+        self.drop = nn.Dropout(dropout)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x):
+        x = self.emb(x)
+        for block in self.blocks:
+            x = self.drop(block(x))
+        return self.head(x)
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def make_task(seed=0, **kw):
+    torch.manual_seed(seed)
+    model = TinyNet(**kw)
+    x = torch.randint(0, 12, (64,))
+    return model, (x, (5 * x + 3) % 12)
+
+
+def train_step(model, optimizer, batch):
+    loss = loss_fn(model, batch)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def power_iteration_hvps(estimator, exact, rel_tol=0.01, max_hvps=500):
+    """HVPs cold power iteration needs to get within rel_tol (the classic baseline)."""
+    scales, _, _ = _optimizer_preconditioner(estimator.optimizer, estimator.params)
+    g = torch.Generator().manual_seed(7)
+    v = [torch.randn(p.shape, generator=g) for p in estimator.params]
+    for n in range(1, max_hvps + 1):
+        norm = torch.sqrt(_dot(v, v))
+        v = [x / norm for x in v]
+        av = estimator._apply(v, scales)
+        if abs(float(_dot(v, av)) - exact) <= rel_tol * abs(exact):
+            return n
+        v = av
+    return max_hvps + 1
+
+
+def test_warm_started_tracking_matches_exact_preconditioned_eigenvalue():
+    model, batch = make_task()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(20):  # Adam's second moments settle before tracking starts
+        train_step(model, optimizer, batch)
+    estimator = CurvatureEstimator(model, loss_fn, batch, optimizer, every=1, hvps=3)
+    errors, counts = [], []
+    for step in range(50):
+        train_step(model, optimizer, batch)
+        estimate = estimator.estimate()
+        assert estimate.preconditioned and estimate.hvps == 3
+        exact = exact_preconditioned_top_eigenvalue(model, loss_fn, batch, optimizer)
+        errors.append(abs(estimate.lambda_max - exact) / abs(exact))
+        if step in (10, 30, 49):
+            counts.append((hvps_to_tolerance(estimator, exact, warm=True),
+                           hvps_to_tolerance(estimator, exact, warm=False),
+                           power_iteration_hvps(estimator, exact)))
+    late = errors[5:]
+    assert max(late) <= 0.02, [round(e, 4) for e in errors]
+    # HVPs to 1% from the warm vector vs from a random one (Lanczos, and the
+    # classic power iteration). At this scale the spectral gap is large, so a
+    # cold start is cheap too; docs/PERFORMANCE.md reports the measured counts.
+    for warm, cold_lanczos, cold_power in counts:
+        assert warm is not None and cold_lanczos is not None
+        assert warm < cold_lanczos and warm < cold_power, counts
+    print("warm/cold-lanczos/cold-power HVPs to 1%:", counts)
+
+
+class Quadratic(nn.Module):
+    """loss = 0.5 theta^T H theta with H = diag(h)."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.h = torch.tensor(h)
+        self.theta = nn.Parameter(torch.ones(len(h)))
+
+    def forward(self):
+        return 0.5 * (self.h * self.theta * self.theta).sum()
+
+
+def test_largest_ritz_value_not_largest_magnitude():
+    # H = diag(-10, 1, 2): power iteration finds -10; the top of the spectrum is 2.
+    model = Quadratic([-10.0, 1.0, 2.0])
+    estimator = CurvatureEstimator(model, lambda m, _: m(), None, hvps=3)
+    estimate = estimator.estimate()
+    assert estimate.lambda_max == pytest.approx(2.0, rel=1e-5)
+    assert not estimate.preconditioned and estimate.lr == 0.0
+    assert estimate.residual < 1e-4
+
+
+def test_block_contributions_add_up_to_the_rayleigh_quotient():
+    model, batch = make_task()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(5):
+        train_step(model, optimizer, batch)
+    estimator = CurvatureEstimator(model, loss_fn, batch, optimizer, hvps=20)
+    estimate = estimator.estimate()
+    assert not estimate.preconditioned and estimate.beta1 == 0.9 and estimate.lr == 0.1
+    assert len(estimate.layer_rayleigh) == 2
+    # Recompute v^T A v per parameter directly with one more HVP.
+    v = estimator._vector
+    av = estimator._apply(v, None)
+    per_block = [0.0, 0.0]
+    outside = 0.0
+    for block, x, ax in zip(estimator.blocks, v, av):
+        if block is None:
+            outside += float((x * ax).sum())
+        else:
+            per_block[block] += float((x * ax).sum())
+    assert estimate.layer_rayleigh == pytest.approx(per_block, rel=1e-3, abs=1e-5)
+    assert sum(per_block) + outside == pytest.approx(estimate.lambda_max, rel=1e-3)
+
+
+def test_block_index_from_parameter_names():
+    assert block_index_of("blocks.3.attn.qkv.weight") == 3
+    assert block_index_of("model.layers.11.mlp.up_proj.weight") == 11
+    assert block_index_of("transformer.h.0.ln_1.weight") == 0
+    assert block_index_of("tok_emb.weight") is None
+    assert block_index_of("lm_head.weight") is None
+
+
+class NoDoubleBackwardTanh(torch.autograd.Function):
+    """A custom op with a first derivative only (like many fused kernels)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * (1 - y * y)
+
+
+class CustomOpNet(TinyNet):
+    def forward(self, x):
+        x = self.emb(x)
+        for block in self.blocks:
+            x = x + block.down(NoDoubleBackwardTanh.apply(block.up(block.ln(x))))
+        return self.head(x)
+
+
+def test_finite_difference_fallback_for_ops_without_double_backward():
+    torch.manual_seed(0)
+    reference = TinyNet()
+    custom = CustomOpNet()
+    custom.load_state_dict(reference.state_dict())
+    x = torch.randint(0, 12, (64,))
+    batch = (x, (5 * x + 3) % 12)
+    exact = CurvatureEstimator(reference, loss_fn, batch, hvps=12, hvp_mode="double_backward")
+    auto = CurvatureEstimator(custom, loss_fn, batch, hvps=12, hvp_mode="auto")
+    forced = CurvatureEstimator(custom, loss_fn, batch, hvps=12, hvp_mode="double_backward")
+    a, b, c = exact.estimate(), auto.estimate(), forced.estimate()
+    # once_differentiable silently drops the op's second-order term: forced
+    # double backward is wrong, and auto notices and uses finite differences.
+    assert abs(c.lambda_max - a.lambda_max) > 0.05 * a.lambda_max
+    assert b.hvp_mode == "finite_difference" and a.hvp_mode == "double_backward"
+    assert b.lambda_max == pytest.approx(a.lambda_max, rel=1e-2)
+    # On a model whose ops all support double backward, auto keeps it.
+    plain_auto = CurvatureEstimator(reference, loss_fn, batch, hvps=12, hvp_mode="auto")
+    assert plain_auto.estimate().hvp_mode == "double_backward"
+
+
+def _train(seed, estimate_every, hvp_mode="double_backward", steps=12, dropout=0.1):
+    model, batch = make_task(seed, dropout=dropout)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    estimator = CurvatureEstimator(model, loss_fn, batch, optimizer, every=estimate_every or 1,
+                                   hvps=3, hvp_mode=hvp_mode)
+    torch.manual_seed(seed + 1)  # the training RNG stream (dropout, data order)
+    for step in range(steps):
+        idx = torch.randint(0, 64, (32,))
+        train_step(model, optimizer, (batch[0][idx], batch[1][idx]))
+        if estimate_every and estimator.due(step):
+            estimator.estimate()
+    return model, optimizer
+
+
+@pytest.mark.parametrize("hvp_mode", ["double_backward", "finite_difference"])
+def test_estimator_never_changes_training(hvp_mode):
+    plain, plain_opt = _train(3, None)
+    watched, watched_opt = _train(3, 2, hvp_mode)
+    for (name, a), b in zip(plain.named_parameters(), watched.parameters()):
+        assert torch.equal(a, b), f"{name} differs"
+        assert torch.equal(a.grad, b.grad), f"{name}.grad differs"
+    for a, b in zip(plain_opt.state.values(), watched_opt.state.values()):
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])

@@ -1,0 +1,195 @@
+"""The background sender against an in-process Ingest server, and against no server.
+
+Whatever the network does, monitor.step must return at once, and every record
+must be accounted for: sent = acked + rejected + lost in flight.
+"""
+import time
+
+import pytest
+
+from conftest import free_port, wait_until
+from fake_ingest import FakeServer
+from foreshock import ModelInfo, Monitor
+from foreshock.sender import RecordQueue
+
+
+@pytest.fixture
+def server():
+    srv = FakeServer(free_port()).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def scalar_monitor(endpoint, **kwargs):
+    return Monitor(endpoint, run_id="run-a", job="unit", rank=3, labels={"team": "x"},
+                   model_info=ModelInfo(n_layers=2, n_heads=4, head_dim=8),
+                   backoff_initial_s=0.02, backoff_max_s=0.2, **kwargs)
+
+
+def settled(stats):
+    return stats["acked_records"] + sum(stats["rejected"].values()) + stats["lost_in_flight"]
+
+
+def test_hello_then_batches_with_increasing_seq_and_all_records_acked(server):
+    n = 300
+    monitor = scalar_monitor(server.endpoint, max_batch_bytes=400)
+    for step in range(n):
+        monitor.step(step, loss=float(step), grad_norm=1.0, lr=0.1)
+    monitor.close(timeout=10)
+    stats = monitor.stats()
+    assert stats["enqueued"] == stats["sent"] == stats["acked_records"] == n
+    assert stats["lost_in_flight"] == 0 and stats["rejected"] == {} and stats["unsent_at_close"] == 0
+
+    (stream,) = server.servicer.streams
+    hello = stream["hello"]
+    assert (hello.run_id, hello.job, hello.rank, dict(hello.labels)) == ("run-a", "unit", 3,
+                                                                         {"team": "x"})
+    assert (hello.model.n_layers, hello.model.n_heads, hello.model.head_dim) == (2, 4, 8)
+    seqs = [b.seq for b in stream["batches"]]
+    assert seqs == list(range(1, len(seqs) + 1))
+    assert len(seqs) > 1  # the byte budget split the records into several batches
+    for batch in stream["batches"]:
+        assert len(batch.records) == 1 or sum(r.ByteSize() for r in batch.records) <= 400
+    assert [r.step for r in server.servicer.records()] == list(range(n))
+    assert stats["batches_sent"] == len(seqs)
+
+
+def test_rejections_are_counted_by_reason_code(server):
+    server.servicer.reject = lambda r: "bad_shape: odd step" if r.step % 2 else None
+    monitor = scalar_monitor(server.endpoint)
+    for step in range(10):
+        monitor.step(step, loss=1.0)
+    monitor.close(timeout=10)
+    stats = monitor.stats()
+    assert stats["acked_records"] == 5
+    assert stats["rejected"] == {"bad_shape": 5}
+    assert settled(stats) == stats["sent"] == 10
+
+
+def test_reconnects_after_the_server_restarts_and_sends_hello_again(server):
+    monitor = scalar_monitor(server.endpoint)
+    try:
+        monitor.step(0, loss=1.0)
+        assert wait_until(lambda: monitor.stats()["acked_records"] == 1)
+        assert monitor.stats()["connected"]
+        server.stop()
+        assert wait_until(lambda: not monitor.stats()["connected"])
+        for step in range(1, 6):  # queued while the server is down
+            monitor.step(step, loss=1.0)
+        time.sleep(0.3)
+        assert monitor.stats()["reconnects"] >= 1
+        server.start()
+        for step in range(6, 10):
+            monitor.step(step, loss=1.0)
+        assert wait_until(lambda: monitor.stats()["acked_records"] == 10)
+    finally:
+        monitor.close(timeout=5)
+    streams = [s for s in server.servicer.streams if s["batches"]]
+    assert len(streams) == 2
+    assert all(s["hello"].run_id == "run-a" for s in server.servicer.streams)
+    assert [b.seq for b in streams[1]["batches"]][0] == 1  # seq restarts with the stream
+    assert [r.step for r in server.servicer.records()] == list(range(10))
+    assert monitor.stats()["lost_in_flight"] == 0
+
+
+def test_records_wait_in_the_queue_until_a_stream_is_accepted(server):
+    # Two streams fail after reading the Hello; records must not go out on them.
+    server.servicer.fail_hellos = 2
+    server.servicer.hello_delay_s = 0.2
+    monitor = scalar_monitor(server.endpoint)
+    try:
+        for step in range(5):
+            monitor.step(step, loss=1.0)
+        assert wait_until(lambda: monitor.stats()["acked_records"] == 5)
+    finally:
+        monitor.close(timeout=5)
+    stats = monitor.stats()
+    assert stats["reconnects"] == 2 and stats["lost_in_flight"] == 0 and stats["sent"] == 5
+    assert [len(s["batches"]) > 0 for s in server.servicer.streams] == [False, False, True]
+
+
+def test_batches_unacked_when_the_stream_breaks_count_as_lost_in_flight(server):
+    server.servicer.release_acks.clear()  # hold every ack
+    monitor = scalar_monitor(server.endpoint)
+    try:
+        for step in range(4):
+            monitor.step(step, loss=1.0)
+        assert wait_until(lambda: len(server.servicer.records()) == 4)
+        assert monitor.stats()["acked_records"] == 0
+        server.stop()
+        assert wait_until(lambda: monitor.stats()["lost_in_flight"] == 4)
+    finally:
+        monitor.close(timeout=0.5)
+    stats = monitor.stats()
+    assert stats["sent"] == 4 and settled(stats) == 4 and stats["acked_records"] == 0
+
+
+def test_no_daemon_never_blocks_training_and_close_is_bounded():
+    monitor = scalar_monitor(f"127.0.0.1:{free_port()}")  # nobody listens there
+    durations = []
+    for step in range(200):
+        start = time.perf_counter()
+        monitor.step(step, loss=1.0)
+        durations.append(time.perf_counter() - start)
+        time.sleep(0.002)  # let the sender thread run its connection attempts meanwhile
+    # Loose bounds (about 30 us a step is typical) that leave room for a loaded machine.
+    assert sum(durations) < 0.5 and max(durations) < 0.25, \
+        f"step() took {sum(durations) * 1e3:.0f} ms in all, {max(durations) * 1e3:.0f} ms at most"
+    stats = monitor.stats()
+    assert stats["reconnects"] >= 2 and not stats["connected"] and stats["sent"] == 0
+    start = time.perf_counter()
+    monitor.close(timeout=0.5)
+    assert time.perf_counter() - start < 2.0
+    stats = monitor.stats()
+    assert stats["unsent_at_close"] == stats["enqueued"] == 200
+    monitor.step(200, loss=1.0)
+    assert monitor.stats()["dropped_after_close"] == 1
+
+
+def test_a_daemon_that_does_not_answer_never_blocks_training(server):
+    server.servicer.hello_delay_s = 1.5  # the stream is open, the HelloAck late
+    monitor = scalar_monitor(server.endpoint)
+    try:
+        start = time.perf_counter()
+        for step in range(100):
+            monitor.step(step, loss=1.0)
+        assert time.perf_counter() - start < 0.5
+        assert monitor.stats()["sent"] == 0  # nothing goes out before the HelloAck
+        assert wait_until(lambda: monitor.stats()["acked_records"] == 100)
+    finally:
+        monitor.close(timeout=5)
+
+
+def test_full_queue_drops_and_counts_without_blocking():
+    monitor = scalar_monitor(f"127.0.0.1:{free_port()}", queue_size=50)
+    try:
+        n = 5000
+        start = time.perf_counter()
+        for step in range(n):
+            monitor.step(step, loss=1.0)
+        per_step = (time.perf_counter() - start) / n
+        stats = monitor.stats()
+        # No stream ever opens, so nothing leaves the queue: exactly 50 fit.
+        assert stats["enqueued"] == 50 and stats["queued"] == 50
+        assert stats["dropped_queue_full"] == n - 50
+        assert per_step < 1e-3, f"a step with a full queue took {per_step * 1e6:.0f} us"
+    finally:
+        monitor.close(timeout=0.2)
+
+
+def test_record_queue_bounds_records_and_bytes_and_keeps_order():
+    queue = RecordQueue(max_records=3, max_bytes=100)
+    assert queue.put_nowait("a", 40) and queue.put_nowait("b", 40)
+    assert not queue.put_nowait("c", 40)  # 120 bytes > 100
+    assert queue.put_nowait("c", 20)
+    assert not queue.put_nowait("d", 1)  # 3 records
+    assert [r for r, _ in queue.take_batch(max_bytes=50, timeout=0)] == ["a"]
+    batch = queue.take_batch(max_bytes=1000, timeout=0)
+    assert [r for r, _ in batch] == ["b", "c"]
+    queue.put_front(batch)
+    assert [r for r, _ in queue.take_batch(max_bytes=10, timeout=0)] == ["b"]  # oversized alone
+    assert queue.take_batch(max_bytes=10, timeout=0) == [("c", 20)]
+    assert queue.take_batch(max_bytes=10, timeout=0.01) == [] and len(queue) == 0
+    assert queue.put_nowait("e", 100)  # the byte budget was given back
