@@ -73,11 +73,13 @@ class CharDataset:
         y = torch.stack([self.train_ids[s + 1:s + 1 + self.block_size] for s in starts])
         return x, y
 
-    def probe_batch(self, n_sequences):
-        """Fixed, evenly spaced windows of the held-out text: the monitor's probe input."""
-        span = len(self.holdout_ids) - self.block_size
+    def probe_batch(self, n_sequences, block_size=None):
+        """Fixed, evenly spaced windows of the held-out text: the monitor's probe input.
+        block_size + 1 gives windows that split into inputs and next-token targets."""
+        size = block_size or self.block_size
+        span = len(self.holdout_ids) - size
         starts = [i * span // max(1, n_sequences - 1) for i in range(n_sequences)]
-        return torch.stack([self.holdout_ids[s:s + self.block_size] for s in starts])
+        return torch.stack([self.holdout_ids[s:s + size] for s in starts])
 
 
 # -- low-precision fault ------------------------------------------------------

@@ -31,9 +31,12 @@ if __package__ in (None, ""):
 from demo import tiny_moe_gpt as tmg  # noqa: E402
 import foreshock  # noqa: E402
 from foreshock import prometheus  # noqa: E402
+from foreshock.curvature import CurvatureEstimator  # noqa: E402
 
 TABLE_METRICS = ("foreshock_qk_increment_entropy", "foreshock_qk_increment_top1_share",
-                 "foreshock_attention_entropy", "foreshock_attention_max_logit")
+                 "foreshock_attention_entropy", "foreshock_attention_max_logit",
+                 "foreshock_router_entropy", "foreshock_router_flip_rate")
+RUN_METRICS = ("foreshock_curvature_lambda_max", "foreshock_curvature_eos_ratio")
 
 
 def parse_args(argv=None):
@@ -69,6 +72,12 @@ def parse_args(argv=None):
     p.add_argument("--every", type=int, default=10, help="probe interval in steps")
     p.add_argument("--probe-seqs", type=int, default=4, help="sequences in the probe batch")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--curvature-every", type=int, default=50,
+                   help="estimate the preconditioned curvature every N steps (0: off)")
+    p.add_argument("--curvature-seqs", type=int, default=2,
+                   help="held-out sequences in the curvature batch (its Hessian is estimated)")
+    p.add_argument("--curvature-hvps", type=int, default=3,
+                   help="Hessian-vector products (Lanczos steps) per curvature estimate")
     p.add_argument("--metrics-url", default=None,
                    help="foreshockd /metrics URL, scraped through the run for the final table")
     p.add_argument("--scrape-interval", type=float, default=2.0, help="seconds between scrapes")
@@ -111,6 +120,9 @@ class MetricsRecorder:
             return None
         last_step = prometheus.value(samples, "foreshock_last_step", run=self.run)
         values = {m: prometheus.by_layer(samples, m, self.run) for m in TABLE_METRICS}
+        for m in RUN_METRICS:  # run-level: shown as a single "run" column
+            v = prometheus.value(samples, m, run=self.run)
+            values[m] = {} if v is None else {"run": v}
         if last_step is not None and any(values.values()):
             self.snapshots.append((int(last_step), values))
         return last_step
@@ -138,14 +150,17 @@ class MetricsRecorder:
         if len(steps) > max_rows:
             steps = [steps[round(i * (len(steps) - 1) / (max_rows - 1))] for i in range(max_rows)]
         lines = []
-        for metric in TABLE_METRICS:
-            layers = sorted({layer for s in steps for layer in by_step[s][metric]})
+        for metric in TABLE_METRICS + RUN_METRICS:
+            layers = sorted({layer for s in steps for layer in by_step[s][metric]}, key=str)
+            if not layers:
+                continue
             lines.append(metric)
-            lines.append("  " + "step".rjust(6) + "".join(f"  layer {l}".rjust(10) for l in layers))
+            lines.append("  " + "step".rjust(6) + "".join((f"  layer {l}" if l != "run" else "run").rjust(10)
+                                                           for l in layers))
             for s in steps:
                 row = by_step[s][metric]
                 lines.append("  " + str(s).rjust(6) + "".join(
-                    (f"{row[l]:10.4f}" if l in row else " " * 9 + "-") for l in layers))
+                    (f"{row[l]:10.4g}" if l in row else " " * 9 + "-") for l in layers))
         return "\n".join(lines)
 
 
@@ -173,6 +188,13 @@ def run(args, tap=None, out=print):
             args.endpoint, run_id=args.run_id, job=args.job, model=model, probe_batch=probe,
             every=args.every, dtype=args.dtype, tap=tap,
             labels={"fault": args.fault, "seed": str(args.seed)})
+        if args.curvature_every > 0:
+            # A fixed held-out batch with targets: the Hessian is of the CE loss on it.
+            curvature_batch = data.probe_batch(args.curvature_seqs, block_size=cfg.block_size + 1)
+            inputs, targets = curvature_batch[:, :-1], curvature_batch[:, 1:]
+            monitor.curvature = CurvatureEstimator(
+                model, lambda m, b: F.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten()),
+                (inputs, targets), optimizer, every=args.curvature_every, hvps=args.curvature_hvps)
         # The explicit one-line capture API (same Q/K as discovery finds here: no rotary).
         model.set_qk_hook(monitor.capture_qk)
         model.set_router_hook(monitor.capture_router)
@@ -235,8 +257,14 @@ def run(args, tap=None, out=print):
     out(f"\nmean train step {1e3 * result['mean_step_s']:.1f} ms; monitor.step "
         f"{1e3 * result['mean_probe_s']:.2f} ms on probe steps (every {args.every}), "
         f"{1e3 * result['mean_nonprobe_monitor_s']:.3f} ms otherwise")
+    if stats is not None and stats.get("curvature_estimates"):
+        total_train = sum(train_seconds)
+        out(f"curvature: {stats['curvature_estimates']} estimates, "
+            f"{1e3 * stats['curvature_seconds_total'] / stats['curvature_estimates']:.0f} ms each, "
+            f"{100 * stats['curvature_seconds_total'] / total_train:.1f}% of training time "
+            f"(every {args.curvature_every} steps, {args.curvature_hvps} HVPs)")
     if recorder is not None:
-        out("\nQK signals exported by foreshockd (rows: the daemon's last_step at each scrape)")
+        out("\nSignals exported by foreshockd (rows: the daemon's last_step at each scrape)")
         out(recorder.table() if recorder.snapshots else
             f"  (no values scraped from {args.metrics_url}; {recorder.errors} failed scrapes)")
     if stats is not None:

@@ -27,6 +27,7 @@ bit from a copy, the model runs in eval mode (no dropout, no running-stat
 updates) and random start vectors come from a private generator, so the
 training RNG stream is untouched.
 """
+import contextlib
 import re
 import time
 from dataclasses import dataclass, field
@@ -148,6 +149,8 @@ class CurvatureEstimator:
         self.n_blocks = 1 + max((b for b in self.blocks if b is not None), default=-1)
         self._generator = torch.Generator(device="cpu").manual_seed(seed)
         self._vector = None        # warm start: the last Ritz vector (model device)
+        self._graph = None         # (gradients with graph, indices that need it), see _fixed_point
+        self._reuse_graph = False
         self.hvps_total = 0
         self.seconds_total = 0.0
         self.estimates = 0
@@ -170,11 +173,30 @@ class CurvatureEstimator:
                                     allow_unused=True)
         return [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)]
 
+    @contextlib.contextmanager
+    def _fixed_point(self):
+        """Within it, the parameters do not change: double backward builds the
+        gradient graph once and reuses it for every product (one forward and
+        backward per estimate instead of one per HVP)."""
+        self._graph = None
+        self._reuse_graph = True
+        try:
+            yield
+        finally:
+            self._graph = None  # frees the graph
+            self._reuse_graph = False
+
     def _hvp_double_backward(self, direction):
-        grads = self._grad(create_graph=True)
-        used = [i for i, g in enumerate(grads) if g.requires_grad]
+        graph = self._graph if self._reuse_graph else None
+        if graph is None:
+            grads = self._grad(create_graph=True)
+            graph = (grads, [i for i, g in enumerate(grads) if g.requires_grad])
+            if self._reuse_graph:
+                self._graph = graph
+        grads, used = graph
         hv = torch.autograd.grad([grads[i] for i in used], self.params,
-                                 grad_outputs=[direction[i] for i in used], allow_unused=True)
+                                 grad_outputs=[direction[i] for i in used], allow_unused=True,
+                                 retain_graph=self._reuse_graph)
         return [torch.zeros_like(p) if h is None else h.detach() for p, h in zip(self.params, hv)]
 
     def _hvp_finite_difference(self, direction):
@@ -239,8 +261,9 @@ class CurvatureEstimator:
         self.model.eval()
         try:
             scales, preconditioned, beta1 = _optimizer_preconditioner(self.optimizer, self.params)
-            lam, residual, ritz, a_ritz = _lanczos(
-                lambda v: self._apply(v, scales), self._start_vector(), self.hvps)
+            with self._fixed_point():
+                lam, residual, ritz, a_ritz = _lanczos(
+                    lambda v: self._apply(v, scales), self._start_vector(), self.hvps)
         finally:
             self.model.train(was_training)
         self.hvps_total += self.hvps
@@ -331,7 +354,8 @@ def hvps_to_tolerance(estimator, exact, rel_tol=0.01, max_hvps=300, warm=True):
     estimator.model.eval()
     try:
         scales, _, _ = _optimizer_preconditioner(estimator.optimizer, estimator.params)
-        _lanczos(lambda v: estimator._apply(v, scales), start, max_hvps, on_step)
+        with estimator._fixed_point():
+            _lanczos(lambda v: estimator._apply(v, scales), start, max_hvps, on_step)
     finally:
         estimator.model.train(was_training)
     return needed[0] if needed else None

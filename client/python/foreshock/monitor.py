@@ -46,13 +46,15 @@ class Monitor:
       discover_routers: attach discovery hooks for MoE routers (on by default).
       router_dtype: wire dtype of router logits (fp32 by default: they are
         small, and bf16 ties would blur top-k flips).
+      curvature: an optional foreshock.curvature.CurvatureEstimator; step()
+        runs it when it is due (its own `every`) and sends a CurvatureSample.
     """
 
     def __init__(self, endpoint, run_id, job, model=None, probe_batch=None, every=100, rank=0,
                  labels=None, model_info=None, dtype="bf16", queue_size=1024, tap=None, *,
                  probe_id="default", causal=True, discover=True, discover_routers=True,
                  router_dtype="fp32", queue_bytes=256 << 20, max_batch_bytes=1 << 20,
-                 backoff_initial_s=0.1, backoff_max_s=5.0, channel_options=()):
+                 backoff_initial_s=0.1, backoff_max_s=5.0, channel_options=(), curvature=None):
         if every < 1:
             raise ValueError("every must be >= 1")
         self.model = model
@@ -63,6 +65,7 @@ class Monitor:
         self.probe_id = probe_id
         self.causal = causal
         self.tap = tap
+        self.curvature = curvature
 
         given = model_info or capture.ModelInfo()
         self.attention_sites = []
@@ -79,8 +82,10 @@ class Monitor:
         self._explicit_router = False
         self._collector = None  # a ProbeCollector while a probe forward runs
 
-        self._counts = dict(enqueued=0, dropped_queue_full=0, dropped_after_close=0, probes=0)
+        self._counts = dict(enqueued=0, dropped_queue_full=0, dropped_after_close=0, probes=0,
+                            curvature_estimates=0)
         self._probe_seconds = 0.0
+        self._curvature_seconds = 0.0
         self._queue = RecordQueue(queue_size, queue_bytes)
         hello = pb.Hello(run_id=run_id, job=job, rank=rank,
                          model=self.model_info.to_proto(), labels=dict(labels or {}))
@@ -109,6 +114,18 @@ class Monitor:
         self._emit(record)
         if self.model is not None and self.probe_batch is not None and step % self.every == 0:
             self.probe(step)
+        if self.curvature is not None and self.curvature.due(step):
+            self.estimate_curvature(step)
+
+    def estimate_curvature(self, step):
+        """Runs the curvature estimator now and queues its CurvatureSample."""
+        estimate = self.curvature.estimate()
+        record = pb.Record(step=step)
+        record.curvature.CopyFrom(estimate.to_proto(pb))
+        self._emit(record)
+        self._counts["curvature_estimates"] += 1
+        self._curvature_seconds += estimate.seconds
+        return estimate
 
     def probe(self, step):
         """Runs the probe forward now and queues its QK (and router) samples."""
@@ -188,7 +205,8 @@ class Monitor:
         """Counters of the client: what was queued, sent, acked, rejected, lost or dropped."""
         stats = self._sender.stats()
         stats.update(self._counts, queued=len(self._queue),
-                     probe_seconds_total=self._probe_seconds)
+                     probe_seconds_total=self._probe_seconds,
+                     curvature_seconds_total=self._curvature_seconds)
         return stats
 
     def close(self, timeout=5.0):
