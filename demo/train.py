@@ -54,7 +54,8 @@ def parse_args(argv=None):
     # One thread: on 2 shared cores, a second intra-op thread made steps of this
     # tiny model no faster at best and ~30x slower when the other core was busy.
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--fault", choices=("none", "lowprec", "lr", "both"), default="none")
+    p.add_argument("--fault", choices=("none", "lowprec", "lr", "both", "nan"), default="none",
+                   help="nan: a NaN written into one weight at --fault-step (a numerical fault)")
     p.add_argument("--fault-step", type=int, default=300)
     p.add_argument("--fault-strength", type=float, default=64.0,
                    help="lowprec: multiplier of the BF16 truncation bias (1 = plain truncation)")
@@ -82,7 +83,26 @@ def parse_args(argv=None):
                    help="foreshockd /metrics URL, scraped through the run for the final table")
     p.add_argument("--scrape-interval", type=float, default=2.0, help="seconds between scrapes")
     p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--no-alerts", action="store_true",
+                   help="do not watch the daemon's alerts (monitor.on_alert)")
     return p.parse_args(argv)
+
+
+def divergence_step(losses, warmup):
+    """DESIGN.md section 6: the first step after warm-up where the 20-step mean
+    loss exceeds 1.3x its running minimum, or the loss is not finite; None if
+    the run never diverges."""
+    running_min = math.inf
+    for step in range(len(losses)):
+        if not math.isfinite(losses[step]):
+            return step
+        if step + 1 < 20 or step < warmup:
+            continue
+        mean = sum(losses[step - 19:step + 1]) / 20
+        running_min = min(running_min, mean)
+        if mean > 1.3 * running_min:
+            return step
+    return None
 
 
 def lr_at(step, args):
@@ -183,6 +203,7 @@ def run(args, tap=None, out=print):
     batches = torch.Generator().manual_seed(args.seed)
 
     monitor = None
+    alert_events = []
     if args.endpoint:
         monitor = foreshock.Monitor(
             args.endpoint, run_id=args.run_id, job=args.job, model=model, probe_batch=probe,
@@ -198,6 +219,10 @@ def run(args, tap=None, out=print):
         # The explicit one-line capture API (same Q/K as discovery finds here: no rotary).
         model.set_qk_hook(monitor.capture_qk)
         model.set_router_hook(monitor.capture_router)
+        if not args.no_alerts:
+            # Runs on the client's watcher thread; a real job would set a flag
+            # here and checkpoint, stop or lower the LR from the training loop.
+            monitor.on_alert(lambda event: alert_events.append(event))
     recorder = None
     if args.metrics_url:
         recorder = MetricsRecorder(args.metrics_url, args.run_id, args.scrape_interval)
@@ -211,6 +236,9 @@ def run(args, tap=None, out=print):
                 model.set_lowprec(args.fault_strength,
                                   on_probs=args.lowprec_on in ("probs", "both"),
                                   on_out=args.lowprec_on in ("out", "both"))
+            if step == args.fault_step and args.fault == "nan":
+                with torch.no_grad():
+                    model.head.weight[0, 0] = float("nan")
             if args.text_switch_step is not None and step == args.text_switch_step:
                 data = datasets[args.text_switch_to]
             lr = lr_at(step, args)
@@ -253,7 +281,8 @@ def run(args, tap=None, out=print):
                       if monitor is not None and probe_steps else 0.0),
         mean_nonprobe_monitor_s=(sum(monitor_seconds[s] for s in other_steps) / len(other_steps)
                                  if monitor is not None and other_steps else 0.0),
-        stats=stats, recorder=recorder, model=model)
+        stats=stats, recorder=recorder, model=model, alert_events=alert_events,
+        divergence_step=divergence_step(losses, args.warmup))
     out(f"\nmean train step {1e3 * result['mean_step_s']:.1f} ms; monitor.step "
         f"{1e3 * result['mean_probe_s']:.2f} ms on probe steps (every {args.every}), "
         f"{1e3 * result['mean_nonprobe_monitor_s']:.3f} ms otherwise")
@@ -267,9 +296,33 @@ def run(args, tap=None, out=print):
         out("\nSignals exported by foreshockd (rows: the daemon's last_step at each scrape)")
         out(recorder.table() if recorder.snapshots else
             f"  (no values scraped from {args.metrics_url}; {recorder.errors} failed scrapes)")
+    if monitor is not None and not args.no_alerts:
+        out("\n" + alert_timeline(alert_events, result["divergence_step"], args))
     if stats is not None:
         out("\nclient stats: " + ", ".join(f"{k}={v}" for k, v in sorted(stats.items())))
     return result
+
+
+def alert_timeline(events, divergence, args):
+    """The alerts the daemon raised, in order, against the loss divergence."""
+    fault = "no fault" if args.fault == "none" else f"fault {args.fault} injected at step {args.fault_step}"
+    lines = [f"Alert timeline ({fault}):"]
+    firing = [e for e in events if e.to_state == "firing" and e.from_state != "firing"]
+    for e in events:
+        if e.to_state in ("firing", "resolved") and e.from_state != e.to_state:
+            a = e.alert
+            lines.append(f"  step {e.step:5d}  {e.to_state:8s} {a.alertname:36s} layer {a.layer:>3s}  "
+                         f"signal {a.signal:28s} first_step {a.first_step:5d}  "
+                         f"probable_cause {a.probable_cause}")
+    if not firing:
+        lines.append("  no alert fired")
+    lines.append(f"  loss divergence (20-step mean > 1.3x running min): "
+                 f"{'step ' + str(divergence) if divergence is not None else 'none'}")
+    if firing and divergence is not None:
+        first = min(firing, key=lambda e: e.step)
+        lines.append(f"  lead: {divergence - first.step} steps between the first firing alert "
+                     f"({first.alert.alertname}, layer {first.alert.layer}) and the divergence")
+    return "\n".join(lines)
 
 
 def main(argv=None):

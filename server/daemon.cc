@@ -9,6 +9,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/admission.h"
+#include "server/alert_hub.h"
+#include "server/query_service.h"
 #include "server/export_sink.h"
 #include "server/http_server.h"
 #include "server/ingest_service.h"
@@ -27,7 +29,18 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
   metrics_ = std::make_unique<DaemonMetrics>(*registry_, options_.per_head_metrics);
   store_ = std::make_unique<InMemorySeriesStore>(options_.series_capacity);
   runs_ = std::make_unique<RunTracker>(*metrics_);
-  sink_ = std::make_unique<ExportSink>(*metrics_, *store_, *runs_);
+  export_sink_ = std::make_unique<ExportSink>(*metrics_, *store_, *runs_);
+  std::unique_ptr<AlertmanagerNotifier> notifier;
+  if (!options_.alertmanager_url.empty()) {
+    AlertmanagerOptions am;
+    am.url = options_.alertmanager_url;
+    am.resend_interval = options_.alertmanager_resend_interval;
+    am.generator_url = "http://" + options_.metrics_listen + "/";
+    notifier = std::make_unique<AlertmanagerNotifier>(am, *metrics_);
+  }
+  alerts_ = std::make_unique<AlertHub>(options_.alert_config, *metrics_, std::move(notifier));
+  sink_ = std::make_unique<FanoutSink>(std::vector<ObservationSink*>{export_sink_.get(), alerts_.get()});
+  query_ = std::make_unique<QueryService>(*alerts_, *metrics_);
   gate_ = std::make_unique<AdmissionGate>(options_.max_queue_bytes);
   pool_ = std::make_unique<WorkerPool>(options_.workers, options_.detector_options, *sink_,
                                        [gate = gate_.get()](size_t bytes) { gate->Release(bytes); });
@@ -55,6 +68,7 @@ absl::Status Daemon::Start() {
   // silently share the traffic instead of failing to start.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterService(ingest_.get());
+  builder.RegisterService(query_.get());
   grpc_server_ = builder.BuildAndStart();
   if (!grpc_server_ || grpc_port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot serve gRPC on ", options_.listen));
@@ -81,7 +95,7 @@ void Daemon::Shutdown(std::chrono::milliseconds grace) {
   pool_->DrainAndStop();
   if (grpc_server_) grpc_server_->Wait();
   http_->Stop();
-  spdlog::info("foreshockd stopped: {} samples processed", sink_->samples_processed());
+  spdlog::info("foreshockd stopped: {} samples processed", export_sink_->samples_processed());
 }
 
 void Daemon::WaitIdle() { gate_->WaitIdle(); }

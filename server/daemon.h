@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "alerts/config.h"
 #include "detectors/detector.h"
 #include "server/validation.h"
 
@@ -21,6 +22,9 @@ class Registry;
 namespace foreshock::server {
 
 class AdmissionGate;
+class AlertHub;
+class FanoutSink;
+class QueryService;
 class DaemonMetrics;
 class ExportSink;
 class HttpServer;
@@ -39,6 +43,9 @@ struct DaemonOptions {
   int max_message_bytes = 64 << 20;
   IngestLimits limits;
   detectors::DetectorOptions detector_options;
+  alerts::AlertConfig alert_config = alerts::DefaultAlertConfig();
+  std::string alertmanager_url;  // empty: no Alertmanager delivery
+  std::chrono::milliseconds alertmanager_resend_interval{60000};
 };
 
 class Daemon {
@@ -59,6 +66,7 @@ class Daemon {
   prometheus::Registry& registry() { return *registry_; }
   SeriesStore& store() { return *store_; }
   RunTracker& runs() { return *runs_; }
+  AlertHub& alerts() { return *alerts_; }
 
  private:
   DaemonOptions options_;
@@ -66,7 +74,10 @@ class Daemon {
   std::unique_ptr<DaemonMetrics> metrics_;
   std::unique_ptr<SeriesStore> store_;
   std::unique_ptr<RunTracker> runs_;
-  std::unique_ptr<ExportSink> sink_;
+  std::unique_ptr<ExportSink> export_sink_;
+  std::unique_ptr<AlertHub> alerts_;
+  std::unique_ptr<FanoutSink> sink_;
+  std::unique_ptr<QueryService> query_;
   std::unique_ptr<AdmissionGate> gate_;
   std::unique_ptr<WorkerPool> pool_;
   std::unique_ptr<IngestService> ingest_;

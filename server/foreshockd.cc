@@ -51,6 +51,17 @@ ABSL_FLAG(int64_t, max_message_mb, 64,
 ABSL_FLAG(int64_t, shutdown_grace_ms, 5000,
           "On SIGTERM or SIGINT, how long open streams may stay open before they are "
           "cancelled. Everything already accepted is processed before exit.");
+ABSL_FLAG(std::string, config, "",
+          "YAML file with the alert engine's per-signal thresholds, windows and persistence "
+          "(see deploy/foreshock.yaml for every key and its default). Empty: the built-in "
+          "defaults.");
+ABSL_FLAG(std::string, alertmanager_url, "",
+          "Base URL of an Alertmanager (e.g. http://127.0.0.1:9093). Alerts are POSTed to "
+          "<url>/api/v2/alerts, re-sent while they fire, sent with endsAt when they resolve, "
+          "and retried with backoff while Alertmanager is unreachable. Empty: no delivery "
+          "(alerts still reach WatchAlerts and foreshock_alert_active).");
+ABSL_FLAG(int64_t, alertmanager_resend_s, 60,
+          "Seconds between re-sends of firing alerts to Alertmanager.");
 ABSL_FLAG(std::string, log_level, "info", "Log level: trace, debug, info, warn, error, off.");
 
 int main(int argc, char** argv) {
@@ -83,6 +94,19 @@ int main(int argc, char** argv) {
   options.limits.max_experts = absl::GetFlag(FLAGS_max_experts);
   options.max_queue_bytes = static_cast<size_t>(std::max<int64_t>(1, absl::GetFlag(FLAGS_max_queue_mb))) << 20;
   options.max_message_bytes = static_cast<int>(std::clamp<int64_t>(absl::GetFlag(FLAGS_max_message_mb), 1, 2047)) << 20;
+
+  options.alertmanager_url = absl::GetFlag(FLAGS_alertmanager_url);
+  options.alertmanager_resend_interval =
+      std::chrono::seconds(std::max<int64_t>(1, absl::GetFlag(FLAGS_alertmanager_resend_s)));
+  if (const std::string path = absl::GetFlag(FLAGS_config); !path.empty()) {
+    auto config = foreshock::alerts::LoadAlertConfigFile(path);
+    if (!config.ok()) {
+      spdlog::critical("--config {}: {}", path, config.status().ToString());
+      return 2;
+    }
+    options.alert_config = *std::move(config);
+    spdlog::info("alert configuration loaded from {}", path);
+  }
 
   foreshock::server::Daemon daemon(options);
   if (absl::Status status = daemon.Start(); !status.ok()) {

@@ -33,7 +33,15 @@ namespace foreshock::server {
   X(samples_processed_total, "samples_processed_total",                                       \
     "Samples run through the detectors, by sample kind (label kind).")                        \
   X(detector_errors_total, "detector_errors_total",                                           \
-    "Samples a detector failed on (it skipped them), by detector (label detector).")
+    "Samples a detector failed on (it skipped them), by detector (label detector).")           \
+  X(alert_transitions_total, "alert_transitions_total",                                       \
+    "Alert lifecycle transitions, by alert name and new state (labels alertname, to).")      \
+  X(alertmanager_posts_total, "alertmanager_posts_total",                                     \
+    "POSTs to Alertmanager's /api/v2/alerts, by result (ok, error).")                         \
+  X(alertmanager_dropped_total, "alertmanager_dropped_total",                                 \
+    "Alert notifications dropped because too many alerts were waiting for delivery.")        \
+  X(watch_events_dropped_total, "watch_events_dropped_total",                                 \
+    "WatchAlerts events dropped for a subscriber that did not keep up (its stream ends).")
 
 #define FORESHOCK_DAEMON_GAUGES(X)                                                              \
   X(ingest_active_streams, "ingest_active_streams", "Ingest streams open now.")                 \
@@ -45,7 +53,11 @@ namespace foreshock::server {
     "Ingest streams paused because the work queue is full.")                                    \
   X(run_info, "run_info",                                                                       \
     "Always 1; labels carry the run's job name (job_name) and model shape from its Hello.")     \
-  X(last_step, "last_step", "Highest training step processed for the run.")
+  X(last_step, "last_step", "Highest training step processed for the run.")                   \
+  X(alert_active, "alert_active",                                                               \
+    "1 while an alert fires (labels alertname, run, layer, severity), 0 once resolved.")         \
+  X(alertmanager_tracked_alerts, "alertmanager_tracked_alerts",                                 \
+    "Alerts waiting for delivery to Alertmanager or kept for re-sending while they fire.")
 
 #define FORESHOCK_DAEMON_HISTOGRAMS(X)                                    \
   X(detector_seconds, "detector_seconds",                                 \

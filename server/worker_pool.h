@@ -34,6 +34,33 @@ class ObservationSink {
                                const char* what) {}
 };
 
+// Forwards everything to several sinks, in order.
+class FanoutSink final : public ObservationSink {
+ public:
+  explicit FanoutSink(std::vector<ObservationSink*> sinks) : sinks_(std::move(sinks)) {}
+  void OnObservation(const detectors::Sample& sample,
+                     const detectors::Observation& observation) override {
+    for (ObservationSink* sink : sinks_) sink->OnObservation(sample, observation);
+  }
+  void OnNonFinite(const detectors::Sample& sample, detectors::SampleKind kind,
+                   int64_t count) override {
+    for (ObservationSink* sink : sinks_) sink->OnNonFinite(sample, kind, count);
+  }
+  void OnSampleDone(const detectors::Sample& sample) override {
+    for (ObservationSink* sink : sinks_) sink->OnSampleDone(sample);
+  }
+  void OnDetectorTime(std::string_view detector, double seconds) override {
+    for (ObservationSink* sink : sinks_) sink->OnDetectorTime(detector, seconds);
+  }
+  void OnDetectorError(std::string_view detector, const detectors::Sample& sample,
+                       const char* what) override {
+    for (ObservationSink* sink : sinks_) sink->OnDetectorError(detector, sample, what);
+  }
+
+ private:
+  std::vector<ObservationSink*> sinks_;
+};
+
 struct WorkItem {
   detectors::Sample sample;
   size_t bytes = 0;  // admission budget to release once processed

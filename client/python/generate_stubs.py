@@ -11,8 +11,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROTO_ROOT = os.path.normpath(os.path.join(HERE, "..", "..", "proto"))
-PROTOS = ["foreshock/v1/ingest.proto"]
-STUBS = ["foreshock/v1/ingest_pb2.py", "foreshock/v1/ingest_pb2_grpc.py"]
+PROTOS = ["foreshock/v1/ingest.proto", "foreshock/v1/query.proto"]
+STUBS = [p[:-len(".proto")] + suffix for p in PROTOS for suffix in ("_pb2.py", "_pb2_grpc.py")]
 
 
 def stubs_present(out_dir=HERE):

@@ -13,7 +13,7 @@ import generate_stubs  # noqa: E402  (lives next to this file)
 
 
 class BuildPyWithStubs(build_py):
-    """Generates foreshock/v1/ingest_pb2*.py before collecting the package files."""
+    """Generates foreshock/v1/*_pb2*.py before collecting the package files."""
 
     def run(self):
         generate_stubs.ensure()

@@ -18,6 +18,7 @@ import time
 import torch
 
 from foreshock import capture, encoding
+from foreshock.alerts import AlertWatcher
 from foreshock.sender import RecordQueue, Sender
 from foreshock.v1 import ingest_pb2 as pb
 
@@ -66,6 +67,9 @@ class Monitor:
         self.causal = causal
         self.tap = tap
         self.curvature = curvature
+        self._endpoint, self._run_id = endpoint, run_id
+        self._channel_options = channel_options
+        self._alerts = None  # an AlertWatcher once on_alert is used
 
         given = model_info or capture.ModelInfo()
         self.attention_sites = []
@@ -209,11 +213,24 @@ class Monitor:
                      curvature_seconds_total=self._curvature_seconds)
         return stats
 
+    def on_alert(self, callback):
+        """Calls callback(event) for every alert transition of this run
+        (foreshock.v1.AlertEvent: event.alert has alertname, layer, signal,
+        probable_cause, first_step, ...; event.to_state is "pending", "firing"
+        or "resolved"). It runs on a background thread, never the training
+        thread: set a flag there and act on it in the training loop."""
+        if self._alerts is None:
+            self._alerts = AlertWatcher(self._endpoint, self._run_id,
+                                        channel_options=self._channel_options)
+        self._alerts.add_callback(callback)
+
     def close(self, timeout=5.0):
         """Sends what is queued and waits for its acks for up to `timeout` s, then stops."""
         if not self._closed:
             self._closed = True
             self._sender.close(timeout)
+            if self._alerts is not None:
+                self._alerts.close(timeout)
 
     def __enter__(self):
         return self

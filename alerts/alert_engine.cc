@@ -1,0 +1,489 @@
+#include "alerts/alert_engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include "alerts/text.h"
+
+
+namespace foreshock::alerts {
+namespace {
+
+constexpr size_t kFamilyCount = static_cast<size_t>(AlertFamily::kConsequence) + 1;
+
+std::string Num(double value) {
+  if (std::isnan(value)) return "n/a";
+  char buffer[32];
+  std::snprintf(buffer, sizeof buffer, "%.4g", value);
+  return buffer;
+}
+
+std::string LayerLabel(int layer) {
+  return layer < 0 ? std::string(kRunLevelLayer) : std::to_string(layer);
+}
+
+std::string Summary(std::string_view alertname, const std::string& run, int layer) {
+  const std::string where =
+      layer < 0 ? internal::Cat("run ", run) : internal::Cat("layer ", layer, " of run ", run);
+  std::string_view what = "Foreshock alert";
+  if (alertname == kQKIncrementCollapse) what = "QK increment collapse (low-rank attention updates)";
+  if (alertname == kAttentionLogitGrowth) what = "Attention logit growth";
+  if (alertname == kAttentionEntropyCollapse) what = "Attention entropy collapse";
+  if (alertname == kRouterCollapse) what = "MoE router collapse";
+  if (alertname == kRouterImbalance) what = "MoE router load imbalance";
+  if (alertname == kCurvatureAboveEdge) what = "Curvature above the edge of stability";
+  if (alertname == kLossSpike) what = "Loss spike";
+  if (alertname == kNonFinite) what = "Non-finite values";
+  return internal::Cat(what, " in ", where);
+}
+
+}  // namespace
+
+std::string_view AlertStateName(AlertState state) {
+  switch (state) {
+    case AlertState::kInactive: return "inactive";
+    case AlertState::kPending: return "pending";
+    case AlertState::kFiring: return "firing";
+    case AlertState::kResolved: return "resolved";
+  }
+  return "?";
+}
+
+Alert::KeyValues Alert::Labels() const {
+  return {{"alertname", alertname},
+          {"layer", layer},
+          {"run", run},
+          {"severity", severity},
+          {"signal", signal}};
+}
+
+Alert::KeyValues Alert::Annotations() const {
+  return {{"description", description},
+          {"first_step", std::to_string(first_step)},
+          {"probable_cause", probable_cause},
+          {"suggested_action", suggested_action},
+          {"summary", summary}};
+}
+
+// ---------------------------------------------------------------------------
+
+struct AlertEngine::Series {
+  Series(const SignalConfig& signal_config, std::string signal_name)
+      : config(&signal_config), signal(std::move(signal_name)), detector(signal_config.detector) {}
+  const SignalConfig* config;
+  std::string signal;
+  ChangeDetector detector;
+  AlertRecord* record = nullptr;
+};
+
+struct AlertEngine::AlertRecord {
+  Alert alert;
+  int layer = detectors::kNoLayer;
+  std::vector<const Series*> series;  // the series that feed this alert
+};
+
+struct AlertEngine::RunState {
+  std::string name;
+  // signal -> layer -> series
+  std::map<std::string, std::map<int, Series>, std::less<>> series;
+  // (alertname, layer) -> alert
+  std::map<std::pair<std::string, int>, AlertRecord> alerts;
+
+  // Probable cause: per family, the first_step of its first firing episode (-1: never fired).
+  std::array<int64_t, kFamilyCount> family_onset;
+  ProbableCause cause = ProbableCause::kUnknown;
+  int64_t mechanism_onset = -1;  // earliest onset among the evidence families
+  std::optional<FirstFiring> first_firing;
+
+  int64_t latest_step = -1;  // the highest step of any point or event
+
+  // ForeshockNonFinite.
+  int64_t last_nonfinite_step = -1;
+  int64_t last_clean_step = -1;
+  int clean_steps = 0;  // distinct steps with finite values after the last non-finite one
+
+  RunState() { family_onset.fill(-1); }
+};
+
+AlertEngine::AlertEngine(AlertConfig config) : config_(std::move(config)) {}
+AlertEngine::~AlertEngine() = default;
+
+AlertEngine::RunState& AlertEngine::GetRun(std::string_view run) {
+  auto it = runs_.find(run);
+  if (it == runs_.end()) {
+    it = runs_.emplace(std::string(run), std::make_unique<RunState>()).first;
+    it->second->name = std::string(run);
+  }
+  return *it->second;
+}
+
+AlertEngine::AlertRecord& AlertEngine::GetRecord(RunState& run, std::string_view alertname,
+                                                 int layer) {
+  auto [it, inserted] = run.alerts.try_emplace({std::string(alertname), layer});
+  AlertRecord& record = it->second;
+  if (inserted) {
+    record.layer = layer;
+    record.alert.alertname = std::string(alertname);
+    record.alert.run = run.name;
+    record.alert.layer = LayerLabel(layer);
+    record.alert.summary = Summary(alertname, run.name, layer);
+    record.alert.probable_cause = std::string(ProbableCauseName(ProbableCause::kUnknown));
+  }
+  return record;
+}
+
+AlertEngine::Series& AlertEngine::GetSeries(RunState& run, const SignalConfig& config,
+                                            std::string_view signal, int layer) {
+  auto signal_it = run.series.find(signal);
+  if (signal_it == run.series.end()) signal_it = run.series.emplace(std::string(signal), std::map<int, Series>{}).first;
+  auto& by_layer = signal_it->second;
+  auto it = by_layer.find(layer);
+  if (it == by_layer.end()) {
+    it = by_layer.try_emplace(layer, config, std::string(signal)).first;
+    AlertRecord& record = GetRecord(run, config.alertname, layer);
+    it->second.record = &record;
+    record.series.push_back(&it->second);
+  }
+  return it->second;
+}
+
+std::vector<AlertTransition> AlertEngine::Observe(const SignalPoint& point) {
+  std::vector<AlertTransition> out;
+  if (!std::isfinite(point.value)) {
+    ++counters_.points_nonfinite;
+    return out;
+  }
+  RunState& run = GetRun(point.run);
+  run.latest_step = std::max(run.latest_step, point.step);
+  // Any finite value is evidence that the run computes finite numbers again.
+  AdvanceCleanSteps(run, point.step, out);
+
+  // Per-head values are summarized by the layer aggregate; values flagged
+  // out of detection (e.g. unconverged curvature) are only exported.
+  if (!point.for_detection || point.head != detectors::kAllHeads) return out;
+  const auto config_it = config_.signals.find(point.signal);
+  if (config_it == config_.signals.end() || !config_it->second.enabled) return out;
+
+  Series& series = GetSeries(run, config_it->second, point.signal, point.layer);
+  const SeriesState before = series.detector.state();
+  const ChangeAssessment assessment = series.detector.Update(point.step, point.value);
+  switch (assessment.disposition) {
+    case ChangeAssessment::Disposition::kStale: ++counters_.points_stale; return out;
+    case ChangeAssessment::Disposition::kDuplicate: ++counters_.points_duplicate; return out;
+    case ChangeAssessment::Disposition::kWarmup:
+    case ChangeAssessment::Disposition::kScored: ++counters_.points_scored; break;
+  }
+  // A pending series can change its onset without changing state; otherwise
+  // only state changes matter to the alert.
+  if (assessment.state != before || assessment.state == SeriesState::kPending) {
+    Evaluate(run, *series.record, series, assessment, point.step, out);
+  }
+  return out;
+}
+
+void AlertEngine::Evaluate(RunState& run, AlertRecord& record, const Series& trigger,
+                           const ChangeAssessment& assessment, int64_t step,
+                           std::vector<AlertTransition>& out) {
+  bool any_anomalous = false, any_pending = false;
+  for (const Series* s : record.series) {
+    any_anomalous |= s->detector.state() == SeriesState::kAnomalous;
+    any_pending |= s->detector.state() == SeriesState::kPending;
+  }
+  Alert& alert = record.alert;
+
+  auto describe = [&](const Series& series, const ChangeAssessment& a, bool confirmed) {
+    const ChangeDetectorOptions& o = series.config->detector;
+    const bool rise = o.direction == Direction::kRise;
+    std::string text;
+    if (a.change_flag) {
+      text = internal::Cat(series.signal, rise ? " rose" : " dropped", " to ", Num(a.value),
+                          " at step ", a.step, " (baseline ", Num(a.baseline), ", robust z ",
+                          Num(a.z), ", change ", Num(100 * a.relative_change), "%)");
+    } else {
+      text = internal::Cat(series.signal, " = ", Num(a.value), " at step ", a.step);
+      if (!std::isnan(a.baseline)) {
+        text += internal::Cat(" (baseline ", Num(a.baseline), ", robust z ", Num(a.z), ")");
+      }
+    }
+    if (a.guard_flag) {
+      text += internal::Cat(rise ? ", above" : ", below", " the absolute bound ", Num(*o.bound));
+    }
+    if (confirmed) {
+      text += internal::Cat("; anomalous in ", o.persist_m, " of ", o.persist_n,
+                      " samples since step ", a.onset_step, ".");
+    } else {
+      text += internal::Cat("; ", a.anomalous_in_window, " of the last ", o.persist_n,
+                      " samples anomalous (", o.persist_m, " fire it), since step ", a.onset_step,
+                      ".");
+    }
+    if (run.first_firing) {
+      text += internal::Cat(" First layer to fire in this run: layer ", run.first_firing->layer,
+                      " (", run.first_firing->alertname, ", ", run.first_firing->signal,
+                      ", step ", run.first_firing->firing_step, ").");
+    }
+    return text;
+  };
+  auto open_episode = [&] {
+    ++alert.episode;
+    alert.pending_step = alert.firing_step = alert.resolved_step = -1;
+  };
+  // Labels and the values that fired come from the series that moved the alert.
+  auto take_labels_from = [&](const Series& series, const ChangeAssessment& a, bool confirmed) {
+    alert.signal = series.signal;
+    alert.severity = series.config->severity;
+    alert.first_step = a.onset_step;
+    alert.value = a.value;
+    alert.baseline = a.baseline;
+    alert.z = a.z;
+    alert.description = describe(series, a, confirmed);
+  };
+  auto emit = [&](AlertState from) {
+    RefreshCause(run, record);
+    out.push_back(AlertTransition{alert, from, alert.state, step});
+  };
+  auto fire = [&](AlertState from) {
+    alert.state = AlertState::kFiring;
+    alert.firing_step = step;
+    std::vector<AlertTransition> updates;
+    OnFired(run, record, step, updates);
+    take_labels_from(trigger, assessment, true);  // after OnFired: names the first layer
+    emit(from);
+    out.insert(out.end(), updates.begin(), updates.end());
+  };
+
+  switch (alert.state) {
+    case AlertState::kInactive:
+    case AlertState::kResolved: {
+      if (!any_anomalous && !any_pending) return;
+      const AlertState from = alert.state;
+      open_episode();
+      if (any_anomalous) {
+        fire(from);
+      } else {
+        alert.state = AlertState::kPending;
+        alert.pending_step = step;
+        take_labels_from(trigger, assessment, false);
+        emit(from);
+      }
+      return;
+    }
+    case AlertState::kPending:
+      if (any_anomalous) {
+        fire(AlertState::kPending);
+      } else if (!any_pending) {
+        alert.state = AlertState::kInactive;
+        emit(AlertState::kPending);
+      }
+      return;
+    case AlertState::kFiring:
+      if (any_anomalous) return;
+      alert.state = AlertState::kResolved;
+      alert.resolved_step = step;
+      emit(AlertState::kFiring);
+      if (any_pending) {
+        // Another series of the same alert is already building up: it opens
+        // the next episode.
+        for (const Series* s : record.series) {
+          if (s->detector.state() != SeriesState::kPending) continue;
+          open_episode();
+          alert.state = AlertState::kPending;
+          alert.pending_step = step;
+          take_labels_from(*s, s->detector.last(), false);
+          emit(AlertState::kResolved);
+          break;
+        }
+      }
+      return;
+  }
+}
+
+void AlertEngine::OnFired(RunState& run, AlertRecord& fired, int64_t step,
+                          std::vector<AlertTransition>& out) {
+  const Alert& alert = fired.alert;
+  // The episode's onset: the earliest first anomalous step of the series
+  // that are anomalous now (a non-finite alert has no series: its step).
+  int64_t onset = step;
+  for (const Series* s : fired.series) {
+    if (s->detector.state() == SeriesState::kAnomalous && s->detector.last().onset_step >= 0) {
+      onset = std::min(onset, s->detector.last().onset_step);
+    }
+  }
+
+  if (fired.layer >= 0) {
+    const bool earlier = !run.first_firing ||
+                         std::pair(step, onset) < std::pair(run.first_firing->firing_step,
+                                                            run.first_firing->first_step);
+    if (earlier) {
+      run.first_firing = FirstFiring{alert.alertname, fired.layer, "", step, onset};
+      // The signal that confirmed: an anomalous series of this record.
+      for (const Series* s : fired.series) {
+        if (s->detector.state() == SeriesState::kAnomalous) {
+          run.first_firing->signal = s->signal;
+          break;
+        }
+      }
+    }
+  }
+
+  const AlertFamily family = FamilyOfAlert(alert.alertname);
+  int64_t& family_onset = run.family_onset[static_cast<size_t>(family)];
+  if (family == AlertFamily::kConsequence || (family_onset >= 0 && family_onset <= onset)) return;
+  family_onset = onset;
+
+  // Re-derive the run's cause from the families near the mechanism onset.
+  int64_t mechanism_onset = -1;
+  for (size_t f = 0; f < kFamilyCount; ++f) {
+    if (static_cast<AlertFamily>(f) == AlertFamily::kConsequence || run.family_onset[f] < 0) continue;
+    if (mechanism_onset < 0 || run.family_onset[f] < mechanism_onset) mechanism_onset = run.family_onset[f];
+  }
+  auto within = [&](AlertFamily f) {
+    const int64_t o = run.family_onset[static_cast<size_t>(f)];
+    return o >= 0 && o - mechanism_onset <= config_.probable_cause.onset_window_steps;
+  };
+  CauseEvidence evidence;
+  evidence.attention = within(AlertFamily::kAttention);
+  evidence.router_collapse = within(AlertFamily::kRouterCollapse);
+  evidence.router_imbalance = within(AlertFamily::kRouterImbalance);
+  evidence.curvature = within(AlertFamily::kCurvature);
+  run.cause = ClassifyProbableCause(evidence);
+  run.mechanism_onset = mechanism_onset;
+
+  for (auto& [key, record] : run.alerts) {
+    if (&record == &fired) continue;
+    const bool changed = RefreshCause(run, record);
+    if (changed && record.alert.state == AlertState::kFiring) {
+      out.push_back(AlertTransition{record.alert, AlertState::kFiring, AlertState::kFiring, step});
+    }
+  }
+}
+
+bool AlertEngine::RefreshCause(const RunState& run, AlertRecord& record) const {
+  Alert& alert = record.alert;
+  // Resolved and inactive alerts keep the diagnosis they were delivered with.
+  if (alert.state != AlertState::kPending && alert.state != AlertState::kFiring) return false;
+  int64_t rollback = alert.first_step;
+  if (run.mechanism_onset >= 0 && (rollback < 0 || run.mechanism_onset < rollback)) {
+    rollback = run.mechanism_onset;
+  }
+  std::string cause(ProbableCauseName(run.cause));
+  std::string action = SuggestedAction(run.cause, rollback);
+  if (cause == alert.probable_cause && action == alert.suggested_action) return false;
+  alert.probable_cause = std::move(cause);
+  alert.suggested_action = std::move(action);
+  return true;
+}
+
+std::vector<AlertTransition> AlertEngine::ObserveNonFinite(const NonFiniteEvent& event) {
+  std::vector<AlertTransition> out;
+  if (!config_.nonfinite.enabled || event.count <= 0) return out;
+  RunState& run = GetRun(event.run);
+  run.latest_step = std::max(run.latest_step, event.step);
+  run.last_nonfinite_step = std::max(run.last_nonfinite_step, event.step);
+  run.last_clean_step = run.last_nonfinite_step;
+  run.clean_steps = 0;
+
+  AlertRecord& record = GetRecord(run, kNonFinite, detectors::kNoLayer);
+  Alert& alert = record.alert;
+  if (alert.state == AlertState::kFiring) return out;
+  const AlertState from = alert.state;
+  ++alert.episode;
+  alert.state = AlertState::kFiring;
+  alert.pending_step = alert.resolved_step = -1;
+  alert.firing_step = event.step;
+  alert.first_step = event.step;
+  alert.signal = std::string(kNonFiniteSignal);
+  alert.severity = config_.nonfinite.severity;
+  alert.value = alert.baseline = alert.z = std::numeric_limits<double>::quiet_NaN();
+  std::vector<AlertTransition> updates;
+  OnFired(run, record, event.step, updates);
+  alert.description = internal::Cat(
+      event.count, " non-finite value(s) (NaN or Inf) in a ",
+      detectors::SampleKindName(event.kind), " sample at step ", event.step,
+      event.layer >= 0 ? internal::Cat(", layer ", event.layer) : std::string(),
+      "; the sample was not used for detection.");
+  if (run.first_firing) {
+    alert.description += internal::Cat(" First layer to fire in this run: layer ",
+                    run.first_firing->layer, " (", run.first_firing->alertname, ", step ",
+                    run.first_firing->firing_step, ").");
+  }
+  RefreshCause(run, record);
+  out.push_back(AlertTransition{alert, from, AlertState::kFiring, event.step});
+  out.insert(out.end(), updates.begin(), updates.end());
+  return out;
+}
+
+void AlertEngine::AdvanceCleanSteps(RunState& run, int64_t step,
+                                    std::vector<AlertTransition>& out) {
+  if (run.last_nonfinite_step < 0 || step <= run.last_clean_step) return;
+  run.last_clean_step = step;
+  ++run.clean_steps;
+  auto it = run.alerts.find({std::string(kNonFinite), detectors::kNoLayer});
+  if (it == run.alerts.end() || it->second.alert.state != AlertState::kFiring) return;
+  if (run.clean_steps < config_.nonfinite.clear_after) return;
+  Alert& alert = it->second.alert;
+  alert.state = AlertState::kResolved;
+  alert.resolved_step = step;
+  out.push_back(AlertTransition{alert, AlertState::kFiring, AlertState::kResolved, step});
+}
+
+// ---------------------------------------------------------------------------
+// Snapshots.
+
+std::vector<Alert> AlertEngine::ActiveAlerts() const {
+  std::vector<Alert> active;
+  for (const auto& [name, run] : runs_) {
+    for (const auto& [key, record] : run->alerts) {
+      if (record.alert.state == AlertState::kPending || record.alert.state == AlertState::kFiring) {
+        active.push_back(record.alert);
+      }
+    }
+  }
+  return active;  // runs_ and alerts are ordered maps: by run, alertname, layer
+}
+
+std::vector<Alert> AlertEngine::AllAlerts(std::string_view run) const {
+  std::vector<Alert> all;
+  const auto it = runs_.find(run);
+  if (it == runs_.end()) return all;
+  // The map orders by alertname, then layer (run-level, -1, first).
+  for (const auto& [key, record] : it->second->alerts) {
+    if (record.alert.episode > 0) all.push_back(record.alert);
+  }
+  return all;
+}
+
+std::optional<FirstFiring> AlertEngine::FirstFiringLayer(std::string_view run) const {
+  const auto it = runs_.find(run);
+  if (it == runs_.end()) return std::nullopt;
+  return it->second->first_firing;
+}
+
+ProbableCause AlertEngine::RunProbableCause(std::string_view run) const {
+  const auto it = runs_.find(run);
+  return it == runs_.end() ? ProbableCause::kUnknown : it->second->cause;
+}
+
+std::vector<AlertTransition> AlertEngine::ForgetRun(std::string_view run) {
+  std::vector<AlertTransition> out;
+  const auto it = runs_.find(run);
+  if (it == runs_.end()) return out;
+  const int64_t step = it->second->latest_step;
+  for (auto& [key, record] : it->second->alerts) {
+    Alert& alert = record.alert;
+    const AlertState from = alert.state;
+    if (from == AlertState::kFiring) {
+      alert.state = AlertState::kResolved;
+      alert.resolved_step = step;
+    } else if (from == AlertState::kPending) {
+      alert.state = AlertState::kInactive;
+    } else {
+      continue;
+    }
+    out.push_back(AlertTransition{alert, from, alert.state, step});
+  }
+  runs_.erase(it);
+  return out;
+}
+
+}  // namespace foreshock::alerts

@@ -1,0 +1,218 @@
+// The alert engine: turns detector output into DESIGN.md section 5 alerts.
+//
+// Pure computation: no clock, no threads, no I/O, no gRPC/HTTP/Prometheus.
+// The server feeds it every detector observation and non-finite event, and
+// delivers the transitions it returns (Alertmanager, WatchAlerts, the
+// foreshock_alert_active gauge, a log line).
+//
+// ## What drives alerts
+//
+// Only points with for_detection = true, head = kAllHeads (the layer
+// aggregate: the worst head) and a signal enabled in AlertConfig::signals.
+// One ChangeDetector (change_detector.h) runs per (run, signal, layer);
+// run-level signals (layer = kNoLayer) get the layer label "all".
+// Several ranks reporting the same series and step are deduplicated there
+// (the worst value of a step counts). Default signal -> alert mapping
+// (config.cc): qk_increment_entropy (drop) and qk_increment_top1_share
+// (rise) -> ForeshockQKIncrementCollapse; attention_max_logit (rise, bound
+// 100) -> ForeshockAttentionLogitGrowth; attention_entropy (drop) ->
+// ForeshockAttentionEntropyCollapse; router_entropy (drop), router_flip_rate,
+// router_z_loss (rise), router_dead_experts (> 0) -> ForeshockRouterCollapse;
+// router_load_cv, router_max_violation (rise) -> ForeshockRouterImbalance;
+// curvature_eos_ratio (surge, or > 1) -> ForeshockCurvatureAboveEdge; loss
+// (rise) -> ForeshockLossSpike. Non-finite events -> ForeshockNonFinite.
+//
+// ## Alerts and lifecycle
+//
+// One alert per (alertname, run, layer), fed by every series of its signals
+// in that layer. Its state follows the series:
+//   inactive/resolved -> pending   some series has an unconfirmed anomalous sample
+//   pending  -> firing             a series reached persistence (m of n)
+//   pending  -> inactive           the anomalous samples left the persistence window
+//   firing   -> resolved           no series anomalous any more (each cleared after
+//                                  clear_after consecutive normal samples)
+//   resolved -> pending/firing     a new episode (same labels except `signal`)
+// ForeshockNonFinite (layer "all") fires on the first non-finite event and
+// resolves once the run has reported finite values at nonfinite.clear_after
+// distinct later steps.
+//
+// Labels: alertname, run, layer, signal (the series that opened or confirmed
+// the episode), severity (that signal's). Annotations: summary, description
+// (signal, value, baseline, robust z, relative change, step), probable_cause,
+// suggested_action, first_step (the episode's first anomalous step).
+//
+// ## Probable cause
+//
+// Per run, from the rule table in probable_cause.h over the alert families
+// whose first episode's first_step lies within
+// probable_cause.onset_window_steps of the run's earliest mechanism onset.
+// When new evidence changes a run's cause, every firing alert of the run is
+// re-annotated and reported as a firing -> firing transition.
+//
+// ## Threading
+//
+// Thread-compatible, not thread-safe: const methods may run concurrently
+// with each other, but not with Observe/ObserveNonFinite/ForgetRun. All
+// state is partitioned by run, so the server may either call one engine
+// under one mutex, or run one engine per shard as long as every point and
+// event of a run (layer-level AND run-level) reaches the same shard; the
+// snapshots are then the union over shards.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "alerts/change_detector.h"
+#include "alerts/config.h"
+#include "alerts/probable_cause.h"
+#include "detectors/detector.h"
+#include "detectors/sample.h"
+
+namespace foreshock::alerts {
+
+// One detector output value. Views: only read during the call.
+struct SignalPoint {
+  std::string_view run;
+  int64_t step = 0;
+  std::string_view signal;
+  int layer = detectors::kNoLayer;
+  int head = detectors::kAllHeads;
+  double value = 0;
+  bool for_detection = true;
+};
+
+// Non-finite values found in one sample (detectors::Emitter::NonFinite).
+struct NonFiniteEvent {
+  std::string_view run;
+  int64_t step = 0;
+  detectors::SampleKind kind = detectors::SampleKind::kScalars;
+  int64_t count = 0;
+  int layer = detectors::kNoLayer;  // the sample's layer if known; for the description only
+};
+
+enum class AlertState : uint8_t { kInactive, kPending, kFiring, kResolved };
+std::string_view AlertStateName(AlertState state);  // "inactive", "pending", "firing", "resolved"
+
+inline constexpr std::string_view kRunLevelLayer = "all";
+inline constexpr std::string_view kNonFiniteSignal = "nonfinite_values";
+
+struct Alert {
+  // Labels (DESIGN.md section 5).
+  std::string alertname;
+  std::string run;
+  std::string layer;  // the layer index, or "all" for run-level alerts
+  std::string signal;
+  std::string severity;
+  // Annotations (DESIGN.md section 5).
+  std::string summary;
+  std::string description;
+  std::string probable_cause;
+  std::string suggested_action;
+  int64_t first_step = -1;
+
+  AlertState state = AlertState::kInactive;
+  int episode = 0;            // 1 for the first pending/firing episode, +1 per new one
+  int64_t pending_step = -1;  // step it became pending (-1: went straight to firing)
+  int64_t firing_step = -1;   // step it fired in this episode (-1: not yet)
+  int64_t resolved_step = -1; // step it resolved (-1: not resolved)
+  // The values that fired it (or made it pending); NaN when not applicable
+  // (no baseline yet, or a guard / non-finite alert).
+  double value = std::numeric_limits<double>::quiet_NaN();
+  double baseline = std::numeric_limits<double>::quiet_NaN();
+  double z = std::numeric_limits<double>::quiet_NaN();
+
+  using KeyValues = std::vector<std::pair<std::string, std::string>>;
+  // Sorted by name: alertname, layer, run, severity, signal.
+  KeyValues Labels() const;
+  // Sorted by name: description, first_step, probable_cause, suggested_action, summary.
+  KeyValues Annotations() const;
+};
+
+// One lifecycle change, with the alert as it is after it. from == to ==
+// kFiring means the annotations changed (the run's probable cause was
+// refined); deliver it like a re-send.
+struct AlertTransition {
+  Alert alert;
+  AlertState from = AlertState::kInactive;
+  AlertState to = AlertState::kInactive;
+  int64_t step = 0;  // the step of the point or event that caused it
+};
+
+// Which layer-level alert of a run fired first (earliest firing step, then
+// earliest first_step).
+struct FirstFiring {
+  std::string alertname;
+  int layer = 0;
+  std::string signal;
+  int64_t firing_step = 0;
+  int64_t first_step = 0;
+};
+
+// Points that did not reach a detector, for the server's metrics.
+struct AlertEngineCounters {
+  uint64_t points_scored = 0;        // reached a change detector and were scored or recorded
+  uint64_t points_stale = 0;         // older step than the series' latest
+  uint64_t points_duplicate = 0;     // same step, not worse than the value already scored
+  uint64_t points_nonfinite = 0;     // non-finite values passed to Observe (dropped)
+};
+
+class AlertEngine {
+ public:
+  // `config` must be valid (ParseAlertConfig validates; ValidateAlertConfig
+  // checks a hand-built one).
+  explicit AlertEngine(AlertConfig config = DefaultAlertConfig());
+  ~AlertEngine();
+  AlertEngine(const AlertEngine&) = delete;
+  AlertEngine& operator=(const AlertEngine&) = delete;
+
+  std::vector<AlertTransition> Observe(const SignalPoint& point);
+  std::vector<AlertTransition> ObserveNonFinite(const NonFiniteEvent& event);
+
+  // Pending and firing alerts of every run, by run, alertname and layer.
+  std::vector<Alert> ActiveAlerts() const;
+  // Every alert of `run` that ever left inactive, by alertname and layer.
+  std::vector<Alert> AllAlerts(std::string_view run) const;
+  std::optional<FirstFiring> FirstFiringLayer(std::string_view run) const;
+  ProbableCause RunProbableCause(std::string_view run) const;
+
+  // Drops all state of `run` (finished, or restarted from a checkpoint: its
+  // steps start over, which every series would otherwise ignore as stale).
+  // Returns the transitions that close its open alerts (firing -> resolved,
+  // pending -> inactive, at the run's latest step) so they can be delivered.
+  std::vector<AlertTransition> ForgetRun(std::string_view run);
+
+  const AlertConfig& config() const { return config_; }
+  const AlertEngineCounters& counters() const { return counters_; }
+
+ private:
+  struct AlertRecord;
+  struct Series;
+  struct RunState;
+
+  RunState& GetRun(std::string_view run);
+  Series& GetSeries(RunState& run, const SignalConfig& config, std::string_view signal, int layer);
+  AlertRecord& GetRecord(RunState& run, std::string_view alertname, int layer);
+  void AdvanceCleanSteps(RunState& run, int64_t step, std::vector<AlertTransition>& out);
+  void Evaluate(RunState& run, AlertRecord& record, const Series& trigger,
+                const ChangeAssessment& assessment, int64_t step,
+                std::vector<AlertTransition>& out);
+  // Records evidence for the probable cause and the first firing layer, and
+  // re-annotates the run's alerts; firing alerts other than `fired` whose
+  // annotations changed are appended to `out` as firing -> firing.
+  void OnFired(RunState& run, AlertRecord& fired, int64_t step, std::vector<AlertTransition>& out);
+  bool RefreshCause(const RunState& run, AlertRecord& record) const;
+
+  const AlertConfig config_;
+  std::map<std::string, std::unique_ptr<RunState>, std::less<>> runs_;
+  AlertEngineCounters counters_;
+};
+
+}  // namespace foreshock::alerts

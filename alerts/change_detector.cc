@@ -1,0 +1,204 @@
+#include "alerts/change_detector.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace foreshock::alerts {
+namespace {
+
+// 1.4826 * MAD estimates sigma for Gaussian data.
+constexpr double kMadToSigma = 1.4826;
+// A flat series (MAD = 0) must still give a finite z.
+constexpr double kRelativeScaleFloor = 1e-6;
+constexpr double kAbsoluteScaleFloor = 1e-12;
+// Fewer samples than this in the window give no trend estimate.
+constexpr size_t kMinTrendSamples = 6;
+// The CUSUM input is clipped here (or at z_threshold if lower): one outlier
+// adds at most 3 - k, so with heavy-tailed noise two spikes in a row cannot
+// reach h on their own.
+constexpr double kCusumClip = 3.0;
+
+// Median of `values`, which it reorders. `values` must not be empty.
+double MedianInPlace(std::vector<double>& values) {
+  const size_t mid = values.size() / 2;
+  std::nth_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(mid),
+                   values.end());
+  const double upper = values[mid];
+  if (values.size() % 2 == 1) return upper;
+  const double lower =
+      *std::max_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(mid));
+  return 0.5 * (lower + upper);
+}
+
+template <typename T>
+void PushBounded(std::vector<T>& values, T value, size_t capacity) {
+  values.push_back(value);
+  if (values.size() > capacity) values.erase(values.begin());
+}
+
+}  // namespace
+
+std::string_view DirectionName(Direction direction) {
+  return direction == Direction::kRise ? "rise" : "drop";
+}
+
+std::string_view SeriesStateName(SeriesState state) {
+  switch (state) {
+    case SeriesState::kNormal: return "normal";
+    case SeriesState::kPending: return "pending";
+    case SeriesState::kAnomalous: return "anomalous";
+  }
+  return "?";
+}
+
+ChangeDetector::ChangeDetector(const ChangeDetectorOptions& options)
+    : options_(options), sign_(options.direction == Direction::kRise ? 1.0 : -1.0) {
+  core_.history.reserve(static_cast<size_t>(options_.window + options_.gap + 1));
+  core_.flags.reserve(static_cast<size_t>(options_.persist_n + 1));
+}
+
+ChangeAssessment ChangeDetector::Update(int64_t step, double value) {
+  const bool seen_any = core_.samples_seen > 0;
+  if (seen_any && step < core_.last_step) {
+    ChangeAssessment stale = last_;
+    stale.disposition = ChangeAssessment::Disposition::kStale;
+    stale.step = step;
+    stale.value = value;
+    return stale;
+  }
+  if (seen_any && step == core_.last_step) {
+    // Another source (rank) for a step already scored: only a worse value
+    // matters, and it replaces the first one.
+    if (!(sign_ * (value - last_.value) > 0)) {
+      ChangeAssessment duplicate = last_;
+      duplicate.disposition = ChangeAssessment::Disposition::kDuplicate;
+      duplicate.value = value;
+      return duplicate;
+    }
+    core_ = before_last_step_;
+  } else {
+    before_last_step_ = core_;
+  }
+  last_ = Score(step, value);
+  return last_;
+}
+
+ChangeAssessment ChangeDetector::Score(int64_t step, double value) {
+  Core& c = core_;
+  c.last_step = step;
+  ++c.samples_seen;
+  const size_t history_capacity = static_cast<size_t>(options_.window + options_.gap);
+
+  ChangeAssessment a;
+  a.step = step;
+  a.value = value;
+  if (c.samples_seen <= options_.warmup) {
+    PushBounded(c.history, value, history_capacity);
+    a.disposition = ChangeAssessment::Disposition::kWarmup;
+    a.state = c.state;
+    return a;
+  }
+
+  if (options_.change_detection) {
+    if (const std::optional<Baseline> baseline = ComputeBaseline()) {
+      const double delta = value - baseline->level;
+      const double directed_z = sign_ * delta / baseline->scale;
+      a.baseline = baseline->level;
+      a.scale = baseline->scale;
+      a.z = delta / baseline->scale;
+      if (baseline->level != 0) a.relative_change = delta / std::abs(baseline->level);
+      const double effect = sign_ * delta;
+      const double min_effect = std::max(options_.min_relative_change * std::abs(baseline->level),
+                                         options_.min_absolute_change);
+      const bool large_enough = effect > 0 && effect >= min_effect;
+      // Only changes past the gate accumulate, so a long significant-but-small
+      // shift (healthy drift) cannot charge the CUSUM for a later sample.
+      const double clip = std::min(kCusumClip, options_.z_threshold);
+      const double cusum_input =
+          large_enough ? std::min(directed_z, clip) : std::min(directed_z, 0.0);
+      c.cusum = std::max(0.0, c.cusum + cusum_input - options_.cusum_k);
+      a.change_flag = large_enough &&
+                      (directed_z >= options_.z_threshold || c.cusum >= options_.cusum_h);
+    }
+  }
+  if (options_.bound) a.guard_flag = sign_ * (value - *options_.bound) > 0;
+  const bool anomalous = a.anomalous();
+
+  if (c.state == SeriesState::kAnomalous) {
+    c.consecutive_normal = anomalous ? 0 : c.consecutive_normal + 1;
+    if (c.consecutive_normal >= options_.clear_after) {
+      // Cleared: start the next episode from scratch.
+      c.state = SeriesState::kNormal;
+      c.onset_step = -1;
+      c.cusum = 0;
+      c.consecutive_normal = 0;
+      c.flags.clear();
+    }
+  } else {
+    PushBounded(c.flags, Flag{step, anomalous}, static_cast<size_t>(options_.persist_n));
+    int count = 0;
+    int64_t earliest = -1;
+    for (const Flag& flag : c.flags) {
+      if (!flag.anomalous) continue;
+      if (count++ == 0) earliest = flag.step;
+    }
+    a.anomalous_in_window = count;
+    c.onset_step = earliest;
+    if (count >= options_.persist_m) {
+      c.state = SeriesState::kAnomalous;
+      c.consecutive_normal = 0;
+      c.flags.clear();
+    } else {
+      c.state = count > 0 ? SeriesState::kPending : SeriesState::kNormal;
+    }
+  }
+  // The history (hence the baseline) is frozen while the series is anomalous.
+  if (c.state != SeriesState::kAnomalous) PushBounded(c.history, value, history_capacity);
+
+  a.cusum = c.cusum;
+  a.state = c.state;
+  a.onset_step = c.onset_step;
+  return a;
+}
+
+std::optional<ChangeDetector::Baseline> ChangeDetector::ComputeBaseline() const {
+  const std::vector<double>& history = core_.history;
+  const size_t gap = static_cast<size_t>(options_.gap);
+  if (history.size() <= gap) return std::nullopt;
+  const size_t length = history.size() - gap;  // the window: history[0, length)
+  const size_t min_length = std::max<size_t>(3, static_cast<size_t>(options_.window) / 2);
+  if (length < min_length) return std::nullopt;
+
+  double slope = 0;
+  if (options_.trend && length >= kMinTrendSamples) {
+    // Medians of the older and newer halves; their centres are `length - half` apart.
+    const size_t half = length / 2;
+    scratch_.assign(history.begin(), history.begin() + static_cast<std::ptrdiff_t>(half));
+    const double older = MedianInPlace(scratch_);
+    scratch_.assign(history.begin() + static_cast<std::ptrdiff_t>(length - half),
+                    history.begin() + static_cast<std::ptrdiff_t>(length));
+    const double newer = MedianInPlace(scratch_);
+    slope = (newer - older) / static_cast<double>(length - half);
+    // Follow only drifts in the alert direction.
+    slope = sign_ > 0 ? std::max(0.0, slope) : std::min(0.0, slope);
+  }
+
+  const double centre = 0.5 * static_cast<double>(length - 1);
+  residuals_.resize(length);
+  for (size_t i = 0; i < length; ++i) {
+    residuals_[i] = history[i] - slope * (static_cast<double>(i) - centre);
+  }
+  scratch_ = residuals_;
+  const double level_at_centre = MedianInPlace(scratch_);
+  for (double& r : residuals_) r = std::abs(r - level_at_centre);
+  const double mad = MedianInPlace(residuals_);
+
+  Baseline baseline;
+  // Extrapolate from the window centre to the sample after the history.
+  baseline.level = level_at_centre + slope * (static_cast<double>(length + gap) - centre);
+  baseline.scale = std::max(kMadToSigma * mad,
+                            kRelativeScaleFloor * std::abs(baseline.level) + kAbsoluteScaleFloor);
+  return baseline;
+}
+
+}  // namespace foreshock::alerts

@@ -1,0 +1,207 @@
+// A per-series change detector: decides, one sample at a time, whether a
+// signal series (one run, one signal, one layer) has changed in the alert
+// direction, and tracks that decision with persistence and hysteresis.
+//
+// Pure computation: no clock, no threads, no I/O.
+//
+// ## Algorithm (per sample x_t of the series, t counted in samples)
+//
+// Direction d = +1 for kRise (logits, shares, CV, flip rate, rho, loss) and
+// -1 for kDrop (entropies). Only changes in the direction d are anomalous.
+//
+// 1. Baseline, learned from the series' own recent past. The history keeps
+//    the last `window + gap` accepted samples; the baseline window is the
+//    oldest `window` of them, so it trails the current sample by `gap`
+//    samples. Why the gap: a collapse is confirmed (persistence, below)
+//    within `persist_n` samples, before its first anomalous samples could
+//    enter the baseline; a slow drift, by contrast, moves the baseline along.
+//    Statistics are robust: the median m and the MAD of the window.
+//    The baseline is ready once `warmup` samples have been seen and the
+//    window holds at least max(3, window/2) samples.
+// 2. Trend (when `trend` is on, and the window holds >= 6 samples): the slope
+//    is the difference of the medians of the window's newer and older halves
+//    divided by the distance between the halves. The slope is clamped to the
+//    alert direction (a rise detector only follows rising trends, a drop
+//    detector only falling ones), then the baseline is extrapolated from the
+//    window centre to the current sample and the MAD is taken on the
+//    detrended residuals. Healthy training drifts monotonically in the alert
+//    direction (attention sharpens, entropies fall, logits grow); following
+//    that drift suppresses it, while a change much faster than the recent
+//    trend still stands out. Clamping means a plateau after a drift against
+//    the alert direction can never look like a change.
+// 3. Robust z-score: z = d * (x_t - baseline) / s, with s = 1.4826 * MAD,
+//    floored at 1e-6 * |baseline| + 1e-12 so that a flat series (MAD = 0)
+//    gives a finite, huge z: on such a series the effect-size gate decides.
+// 4. Effect-size gate: the change e = d * (x_t - baseline) must reach
+//    max(min_relative_change * |baseline|, min_absolute_change). This is
+//    what makes the detector tolerate slow drift and flat series: a
+//    statistically significant but small change is not an alert.
+// 5. One-sided CUSUM on the gated, clipped z:
+//      S_t = max(0, S_{t-1} + u_t - k),
+//      u_t = min(z, c) if the gate passes, else min(z, 0); c = min(3, z_threshold).
+//    It catches a sustained shift past the gate whose z (2..4, a noisy
+//    series) never crosses z_threshold. Clipping keeps outliers of
+//    heavy-tailed noise from reaching h in two samples; gating keeps a long
+//    small shift (healthy drift) from charging S for a later sample.
+// 6. The sample is anomalous when
+//      (gate passes and (z >= z_threshold or S_t >= h))   [change test]
+//      or value beyond `bound` (d * (x_t - bound) > 0)      [absolute guard]
+//    The absolute guard needs no baseline (only the warm-up).
+// 7. Persistence: the series turns kAnomalous when at least `persist_m` of
+//    its last `persist_n` scored samples are anomalous; it is kPending while
+//    some but fewer than `persist_m` are. The onset step is the step of the
+//    earliest anomalous sample in that persistence window.
+// 8. While kAnomalous the baseline is frozen (nothing enters the history),
+//    so a sustained collapse is never absorbed into its own baseline.
+//    Hysteresis: the series clears (back to kNormal, CUSUM and persistence
+//    reset) only after `clear_after` consecutive normal samples.
+//
+// ## Steps and several sources per step
+//
+// Each sample carries the training step it was taken at. Several ranks can
+// report the same series for the same step: the first value is scored at
+// once; a later value for the same step that is worse in the alert direction
+// replaces it (the detector rolls back to its state before that step and
+// re-scores), anything else for that step is ignored. Samples for a step
+// older than the latest one are ignored (stale). A worse value can only make
+// the series more anomalous, so re-scoring never retracts an earlier
+// decision, except that it can postpone a clearing that the first value
+// completed.
+//
+// Known limitation: because the baseline freezes while anomalous, a genuine
+// permanent level shift that was confirmed keeps the series anomalous until
+// the value returns. Thresholds must keep benign shifts (an LR decay, a text
+// switch) below the gate; the fault-injection evaluation calibrates them.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string_view>
+#include <vector>
+
+namespace foreshock::alerts {
+
+enum class Direction : uint8_t { kRise, kDrop };
+std::string_view DirectionName(Direction direction);  // "rise" or "drop"
+
+// Every knob of one detector. The defaults here are the generic defaults;
+// config.cc overrides some per signal (see DefaultAlertConfig()). Counts are
+// in samples of the series, not in training steps.
+struct ChangeDetectorOptions {
+  Direction direction = Direction::kRise;
+  // False: only the absolute guard (`bound`) can make a sample anomalous.
+  bool change_detection = true;
+  // Samples seen before anything is scored (baseline and guard alike).
+  int warmup = 30;
+  // Samples in the baseline window.
+  int window = 40;
+  // Samples between the newest baseline sample and the current one. Keep
+  // it >= persist_n so a collapse confirms before it leaks into the baseline.
+  int gap = 8;
+  // Follow the series' own trend in the alert direction (step 2 above).
+  bool trend = true;
+  // Robust z-score that marks a sample anomalous on its own.
+  double z_threshold = 5.0;
+  // CUSUM allowance k (in z units) and decision threshold h.
+  double cusum_k = 1.0;
+  double cusum_h = 8.0;
+  // Effect-size gate: minimum change relative to |baseline| and in absolute
+  // units; the larger of the two applies.
+  double min_relative_change = 0.10;
+  double min_absolute_change = 0.0;
+  // Persistence: persist_m anomalous samples among the last persist_n.
+  int persist_m = 3;
+  int persist_n = 5;
+  // Hysteresis: consecutive normal samples before an anomalous series clears.
+  int clear_after = 10;
+  // Absolute guard: anomalous while value > bound (kRise) or < bound (kDrop).
+  std::optional<double> bound;
+};
+
+// The persistence state of one series.
+enum class SeriesState : uint8_t {
+  kNormal,     // no anomalous sample in the persistence window
+  kPending,    // some anomalous samples, fewer than persist_m
+  kAnomalous,  // persistence reached; stays until clear_after normal samples
+};
+std::string_view SeriesStateName(SeriesState state);
+
+// What one Update() concluded. Baseline fields are NaN when the baseline was
+// not ready (warm-up, or a guard-only detector).
+struct ChangeAssessment {
+  enum class Disposition : uint8_t {
+    kScored,     // the sample was scored (possibly replacing a same-step value)
+    kWarmup,     // recorded for the baseline, not scored
+    kStale,      // older step than the latest: ignored
+    kDuplicate,  // same step, not worse than the value already scored: ignored
+  };
+  Disposition disposition = Disposition::kScored;
+  int64_t step = 0;
+  double value = 0;
+  double baseline = std::numeric_limits<double>::quiet_NaN();
+  double scale = std::numeric_limits<double>::quiet_NaN();  // robust sigma
+  double z = std::numeric_limits<double>::quiet_NaN();      // signed: (x - baseline) / scale
+  double cusum = 0;
+  // Signed relative change (x - baseline) / |baseline|; NaN without baseline.
+  double relative_change = std::numeric_limits<double>::quiet_NaN();
+  bool change_flag = false;  // the change test marked the sample
+  bool guard_flag = false;   // the absolute guard marked the sample
+  bool anomalous() const { return change_flag || guard_flag; }
+  SeriesState state = SeriesState::kNormal;  // after this sample
+  int64_t onset_step = -1;  // earliest anomalous step of the episode, -1 if none
+  // anomalous samples among the last persist_n (while not kAnomalous)
+  int anomalous_in_window = 0;
+};
+
+class ChangeDetector {
+ public:
+  // `options` must be valid (ValidateAlertConfig in config.h checks them).
+  explicit ChangeDetector(const ChangeDetectorOptions& options);
+
+  // Scores the value of the series at `step` (see "Steps and several sources
+  // per step" above for repeated steps). Non-finite values are not accepted:
+  // the caller drops them (they are ForeshockNonFinite's business).
+  ChangeAssessment Update(int64_t step, double value);
+
+  SeriesState state() const { return core_.state; }
+  // The last assessment that was scored or recorded (default before any).
+  const ChangeAssessment& last() const { return last_; }
+  const ChangeDetectorOptions& options() const { return options_; }
+
+ private:
+  struct Baseline {
+    double level = 0;  // median, extrapolated along the clamped trend
+    double scale = 0;  // 1.4826 * MAD of the (detrended) window
+  };
+  struct Flag {
+    int64_t step;
+    bool anomalous;
+  };
+  // Everything that changes per sample, copied before each new step so that a
+  // worse same-step value can be re-scored from the state before that step.
+  struct Core {
+    std::vector<double> history;  // oldest first, at most window + gap
+    std::vector<Flag> flags;      // persistence window, oldest first, at most persist_n
+    int64_t samples_seen = 0;
+    int64_t last_step = std::numeric_limits<int64_t>::min();
+    double cusum = 0;
+    int consecutive_normal = 0;
+    SeriesState state = SeriesState::kNormal;
+    int64_t onset_step = -1;
+  };
+
+  ChangeAssessment Score(int64_t step, double value);
+  // The baseline from the history; nullopt until it is ready. Because nothing
+  // enters the history while kAnomalous, this is frozen during an episode.
+  std::optional<Baseline> ComputeBaseline() const;
+
+  ChangeDetectorOptions options_;
+  double sign_;  // +1 rise, -1 drop
+  Core core_;
+  Core before_last_step_;  // core_ as it was before the latest step was scored
+  ChangeAssessment last_;
+  mutable std::vector<double> scratch_, residuals_;  // reused by the medians
+};
+
+}  // namespace foreshock::alerts

@@ -1,0 +1,518 @@
+#include "alerts/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+#include "alerts/text.h"
+
+
+namespace foreshock::alerts {
+
+// ---------------------------------------------------------------------------
+// Defaults. Counts are in samples of the series. The generic values are the
+// member initializers of ChangeDetectorOptions (change_detector.h):
+//   warmup 30, window 40, gap 8, trend on, z_threshold 5, cusum k 1 / h 8,
+//   min_relative_change 0.10, min_absolute_change 0, persist 3 of 5,
+//   clear_after 10, no bound.
+// Why those: z 5 with 3-of-5 persistence keeps stationary noise (even
+// heavy-tailed) silent over tens of thousands of samples; the CUSUM (k 1,
+// h 8) confirms a sustained shift of 3 robust sigmas within about 4 samples;
+// the 8-sample gap is longer than the 5-sample persistence window, so a
+// collapse is confirmed before it can enter its own baseline; 40 samples of
+// window make the median/MAD stable to a few percent. The per-signal
+// overrides below set the direction and the effect size that counts: a
+// change smaller than that is healthy drift whatever its z-score. All of it
+// is to be calibrated by the fault-injection evaluation (issue 5).
+// ---------------------------------------------------------------------------
+AlertConfig DefaultAlertConfig() {
+  AlertConfig config;
+  auto add = [&](std::string_view signal, std::string_view alert,
+                 Direction direction) -> ChangeDetectorOptions& {
+    SignalConfig& entry = config.signals[std::string(signal)];
+    entry.alertname = std::string(alert);
+    entry.detector.direction = direction;
+    return entry.detector;
+  };
+
+  // Low-precision attention makes the QK increment low-rank: its spectral
+  // entropy (in [0, 1]) drops and the top direction's share rises.
+  add("qk_increment_entropy", kQKIncrementCollapse, Direction::kDrop).min_relative_change = 0.10;
+  {
+    ChangeDetectorOptions& o = add("qk_increment_top1_share", kQKIncrementCollapse, Direction::kRise);
+    o.min_relative_change = 0.25;
+    o.min_absolute_change = 0.05;  // the share is in [0, 1]; a few points is noise
+  }
+  // Max logit grows naturally as attention sharpens: a quarter more than the
+  // trend-following baseline, or the absolute bound QK-clip uses (100).
+  {
+    ChangeDetectorOptions& o = add("attention_max_logit", kAttentionLogitGrowth, Direction::kRise);
+    o.min_relative_change = 0.25;
+    o.bound = 100.0;
+  }
+  // Attention entropy drifts down in healthy training; a collapse is fast and large.
+  add("attention_entropy", kAttentionEntropyCollapse, Direction::kDrop).min_relative_change = 0.20;
+
+  // Router collapse (DESIGN.md 1.2): entropy falls, flips surge, z-loss
+  // grows, experts die.
+  add("router_entropy", kRouterCollapse, Direction::kDrop).min_relative_change = 0.15;
+  {
+    ChangeDetectorOptions& o = add("router_flip_rate", kRouterCollapse, Direction::kRise);
+    o.min_relative_change = 1.0;   // a doubling ...
+    o.min_absolute_change = 0.10;  // ... of at least 10% of the probe tokens
+  }
+  add("router_z_loss", kRouterCollapse, Direction::kRise).min_relative_change = 0.5;
+  {
+    // Guard only: any dead expert after warm-up (the count is already a
+    // windowed statistic in the router detector).
+    ChangeDetectorOptions& o = add("router_dead_experts", kRouterCollapse, Direction::kRise);
+    o.change_detection = false;
+    o.bound = 0.0;
+  }
+  {
+    ChangeDetectorOptions& o = add("router_load_cv", kRouterImbalance, Direction::kRise);
+    o.min_relative_change = 0.5;
+    o.min_absolute_change = 0.10;  // about the uniform-routing noise floor of small probes
+  }
+  {
+    ChangeDetectorOptions& o = add("router_max_violation", kRouterImbalance, Direction::kRise);
+    o.min_relative_change = 0.5;
+    o.min_absolute_change = 0.25;
+  }
+
+  // Curvature: rho = lambda / tau. A surge of half again its baseline, or
+  // rho > 1 (above the edge of stability); both sustained 3 samples in a
+  // row (curvature samples are sparse and each costs HVPs).
+  {
+    ChangeDetectorOptions& o = add("curvature_eos_ratio", kCurvatureAboveEdge, Direction::kRise);
+    o.min_relative_change = 0.5;
+    o.bound = 1.0;
+    o.persist_m = 3;
+    o.persist_n = 3;
+  }
+
+  // Loss is reported every step and is noisy per batch: a longer warm-up and
+  // window, and a quarter above its baseline.
+  {
+    ChangeDetectorOptions& o = add("loss", kLossSpike, Direction::kRise);
+    o.warmup = 100;
+    o.window = 100;
+    o.gap = 10;
+    o.min_relative_change = 0.25;
+  }
+  return config;
+}
+
+// ---------------------------------------------------------------------------
+// Field table shared by validation and YAML parsing.
+// ---------------------------------------------------------------------------
+namespace {
+
+constexpr int kMaxCount = 1'000'000;
+// Window-like counts bound the memory of every series.
+constexpr int kMaxWindow = 10'000;
+
+struct IntField {
+  std::string_view key;
+  int ChangeDetectorOptions::*member;
+  int min;
+  int max;
+};
+struct DoubleField {
+  std::string_view key;
+  double ChangeDetectorOptions::*member;
+  double min;
+  bool min_exclusive;
+};
+struct BoolField {
+  std::string_view key;
+  bool ChangeDetectorOptions::*member;
+};
+
+constexpr std::array<IntField, 6> kIntFields = {{
+    {"warmup", &ChangeDetectorOptions::warmup, 0, kMaxCount},
+    {"window", &ChangeDetectorOptions::window, 4, kMaxWindow},
+    {"gap", &ChangeDetectorOptions::gap, 0, kMaxWindow},
+    {"persist_m", &ChangeDetectorOptions::persist_m, 1, kMaxWindow},
+    {"persist_n", &ChangeDetectorOptions::persist_n, 1, kMaxWindow},
+    {"clear_after", &ChangeDetectorOptions::clear_after, 1, kMaxCount},
+}};
+constexpr std::array<DoubleField, 5> kDoubleFields = {{
+    {"z_threshold", &ChangeDetectorOptions::z_threshold, 0, true},
+    {"cusum_k", &ChangeDetectorOptions::cusum_k, 0, false},
+    {"cusum_h", &ChangeDetectorOptions::cusum_h, 0, true},
+    {"min_relative_change", &ChangeDetectorOptions::min_relative_change, 0, false},
+    {"min_absolute_change", &ChangeDetectorOptions::min_absolute_change, 0, false},
+}};
+constexpr std::array<BoolField, 2> kBoolFields = {{
+    {"change_detection", &ChangeDetectorOptions::change_detection},
+    {"trend", &ChangeDetectorOptions::trend},
+}};
+
+// Keys of a signal entry that are not detector fields.
+constexpr std::array<std::string_view, 5> kSignalOnlyKeys = {"alert", "direction", "enabled",
+                                                             "severity", "bound"};
+
+std::string IntRangeError(const IntField& field, int value) {
+  if (value < field.min || value > field.max) {
+    return internal::Cat("must be an integer in [", field.min, ", ", field.max, "], got ", value);
+  }
+  return "";
+}
+
+std::string DoubleRangeError(const DoubleField& field, double value) {
+  const bool ok = std::isfinite(value) &&
+                  (field.min_exclusive ? value > field.min : value >= field.min);
+  if (ok) return "";
+  return internal::Cat("must be a finite number ", field.min_exclusive ? "> " : ">= ", field.min,
+                      ", got ", value);
+}
+
+bool IsKnownSignalAlert(std::string_view name) {
+  return name != kNonFinite &&
+         std::find(kAlertNames.begin(), kAlertNames.end(), name) != kAlertNames.end();
+}
+bool IsKnownSeverity(std::string_view s) {
+  return std::find(kSeverities.begin(), kSeverities.end(), s) != kSeverities.end();
+}
+
+std::string SignalAlertChoices() {
+  std::vector<std::string_view> names;
+  for (std::string_view n : kAlertNames) {
+    if (n != kNonFinite) names.push_back(n);
+  }
+  return internal::Join(names, ", ");
+}
+
+// Cross-field and range checks of one signal; "" when valid.
+std::string SignalError(const SignalConfig& s) {
+  if (!IsKnownSignalAlert(s.alertname)) {
+    return internal::Cat("alert: unknown alert name '", s.alertname, "' (one of ",
+                        SignalAlertChoices(), ")");
+  }
+  if (!IsKnownSeverity(s.severity)) {
+    return internal::Cat("severity: must be one of ", internal::Join(kSeverities, ", "), ", got '",
+                        s.severity, "'");
+  }
+  const ChangeDetectorOptions& o = s.detector;
+  for (const IntField& f : kIntFields) {
+    if (std::string e = IntRangeError(f, o.*f.member); !e.empty()) return internal::Cat(f.key, ": ", e);
+  }
+  for (const DoubleField& f : kDoubleFields) {
+    if (std::string e = DoubleRangeError(f, o.*f.member); !e.empty()) {
+      return internal::Cat(f.key, ": ", e);
+    }
+  }
+  if (o.persist_m > o.persist_n) {
+    return internal::Cat("persist_m: must not exceed persist_n (", o.persist_n, "), got ",
+                        o.persist_m);
+  }
+  if (o.bound && !std::isfinite(*o.bound)) return "bound: must be a finite number or null";
+  if (s.enabled && !o.change_detection && !o.bound) {
+    return "change_detection is off and no bound is set: the signal could never fire "
+           "(set enabled: false instead)";
+  }
+  return "";
+}
+
+}  // namespace
+
+absl::Status ValidateAlertConfig(const AlertConfig& config) {
+  for (const auto& [name, signal] : config.signals) {
+    if (std::string e = SignalError(signal); !e.empty()) {
+      return absl::InvalidArgumentError(internal::Cat("alerts.signals.", name, ".", e));
+    }
+  }
+  if (!IsKnownSeverity(config.nonfinite.severity)) {
+    return absl::InvalidArgumentError(
+        internal::Cat("alerts.nonfinite.severity: must be one of ", internal::Join(kSeverities, ", "),
+                     ", got '", config.nonfinite.severity, "'"));
+  }
+  if (config.nonfinite.clear_after < 1 || config.nonfinite.clear_after > kMaxCount) {
+    return absl::InvalidArgumentError(internal::Cat(
+        "alerts.nonfinite.clear_after: must be an integer in [1, ", kMaxCount, "], got ",
+        config.nonfinite.clear_after));
+  }
+  if (config.probable_cause.onset_window_steps < 0) {
+    return absl::InvalidArgumentError(
+        internal::Cat("alerts.probable_cause.onset_window_steps: must be >= 0, got ",
+                     config.probable_cause.onset_window_steps));
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// YAML
+// ---------------------------------------------------------------------------
+namespace {
+
+// Thrown inside the parser, turned into an InvalidArgument status at the top.
+struct ConfigError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+class YamlReader {
+ public:
+  explicit YamlReader(std::string_view source) : source_(source) {}
+
+  [[noreturn]] void Fail(const YAML::Node& node, std::string_view path,
+                         std::string_view message) const {
+    std::string where(source_);
+    const YAML::Mark mark = node.Mark();
+    if (!mark.is_null()) where += internal::Cat(":", mark.line + 1, ":", mark.column + 1);
+    throw ConfigError(internal::Cat(where, ": ", path, ": ", message));
+  }
+
+  struct Entry {
+    std::string key;
+    YAML::Node key_node;  // where errors about the key itself point
+    YAML::Node value;
+  };
+  // The entries of a mapping, in file order; a null node is an empty mapping.
+  std::vector<Entry> Entries(const YAML::Node& node, std::string_view path) const {
+    std::vector<Entry> entries;
+    if (!node.IsDefined() || node.IsNull()) return entries;
+    if (!node.IsMap()) Fail(node, path, "expected a mapping");
+    for (auto it = node.begin(); it != node.end(); ++it) {
+      if (!it->first.IsScalar()) Fail(it->first, path, "keys must be plain strings");
+      entries.push_back(Entry{it->first.Scalar(), it->first, it->second});
+    }
+    return entries;
+  }
+
+  std::string Scalar(const YAML::Node& node, std::string_view path) const {
+    if (!node.IsScalar()) Fail(node, path, "expected a single value");
+    return node.Scalar();
+  }
+
+  template <typename T>
+  T As(const YAML::Node& node, std::string_view path, std::string_view expected) const {
+    const std::string text = Scalar(node, path);
+    try {
+      return node.as<T>();
+    } catch (const YAML::Exception&) {
+      Fail(node, path, internal::Cat("expected ", expected, ", got '", text, "'"));
+    }
+  }
+
+  double Double(const YAML::Node& node, std::string_view path) const {
+    const double value = As<double>(node, path, "a number");
+    if (!std::isfinite(value)) Fail(node, path, "expected a finite number");
+    return value;
+  }
+  int Int(const YAML::Node& node, std::string_view path) const {
+    return As<int>(node, path, "an integer");
+  }
+  bool Bool(const YAML::Node& node, std::string_view path) const {
+    return As<bool>(node, path, "true or false");
+  }
+
+ private:
+  std::string_view source_;
+};
+
+[[noreturn]] void FailUnknownKey(const YamlReader& reader, const YAML::Node& node,
+                                 std::string_view path, std::string_view key,
+                                 const std::vector<std::string_view>& allowed) {
+  reader.Fail(node, internal::Cat(path, ".", key),
+              internal::Cat("unknown key (allowed: ", internal::Join(allowed, ", "), ")"));
+}
+
+std::vector<std::string_view> DetectorKeys() {
+  std::vector<std::string_view> keys;
+  for (const IntField& f : kIntFields) keys.push_back(f.key);
+  for (const DoubleField& f : kDoubleFields) keys.push_back(f.key);
+  for (const BoolField& f : kBoolFields) keys.push_back(f.key);
+  return keys;
+}
+
+// Applies one key of a signal entry (or of alerts.defaults) to `signal`.
+// `node` is the key's value; `key_node` marks errors about the key itself.
+void ApplySignalKey(const YamlReader& reader, std::string_view path, const std::string& key,
+                    const YAML::Node& key_node, const YAML::Node& node, bool in_defaults,
+                    SignalConfig& signal) {
+  const std::string key_path = internal::Cat(path, ".", key);
+  for (const IntField& f : kIntFields) {
+    if (key != f.key) continue;
+    const int value = reader.Int(node, key_path);
+    if (std::string e = IntRangeError(f, value); !e.empty()) reader.Fail(node, key_path, e);
+    signal.detector.*f.member = value;
+    return;
+  }
+  for (const DoubleField& f : kDoubleFields) {
+    if (key != f.key) continue;
+    const double value = reader.Double(node, key_path);
+    if (std::string e = DoubleRangeError(f, value); !e.empty()) reader.Fail(node, key_path, e);
+    signal.detector.*f.member = value;
+    return;
+  }
+  for (const BoolField& f : kBoolFields) {
+    if (key != f.key) continue;
+    signal.detector.*f.member = reader.Bool(node, key_path);
+    return;
+  }
+  if (key == "enabled") {
+    signal.enabled = reader.Bool(node, key_path);
+  } else if (key == "severity") {
+    std::string value = reader.Scalar(node, key_path);
+    if (!IsKnownSeverity(value)) {
+      reader.Fail(node, key_path,
+                  internal::Cat("expected one of ", internal::Join(kSeverities, ", "), ", got '",
+                               value, "'"));
+    }
+    signal.severity = std::move(value);
+  } else if (key == "bound") {
+    if (node.IsNull()) {
+      signal.detector.bound.reset();
+    } else {
+      signal.detector.bound = reader.Double(node, key_path);
+    }
+  } else if (key == "direction" && !in_defaults) {
+    const std::string value = reader.Scalar(node, key_path);
+    if (value == "rise") {
+      signal.detector.direction = Direction::kRise;
+    } else if (value == "drop") {
+      signal.detector.direction = Direction::kDrop;
+    } else {
+      reader.Fail(node, key_path, internal::Cat("expected rise or drop, got '", value, "'"));
+    }
+  } else if (key == "alert" && !in_defaults) {
+    std::string value = reader.Scalar(node, key_path);
+    if (!IsKnownSignalAlert(value)) {
+      reader.Fail(node, key_path,
+                  internal::Cat("unknown alert name '", value, "' (one of ", SignalAlertChoices(),
+                               ")"));
+    }
+    signal.alertname = std::move(value);
+  } else {
+    std::vector<std::string_view> allowed = DetectorKeys();
+    for (std::string_view k : kSignalOnlyKeys) {
+      if (!in_defaults || (k != "alert" && k != "direction")) allowed.push_back(k);
+    }
+    FailUnknownKey(reader, key_node, path, key, allowed);
+  }
+}
+
+void ParseAlertsSection(const YamlReader& reader, const YAML::Node& alerts, AlertConfig& config) {
+  YAML::Node defaults, signals, nonfinite, cause;
+  for (const auto& [key, key_node, node] : reader.Entries(alerts, "alerts")) {
+    if (key == "defaults") {
+      defaults = node;
+    } else if (key == "signals") {
+      signals = node;
+    } else if (key == "nonfinite") {
+      nonfinite = node;
+    } else if (key == "probable_cause") {
+      cause = node;
+    } else {
+      FailUnknownKey(reader, key_node, "alerts", key,
+                     {"defaults", "signals", "nonfinite", "probable_cause"});
+    }
+  }
+
+  // New signals need their alert and direction before anything else applies.
+  const auto signal_entries = reader.Entries(signals, "alerts.signals");
+  for (const auto& [name, name_node, node] : signal_entries) {
+    const std::string path = internal::Cat("alerts.signals.", name);
+    if (config.signals.contains(name)) continue;
+    if (!node.IsMap() || !node["alert"] || !node["direction"]) {
+      std::vector<std::string_view> known;
+      for (const auto& entry : config.signals) known.push_back(entry.first);
+      reader.Fail(name_node, path,
+                  internal::Cat("unknown signal (known: ", internal::Join(known, ", "),
+                               "); a new signal needs `alert` and `direction`"));
+    }
+    SignalConfig added;
+    ApplySignalKey(reader, path, "alert", name_node, node["alert"], false, added);
+    ApplySignalKey(reader, path, "direction", name_node, node["direction"], false, added);
+    config.signals.emplace(name, std::move(added));
+  }
+
+  // Precedence: code default < alerts.defaults < alerts.signals.<name>.
+  const auto default_entries = reader.Entries(defaults, "alerts.defaults");
+  for (auto& [name, signal] : config.signals) {
+    for (const auto& [key, key_node, node] : default_entries) {
+      ApplySignalKey(reader, "alerts.defaults", key, key_node, node, true, signal);
+    }
+  }
+  for (const auto& [name, name_node, node] : signal_entries) {
+    const std::string path = internal::Cat("alerts.signals.", name);
+    SignalConfig& signal = config.signals.find(name)->second;
+    for (const auto& [key, key_node, value] : reader.Entries(node, path)) {
+      ApplySignalKey(reader, path, key, key_node, value, false, signal);
+    }
+    if (std::string e = SignalError(signal); !e.empty()) reader.Fail(name_node, path, e);
+  }
+
+  for (const auto& [key, key_node, node] : reader.Entries(nonfinite, "alerts.nonfinite")) {
+    const std::string path = internal::Cat("alerts.nonfinite.", key);
+    if (key == "enabled") {
+      config.nonfinite.enabled = reader.Bool(node, path);
+    } else if (key == "severity") {
+      config.nonfinite.severity = reader.Scalar(node, path);
+      if (!IsKnownSeverity(config.nonfinite.severity)) {
+        reader.Fail(node, path,
+                    internal::Cat("expected one of ", internal::Join(kSeverities, ", "), ", got '",
+                                 config.nonfinite.severity, "'"));
+      }
+    } else if (key == "clear_after") {
+      config.nonfinite.clear_after = reader.Int(node, path);
+      if (config.nonfinite.clear_after < 1) reader.Fail(node, path, "must be >= 1");
+    } else {
+      FailUnknownKey(reader, key_node, "alerts.nonfinite", key,
+                     {"enabled", "severity", "clear_after"});
+    }
+  }
+  for (const auto& [key, key_node, node] : reader.Entries(cause, "alerts.probable_cause")) {
+    const std::string path = internal::Cat("alerts.probable_cause.", key);
+    if (key == "onset_window_steps") {
+      const int64_t value = reader.As<int64_t>(node, path, "an integer");
+      if (value < 0) reader.Fail(node, path, internal::Cat("must be >= 0, got ", value));
+      config.probable_cause.onset_window_steps = value;
+    } else {
+      FailUnknownKey(reader, key_node, "alerts.probable_cause", key, {"onset_window_steps"});
+    }
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<AlertConfig> ParseAlertConfig(std::string_view yaml_text, std::string_view source) {
+  AlertConfig config = DefaultAlertConfig();
+  const YamlReader reader(source);
+  try {
+    const YAML::Node root = YAML::Load(std::string(yaml_text));
+    for (const auto& [key, key_node, node] : reader.Entries(root, "<top level>")) {
+      if (key == "alerts") {
+        ParseAlertsSection(reader, node, config);
+      } else {
+        reader.Fail(key_node, key, "unknown top-level key (allowed: alerts)");
+      }
+    }
+  } catch (const ConfigError& error) {
+    return absl::InvalidArgumentError(error.what());
+  } catch (const YAML::Exception& error) {
+    // Syntax errors: yaml-cpp's message carries line and column.
+    return absl::InvalidArgumentError(internal::Cat(source, ": ", error.what()));
+  }
+  if (absl::Status status = ValidateAlertConfig(config); !status.ok()) {
+    return absl::InvalidArgumentError(internal::Cat(source, ": ", status.message()));
+  }
+  return config;
+}
+
+absl::StatusOr<AlertConfig> LoadAlertConfigFile(const std::string& path) {
+  std::ifstream file(path);
+  if (!file) return absl::NotFoundError(internal::Cat("cannot read config file ", path));
+  std::ostringstream text;
+  text << file.rdbuf();
+  return ParseAlertConfig(text.str(), path);
+}
+
+}  // namespace foreshock::alerts

@@ -1,0 +1,113 @@
+// Alert engine configuration: which signals drive which alert, and every
+// threshold, window and persistence per signal.
+//
+// DefaultAlertConfig() is the documented source of the defaults; the
+// checked-in deploy/foreshock.yaml spells out the same values (a test keeps
+// the two equal). A YAML file overrides only the keys it names:
+//
+//   code defaults of the signal  <  alerts.defaults  <  alerts.signals.<name>
+//
+// File layout (every key is optional):
+//
+//   alerts:
+//     defaults:            # detector keys applied to every signal
+//       warmup: 30
+//     signals:
+//       <signal name>:     # a series name, e.g. qk_increment_entropy
+//         alert: ForeshockQKIncrementCollapse   # required for a signal not in the defaults
+//         direction: drop                       # rise | drop; required likewise
+//         enabled: true
+//         severity: warning                     # info | warning | critical
+//         change_detection: true
+//         warmup / window / gap / persist_m / persist_n / clear_after: integers
+//         trend: true
+//         z_threshold / cusum_k / cusum_h / min_relative_change / min_absolute_change: numbers
+//         bound: null                           # a number enables the absolute guard
+//     nonfinite:
+//       enabled: true
+//       severity: critical
+//       clear_after: 20
+//     probable_cause:
+//       onset_window_steps: 500
+//
+// Unknown keys, wrong types and out-of-range values are errors that name the
+// key and its line.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "alerts/change_detector.h"
+
+namespace foreshock::alerts {
+
+// The alert names of DESIGN.md section 5 (public contract).
+inline constexpr std::string_view kQKIncrementCollapse = "ForeshockQKIncrementCollapse";
+inline constexpr std::string_view kAttentionLogitGrowth = "ForeshockAttentionLogitGrowth";
+inline constexpr std::string_view kAttentionEntropyCollapse = "ForeshockAttentionEntropyCollapse";
+inline constexpr std::string_view kRouterCollapse = "ForeshockRouterCollapse";
+inline constexpr std::string_view kRouterImbalance = "ForeshockRouterImbalance";
+inline constexpr std::string_view kCurvatureAboveEdge = "ForeshockCurvatureAboveEdge";
+inline constexpr std::string_view kLossSpike = "ForeshockLossSpike";
+inline constexpr std::string_view kNonFinite = "ForeshockNonFinite";
+inline constexpr std::array<std::string_view, 8> kAlertNames = {
+    kQKIncrementCollapse, kAttentionLogitGrowth, kAttentionEntropyCollapse, kRouterCollapse,
+    kRouterImbalance,     kCurvatureAboveEdge,   kLossSpike,                kNonFinite};
+
+// Severity label values accepted in the configuration.
+inline constexpr std::array<std::string_view, 3> kSeverities = {"info", "warning", "critical"};
+
+struct SignalConfig {
+  std::string alertname;  // one of kAlertNames except kNonFinite
+  bool enabled = true;
+  std::string severity = "warning";
+  ChangeDetectorOptions detector;
+};
+
+struct NonFiniteConfig {
+  bool enabled = true;
+  std::string severity = "critical";
+  // The alert resolves once the run has reported finite values at this many
+  // distinct steps after its last non-finite value.
+  int clear_after = 20;
+};
+
+struct ProbableCauseConfig {
+  // Evidence for the probable cause is the set of mechanism alert families
+  // (attention, router, curvature) that first fired within this many steps
+  // of the run's first mechanism alert. Later alerts are consequences of a
+  // run that is already going unstable and must not change the diagnosis.
+  int64_t onset_window_steps = 500;
+};
+
+struct AlertConfig {
+  // Keyed by signal (series) name; only these signals drive alerts.
+  std::map<std::string, SignalConfig, std::less<>> signals;
+  NonFiniteConfig nonfinite;
+  ProbableCauseConfig probable_cause;
+};
+
+// The built-in defaults (documented per signal in config.cc and
+// deploy/foreshock.yaml).
+AlertConfig DefaultAlertConfig();
+
+// Checks every value's range and the cross-field rules (persist_m <=
+// persist_n, a signal that can fire at all, a known alert name ...).
+absl::Status ValidateAlertConfig(const AlertConfig& config);
+
+// Parses YAML text on top of DefaultAlertConfig(). `source` names the text in
+// error messages ("foreshock.yaml:12:5: ..."). The only top-level key is
+// `alerts`.
+absl::StatusOr<AlertConfig> ParseAlertConfig(std::string_view yaml_text,
+                                             std::string_view source = "<config>");
+
+// Reads and parses a file (`--config foreshock.yaml`).
+absl::StatusOr<AlertConfig> LoadAlertConfigFile(const std::string& path);
+
+}  // namespace foreshock::alerts

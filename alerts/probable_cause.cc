@@ -1,0 +1,62 @@
+#include "alerts/probable_cause.h"
+
+#include "alerts/config.h"
+#include "alerts/text.h"
+
+namespace foreshock::alerts {
+
+std::string_view ProbableCauseName(ProbableCause cause) {
+  switch (cause) {
+    case ProbableCause::kUnknown: return "unknown";
+    case ProbableCause::kLowPrecisionAttention: return "low_precision_attention";
+    case ProbableCause::kLearningRateTooHigh: return "learning_rate_too_high";
+    case ProbableCause::kCombined: return "combined";
+  }
+  return "unknown";
+}
+
+AlertFamily FamilyOfAlert(std::string_view alertname) {
+  if (alertname == kQKIncrementCollapse || alertname == kAttentionLogitGrowth ||
+      alertname == kAttentionEntropyCollapse) {
+    return AlertFamily::kAttention;
+  }
+  if (alertname == kRouterCollapse) return AlertFamily::kRouterCollapse;
+  if (alertname == kRouterImbalance) return AlertFamily::kRouterImbalance;
+  if (alertname == kCurvatureAboveEdge) return AlertFamily::kCurvature;
+  return AlertFamily::kConsequence;
+}
+
+ProbableCause ClassifyProbableCause(const CauseEvidence& evidence) {
+  const bool learning_rate_signature = evidence.curvature || evidence.router_collapse;
+  if (evidence.attention && learning_rate_signature) return ProbableCause::kCombined;
+  if (learning_rate_signature) return ProbableCause::kLearningRateTooHigh;
+  if (evidence.attention && !evidence.router_imbalance) {
+    return ProbableCause::kLowPrecisionAttention;
+  }
+  return ProbableCause::kUnknown;
+}
+
+std::string SuggestedAction(ProbableCause cause, int64_t rollback_step) {
+  const std::string rollback =
+      internal::Cat("roll back to the last checkpoint before step ", rollback_step);
+  switch (cause) {
+    case ProbableCause::kLowPrecisionAttention:
+      return internal::Cat(
+          "Keep the attention softmax and P.V products in fp32 (disable the low-precision "
+          "attention kernel), add QK-norm or QK-clip, and ",
+          rollback, ".");
+    case ProbableCause::kLearningRateTooHigh:
+      return internal::Cat("Lower the learning rate (or lengthen its warm-up) and ", rollback, ".");
+    case ProbableCause::kCombined:
+      return internal::Cat(
+          "Lower the learning rate, keep the attention softmax and P.V products in fp32 with "
+          "QK-norm or QK-clip, and ",
+          rollback, ".");
+    case ProbableCause::kUnknown: break;
+  }
+  return internal::Cat(
+      "Inspect the run's foreshock signals for the alerted layers; if they keep degrading, ",
+      rollback, ".");
+}
+
+}  // namespace foreshock::alerts

@@ -1,0 +1,440 @@
+// The alert engine: lifecycle, labels and annotations, dedup across heads and
+// ranks, guards, non-finite values, the first layer to fire, and the
+// probable cause as the engine derives it from a run's alerts.
+#include "alerts/alert_engine.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace foreshock::alerts {
+namespace {
+
+using detectors::kAllHeads;
+using detectors::kNoLayer;
+
+std::string Annotation(const Alert& alert, const std::string& name) {
+  for (const auto& [key, value] : alert.Annotations()) {
+    if (key == name) return value;
+  }
+  ADD_FAILURE() << "no annotation " << name;
+  return "";
+}
+
+std::string Label(const Alert& alert, const std::string& name) {
+  for (const auto& [key, value] : alert.Labels()) {
+    if (key == name) return value;
+  }
+  ADD_FAILURE() << "no label " << name;
+  return "";
+}
+
+// Drives an engine and keeps every transition it returned.
+class EngineDriver {
+ public:
+  explicit EngineDriver(AlertConfig config = DefaultAlertConfig()) : engine(std::move(config)) {}
+
+  void Point(std::string_view run, int64_t step, std::string_view signal, int layer, double value,
+             int head = kAllHeads, bool for_detection = true) {
+    Keep(engine.Observe(SignalPoint{run, step, signal, layer, head, value, for_detection}));
+  }
+  void NonFinite(std::string_view run, int64_t step, int64_t count = 3) {
+    Keep(engine.ObserveNonFinite(NonFiniteEvent{run, step, detectors::SampleKind::kQK, count, 4}));
+  }
+  // `count` samples of `signal` every `stride` steps from `first_step`, at
+  // `level` with 0.5% noise.
+  void Series(std::string_view run, std::string_view signal, int layer, int64_t first_step,
+              int count, double level, int64_t stride = 10) {
+    std::normal_distribution<double> noise(0.0, 0.005);
+    for (int i = 0; i < count; ++i) {
+      Point(run, first_step + i * stride, signal, layer, level * (1 + noise(rng_)));
+    }
+  }
+  // A signal that is normal at `normal` for `normal_samples` (past its
+  // warm-up), then at `faulty` for 10 samples from `fault_step`: it fires at
+  // fault_step + 2 * stride.
+  void Fault(std::string_view run, std::string_view signal, int layer, int64_t fault_step,
+             double normal, double faulty, int64_t stride = 10, int normal_samples = 60) {
+    Series(run, signal, layer, fault_step - normal_samples * stride, normal_samples, normal, stride);
+    Series(run, signal, layer, fault_step, 10, faulty, stride);
+  }
+
+  std::vector<AlertTransition> Transitions(std::string_view alertname, std::string_view layer) const {
+    std::vector<AlertTransition> selected;
+    for (const AlertTransition& t : transitions) {
+      if (t.alert.alertname == alertname && t.alert.layer == layer) selected.push_back(t);
+    }
+    return selected;
+  }
+
+  AlertEngine engine;
+  std::vector<AlertTransition> transitions;
+
+ private:
+  void Keep(std::vector<AlertTransition> more) {
+    transitions.insert(transitions.end(), more.begin(), more.end());
+  }
+  std::mt19937_64 rng_{42};
+};
+
+TEST(AlertEngineTest, LifecyclePendingFiringResolvedWithLabelsAndAnnotations) {
+  EngineDriver driver;
+  driver.Series("r1", "qk_increment_entropy", 2, 0, 100, 0.8);      // steps 0..990
+  for (int i = 0; i < 5; ++i) driver.Point("r1", 1000 + 10 * i, "qk_increment_entropy", 2, 0.4);
+  driver.Series("r1", "qk_increment_entropy", 2, 1050, 30, 0.8);    // recovered from 1050
+
+  const auto transitions = driver.Transitions(kQKIncrementCollapse, "2");
+  ASSERT_EQ(transitions.size(), 3u);
+  EXPECT_EQ(transitions[0].from, AlertState::kInactive);
+  EXPECT_EQ(transitions[0].to, AlertState::kPending);
+  EXPECT_EQ(transitions[0].step, 1000);
+  EXPECT_EQ(transitions[1].from, AlertState::kPending);
+  EXPECT_EQ(transitions[1].to, AlertState::kFiring);
+  EXPECT_EQ(transitions[1].step, 1020);  // persistence: 3 of 5
+  EXPECT_EQ(transitions[2].from, AlertState::kFiring);
+  EXPECT_EQ(transitions[2].to, AlertState::kResolved);
+  // Hysteresis: the 10th consecutive normal sample after the collapse (1050 + 9 * 10).
+  EXPECT_EQ(transitions[2].step, 1140);
+  EXPECT_EQ(driver.transitions.size(), 3u) << "no other alert may move";
+
+  const Alert& firing = transitions[1].alert;
+  EXPECT_EQ(Label(firing, "alertname"), "ForeshockQKIncrementCollapse");
+  EXPECT_EQ(Label(firing, "run"), "r1");
+  EXPECT_EQ(Label(firing, "layer"), "2");
+  EXPECT_EQ(Label(firing, "signal"), "qk_increment_entropy");
+  EXPECT_EQ(Label(firing, "severity"), "warning");
+  EXPECT_EQ(Annotation(firing, "first_step"), "1000");
+  EXPECT_EQ(Annotation(firing, "probable_cause"), "low_precision_attention");
+  EXPECT_NE(Annotation(firing, "suggested_action").find("fp32"), std::string::npos);
+  EXPECT_NE(Annotation(firing, "suggested_action").find("before step 1000"), std::string::npos);
+  EXPECT_NE(Annotation(firing, "summary").find("layer 2 of run r1"), std::string::npos);
+  const std::string description = Annotation(firing, "description");
+  for (const char* part : {"qk_increment_entropy dropped to 0.4 at step 1020", "(baseline 0.",
+                           "robust z", "since step 1000", "First layer to fire in this run: layer 2"}) {
+    EXPECT_NE(description.find(part), std::string::npos) << part << " in: " << description;
+  }
+  EXPECT_NEAR(firing.baseline, 0.8, 0.01);
+  EXPECT_LT(firing.z, -5);
+  EXPECT_EQ(firing.firing_step, 1020);
+  EXPECT_EQ(firing.pending_step, 1000);
+
+  const Alert& resolved = transitions[2].alert;
+  EXPECT_EQ(resolved.state, AlertState::kResolved);
+  EXPECT_EQ(resolved.resolved_step, 1140);
+  EXPECT_EQ(resolved.firing_step, 1020);
+  EXPECT_TRUE(driver.engine.ActiveAlerts().empty());
+  ASSERT_EQ(driver.engine.AllAlerts("r1").size(), 1u);
+  EXPECT_EQ(driver.engine.AllAlerts("r1")[0].state, AlertState::kResolved);
+}
+
+TEST(AlertEngineTest, PendingThatDoesNotPersistReturnsToInactive) {
+  EngineDriver driver;
+  driver.Series("r1", "attention_entropy", 0, 0, 100, 2.0);
+  driver.Point("r1", 1000, "attention_entropy", 0, 1.0);  // one collapsed sample
+  driver.Series("r1", "attention_entropy", 0, 1010, 20, 2.0);
+  const auto transitions = driver.Transitions(kAttentionEntropyCollapse, "0");
+  ASSERT_EQ(transitions.size(), 2u);
+  EXPECT_EQ(transitions[0].to, AlertState::kPending);
+  EXPECT_EQ(transitions[1].from, AlertState::kPending);
+  EXPECT_EQ(transitions[1].to, AlertState::kInactive);
+  EXPECT_EQ(transitions[1].step, 1050);  // the spike left the 5-sample window
+}
+
+TEST(AlertEngineTest, OneAlertPerLayerWhateverTheHeadsAndRanksFeeding) {
+  EngineDriver driver;
+  std::normal_distribution<double> noise(0.0, 0.002);
+  std::mt19937_64 rng(1);
+  for (int i = 0; i < 120; ++i) {
+    const int64_t step = 10 * i;
+    const double layer_value = i < 100 ? 0.8 : 0.3;
+    for (int rank = 0; rank < 3; ++rank) {
+      // Per-head values, one head wild from the start: only the layer
+      // aggregate (head = -1) drives alerts.
+      for (int head = 0; head < 4; ++head) {
+        driver.Point("r1", step, "qk_increment_entropy", 5, head == 3 ? 0.01 : 0.8, head);
+      }
+      // Every rank reports the same layer aggregate (data parallel).
+      driver.Point("r1", step, "qk_increment_entropy", 5, layer_value + noise(rng));
+    }
+    // An unconverged value flagged out of detection is ignored too.
+    driver.Point("r1", step, "qk_increment_entropy", 5, 0.0, kAllHeads, /*for_detection=*/false);
+  }
+  const auto transitions = driver.Transitions(kQKIncrementCollapse, "5");
+  ASSERT_EQ(transitions.size(), 2u);
+  EXPECT_EQ(transitions[0].to, AlertState::kPending);
+  EXPECT_EQ(transitions[1].to, AlertState::kFiring);
+  EXPECT_EQ(transitions[1].step, 1020);
+  EXPECT_EQ(driver.engine.AllAlerts("r1").size(), 1u);
+  EXPECT_EQ(driver.engine.ActiveAlerts().size(), 1u);
+  EXPECT_GT(driver.engine.counters().points_duplicate, 0u);
+}
+
+TEST(AlertEngineTest, SignalsOfOneAlertShareItAndItResolvesWhenAllClear) {
+  EngineDriver driver;
+  // Entropy drops and the top-1 share rises in layer 1: one QK collapse alert.
+  driver.Series("r1", "qk_increment_entropy", 1, 0, 100, 0.8);
+  driver.Series("r1", "qk_increment_top1_share", 1, 0, 100, 0.2);
+  for (int i = 0; i < 5; ++i) {
+    driver.Point("r1", 1000 + 10 * i, "qk_increment_entropy", 1, 0.4);
+    driver.Point("r1", 1000 + 10 * i, "qk_increment_top1_share", 1, 0.7);
+  }
+  // The entropy recovers at once; the share only 100 steps later.
+  for (int i = 5; i < 40; ++i) {
+    driver.Point("r1", 1000 + 10 * i, "qk_increment_entropy", 1, 0.8);
+    driver.Point("r1", 1000 + 10 * i, "qk_increment_top1_share", 1, i < 15 ? 0.7 : 0.2);
+  }
+  const auto transitions = driver.Transitions(kQKIncrementCollapse, "1");
+  ASSERT_EQ(transitions.size(), 3u);
+  EXPECT_EQ(transitions[0].to, AlertState::kPending);
+  EXPECT_EQ(transitions[1].to, AlertState::kFiring);
+  EXPECT_EQ(transitions[1].alert.signal, "qk_increment_entropy");  // fed first
+  EXPECT_EQ(transitions[2].to, AlertState::kResolved);
+  EXPECT_EQ(transitions[2].step, 1000 + 10 * 24);  // the share's 10th normal sample
+  EXPECT_EQ(driver.engine.AllAlerts("r1").size(), 1u);
+}
+
+TEST(AlertEngineTest, RunLevelSignalsAlertOnLayerAll) {
+  EngineDriver driver;
+  driver.Series("r1", "loss", kNoLayer, 0, 300, 2.0, 1);
+  driver.Series("r1", "loss", kNoLayer, 300, 5, 4.0, 1);
+  const auto transitions = driver.Transitions(kLossSpike, "all");
+  ASSERT_EQ(transitions.size(), 2u);
+  EXPECT_EQ(transitions[1].to, AlertState::kFiring);
+  EXPECT_EQ(transitions[1].step, 302);
+  EXPECT_EQ(transitions[1].alert.first_step, 300);
+  EXPECT_NE(transitions[1].alert.summary.find("Loss spike in run r1"), std::string::npos);
+  // No mechanism alert: the cause is unknown.
+  EXPECT_EQ(transitions[1].alert.probable_cause, "unknown");
+}
+
+TEST(AlertEngineTest, DeadExpertsFireRouterCollapseOnlyAfterWarmup) {
+  EngineDriver driver;
+  // A dead expert during warm-up (30 samples) is ignored ...
+  for (int i = 0; i < 30; ++i) driver.Point("r1", 10 * i, "router_dead_experts", 3, i < 10 ? 1 : 0);
+  for (int i = 30; i < 60; ++i) driver.Point("r1", 10 * i, "router_dead_experts", 3, 0);
+  EXPECT_TRUE(driver.transitions.empty());
+  // ... one after it fires on the third sample.
+  for (int i = 60; i < 63; ++i) driver.Point("r1", 10 * i, "router_dead_experts", 3, 2);
+  const auto transitions = driver.Transitions(kRouterCollapse, "3");
+  ASSERT_EQ(transitions.size(), 2u);
+  EXPECT_EQ(transitions[1].to, AlertState::kFiring);
+  EXPECT_EQ(transitions[1].step, 620);
+  EXPECT_EQ(transitions[1].alert.signal, "router_dead_experts");
+  EXPECT_NE(transitions[1].alert.description.find("above the absolute bound 0"), std::string::npos)
+      << transitions[1].alert.description;
+}
+
+TEST(AlertEngineTest, CurvatureAboveTheEdgeMustBeSustained) {
+  EngineDriver driver;
+  // rho hovers just under 1 (normal at the edge of stability).
+  driver.Series("r1", "curvature_eos_ratio", kNoLayer, 0, 50, 0.9);
+  // Two samples above 1, then back: not sustained.
+  driver.Point("r1", 500, "curvature_eos_ratio", kNoLayer, 1.05);
+  driver.Point("r1", 510, "curvature_eos_ratio", kNoLayer, 1.05);
+  driver.Point("r1", 520, "curvature_eos_ratio", kNoLayer, 0.9);
+  // Unconverged estimates above 1 are kept out of detection.
+  for (int i = 0; i < 5; ++i) {
+    driver.Point("r1", 530 + 10 * i, "curvature_eos_ratio", kNoLayer, 3.0, kAllHeads, false);
+  }
+  for (const AlertTransition& t : driver.transitions) EXPECT_NE(t.to, AlertState::kFiring);
+  // Three in a row above 1 fire it.
+  for (int i = 0; i < 3; ++i) driver.Point("r1", 600 + 10 * i, "curvature_eos_ratio", kNoLayer, 1.05);
+  const auto transitions = driver.Transitions(kCurvatureAboveEdge, "all");
+  ASSERT_FALSE(transitions.empty());
+  EXPECT_EQ(transitions.back().to, AlertState::kFiring);
+  EXPECT_EQ(transitions.back().step, 620);
+  EXPECT_EQ(transitions.back().alert.probable_cause, "learning_rate_too_high");
+}
+
+TEST(AlertEngineTest, AttentionMaxLogitBoundFiresWithoutABaselineChange) {
+  EngineDriver driver;
+  // A model whose logits sit high and steady: no change, but beyond the bound.
+  driver.Series("r1", "attention_max_logit", 0, 0, 30, 120.0);  // warm-up
+  driver.Series("r1", "attention_max_logit", 0, 300, 3, 120.0);
+  const auto transitions = driver.Transitions(kAttentionLogitGrowth, "0");
+  ASSERT_EQ(transitions.size(), 2u);
+  EXPECT_EQ(transitions[1].to, AlertState::kFiring);
+  EXPECT_EQ(transitions[1].step, 320);
+}
+
+TEST(AlertEngineTest, NonFiniteFiresAtOnceAndResolvesAfterCleanSteps) {
+  EngineDriver driver;
+  driver.Series("r1", "loss", kNoLayer, 0, 10, 2.0, 1);
+  driver.NonFinite("r1", 10);
+  driver.NonFinite("r1", 11);  // still firing: no second transition
+  auto transitions = driver.Transitions(kNonFinite, "all");
+  ASSERT_EQ(transitions.size(), 1u);
+  EXPECT_EQ(transitions[0].from, AlertState::kInactive);
+  EXPECT_EQ(transitions[0].to, AlertState::kFiring);
+  const Alert& alert = transitions[0].alert;
+  EXPECT_EQ(alert.signal, "nonfinite_values");
+  EXPECT_EQ(alert.severity, "critical");
+  EXPECT_EQ(alert.first_step, 10);
+  EXPECT_NE(alert.description.find("qk sample at step 10, layer 4"), std::string::npos)
+      << alert.description;
+
+  // Finite values at 19 distinct later steps (several signals per step): not yet.
+  for (int64_t step = 12; step < 31; ++step) {
+    driver.Point("r1", step, "loss", kNoLayer, 2.0);
+    driver.Point("r1", step, "grad_norm", kNoLayer, 1.0);  // not an alert signal, still finite
+  }
+  EXPECT_EQ(driver.Transitions(kNonFinite, "all").size(), 1u);
+  driver.Point("r1", 31, "loss", kNoLayer, 2.0);  // the 20th
+  transitions = driver.Transitions(kNonFinite, "all");
+  ASSERT_EQ(transitions.size(), 2u);
+  EXPECT_EQ(transitions[1].to, AlertState::kResolved);
+  EXPECT_EQ(transitions[1].step, 31);
+}
+
+TEST(AlertEngineTest, RemembersWhichLayerFiredFirstByStep) {
+  EngineDriver driver;
+  driver.Fault("r1", "qk_increment_entropy", 5, 2000, 0.8, 0.4);
+  driver.Fault("r1", "qk_increment_entropy", 2, 2500, 0.8, 0.4);
+  ASSERT_TRUE(driver.engine.FirstFiringLayer("r1"));
+  EXPECT_EQ(driver.engine.FirstFiringLayer("r1")->layer, 5);
+  EXPECT_EQ(driver.engine.FirstFiringLayer("r1")->firing_step, 2020);
+  EXPECT_EQ(driver.engine.FirstFiringLayer("r1")->first_step, 2000);
+  // Worker threads deliver layers out of order: a layer processed later that
+  // fired at an earlier step becomes the first.
+  driver.Fault("r1", "attention_entropy", 7, 1500, 2.0, 1.0);
+  EXPECT_EQ(driver.engine.FirstFiringLayer("r1")->layer, 7);
+  EXPECT_EQ(driver.engine.FirstFiringLayer("r1")->alertname, kAttentionEntropyCollapse);
+  EXPECT_EQ(driver.engine.FirstFiringLayer("r1")->signal, "attention_entropy");
+  // The later layer's description names the first one at the time it fired.
+  const auto layer2 = driver.Transitions(kQKIncrementCollapse, "2");
+  ASSERT_EQ(layer2.size(), 3u);
+  EXPECT_EQ(layer2[1].to, AlertState::kFiring);
+  EXPECT_NE(layer2[1].alert.description.find("First layer to fire in this run: layer 5"),
+            std::string::npos);
+  // The earlier onset moved the rollback step: the firing alert is re-annotated.
+  EXPECT_EQ(layer2[2].from, AlertState::kFiring);
+  EXPECT_EQ(layer2[2].to, AlertState::kFiring);
+  EXPECT_NE(layer2[2].alert.suggested_action.find("before step 1500"), std::string::npos);
+  EXPECT_FALSE(driver.engine.FirstFiringLayer("other"));
+}
+
+TEST(AlertEngineTest, ProbableCauseFromTheRunsAlertFamilies) {
+  struct Case {
+    const char* name;
+    std::vector<std::pair<std::string, int>> faults;  // signal, layer; fired in this order
+    const char* cause;
+  };
+  const std::vector<Case> cases = {
+      {"attention only", {{"qk_increment_entropy", 3}, {"attention_max_logit", 4}},
+       "low_precision_attention"},
+      {"curvature only", {{"curvature_eos_ratio", kNoLayer}}, "learning_rate_too_high"},
+      {"router collapse only", {{"router_entropy", 1}}, "learning_rate_too_high"},
+      {"attention then curvature", {{"attention_entropy", 2}, {"curvature_eos_ratio", kNoLayer}},
+       "combined"},
+      {"attention with router imbalance", {{"qk_increment_entropy", 3}, {"router_load_cv", 1}},
+       "unknown"},
+      {"loss spike only", {{"loss", kNoLayer}}, "unknown"},
+  };
+  // Healthy level and faulty level per signal, in the signal's alert direction.
+  const std::map<std::string, std::pair<double, double>> levels = {
+      {"qk_increment_entropy", {0.8, 0.4}}, {"attention_max_logit", {10, 20}},
+      {"attention_entropy", {2.0, 1.0}},    {"curvature_eos_ratio", {0.5, 1.5}},
+      {"router_entropy", {0.9, 0.5}},       {"router_load_cv", {0.3, 0.9}},
+      {"loss", {2.0, 4.0}}};
+  for (const Case& c : cases) {
+    EngineDriver driver;
+    int64_t fault_step = 1000;
+    for (const auto& [signal, layer] : c.faults) {
+      const auto [normal, faulty] = levels.at(signal);
+      // The loss has a 100-sample warm-up; one sample per step.
+      const bool loss = signal == "loss";
+      driver.Fault("r1", signal, layer, fault_step, normal, faulty, loss ? 1 : 10, loss ? 150 : 60);
+      fault_step += 100;  // well within the 500-step onset window
+    }
+    EXPECT_EQ(ProbableCauseName(driver.engine.RunProbableCause("r1")), c.cause) << c.name;
+    const std::vector<Alert> active = driver.engine.ActiveAlerts();
+    EXPECT_EQ(active.size(), c.faults.size()) << c.name << ": every fault fires its own alert";
+    for (const Alert& alert : active) {
+      EXPECT_EQ(alert.state, AlertState::kFiring) << c.name << " " << alert.alertname;
+      EXPECT_EQ(alert.probable_cause, c.cause) << c.name << " " << alert.alertname;
+    }
+  }
+}
+
+TEST(AlertEngineTest, NewEvidenceReannotatesFiringAlerts) {
+  EngineDriver driver;
+  driver.Fault("r1", "qk_increment_entropy", 3, 1000, 0.8, 0.4);
+  ASSERT_EQ(driver.engine.ActiveAlerts().size(), 1u);
+  EXPECT_EQ(driver.engine.ActiveAlerts()[0].probable_cause, "low_precision_attention");
+  driver.transitions.clear();
+
+  driver.Fault("r1", "curvature_eos_ratio", kNoLayer, 1200, 0.5, 1.5);
+  // The curvature alert fires as combined, and the attention alert is re-sent.
+  const auto qk = driver.Transitions(kQKIncrementCollapse, "3");
+  ASSERT_EQ(qk.size(), 1u);
+  EXPECT_EQ(qk[0].from, AlertState::kFiring);
+  EXPECT_EQ(qk[0].to, AlertState::kFiring);
+  EXPECT_EQ(qk[0].alert.probable_cause, "combined");
+  EXPECT_NE(qk[0].alert.suggested_action.find("Lower the learning rate"), std::string::npos);
+  // Roll back before the earliest anomaly of the run, not this alert's own.
+  EXPECT_NE(qk[0].alert.suggested_action.find("before step 1000"), std::string::npos);
+  const auto curvature = driver.Transitions(kCurvatureAboveEdge, "all");
+  ASSERT_FALSE(curvature.empty());
+  EXPECT_EQ(curvature.back().alert.probable_cause, "combined");
+  EXPECT_NE(curvature.back().alert.suggested_action.find("before step 1000"), std::string::npos);
+}
+
+TEST(AlertEngineTest, EvidenceAfterTheOnsetWindowDoesNotChangeTheCause) {
+  EngineDriver driver;
+  driver.Fault("r1", "qk_increment_entropy", 3, 1000, 0.8, 0.4);
+  // Router collapse 2000 steps later: a consequence of a run already failing.
+  driver.Fault("r1", "router_entropy", 1, 3000, 0.9, 0.5);
+  EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kLowPrecisionAttention);
+  for (const Alert& alert : driver.engine.ActiveAlerts()) {
+    EXPECT_EQ(alert.probable_cause, "low_precision_attention") << alert.alertname;
+  }
+}
+
+TEST(AlertEngineTest, RunsAreIndependentAndCanBeForgotten) {
+  EngineDriver driver;
+  driver.Fault("a", "qk_increment_entropy", 0, 1000, 0.8, 0.4);
+  driver.Fault("b", "curvature_eos_ratio", kNoLayer, 1000, 0.5, 1.5);
+  const auto active = driver.engine.ActiveAlerts();
+  ASSERT_EQ(active.size(), 2u);
+  EXPECT_EQ(active[0].run, "a");
+  EXPECT_EQ(active[0].probable_cause, "low_precision_attention");
+  EXPECT_EQ(active[1].run, "b");
+  EXPECT_EQ(active[1].probable_cause, "learning_rate_too_high");
+  // Forgetting a run (restarted from a checkpoint) closes its open alerts.
+  const std::vector<AlertTransition> closed = driver.engine.ForgetRun("a");
+  ASSERT_EQ(closed.size(), 1u);
+  EXPECT_EQ(closed[0].alert.run, "a");
+  EXPECT_EQ(closed[0].from, AlertState::kFiring);
+  EXPECT_EQ(closed[0].to, AlertState::kResolved);
+  EXPECT_EQ(closed[0].step, 1090);  // the run's latest step
+  EXPECT_TRUE(driver.engine.AllAlerts("a").empty());
+  EXPECT_TRUE(driver.engine.ForgetRun("a").empty());
+  ASSERT_EQ(driver.engine.ActiveAlerts().size(), 1u);
+  EXPECT_EQ(driver.engine.ActiveAlerts()[0].run, "b");
+}
+
+TEST(AlertEngineTest, DisabledAndUnknownSignalsNeverAlert) {
+  AlertConfig config = DefaultAlertConfig();
+  config.signals.at("qk_increment_entropy").enabled = false;
+  EngineDriver driver(config);
+  driver.Fault("r1", "qk_increment_entropy", 0, 1000, 0.8, 0.4);
+  driver.Fault("r1", "qk_second_order_ratio", 0, 1000, 0.1, 5.0);  // exported, not alerted on
+  EXPECT_TRUE(driver.transitions.empty());
+  EXPECT_TRUE(driver.engine.AllAlerts("r1").empty());
+}
+
+TEST(AlertEngineTest, NonFiniteValuesInPointsAreDropped) {
+  EngineDriver driver;
+  driver.Series("r1", "attention_entropy", 0, 0, 100, 2.0);
+  for (int i = 0; i < 5; ++i) {
+    driver.Point("r1", 1000 + 10 * i, "attention_entropy", 0, std::nan(""));
+  }
+  EXPECT_TRUE(driver.transitions.empty());
+  EXPECT_EQ(driver.engine.counters().points_nonfinite, 5u);
+}
+
+}  // namespace
+}  // namespace foreshock::alerts
