@@ -197,3 +197,18 @@ def test_query_service_lists_and_streams_alerts(foreshockd):
         only = stub.ListAlerts(query_pb2.ListAlertsRequest(run="watched"), timeout=5).alerts
         assert [a.alertname for a in only] == ["ForeshockNonFinite"]
         assert only[0].state == "firing" and only[0].starts_at_unix_ms > 0
+
+
+def test_faulted_training_run_alert_reaches_alertmanager(start_foreshockd, alertmanager):
+    """A real training run of the demo model with a numerical fault injected."""
+    from demo import train
+    alertmanager.start()
+    daemon = start_foreshockd(f"--alertmanager_url={alertmanager.url}")
+    args = train.parse_args(["--endpoint", daemon.endpoint, "--run-id", "am-training",
+                             "--steps", "40", "--every", "5", "--fault", "nan", "--fault-step",
+                             "25", "--curvature-every", "0", "--no-alerts", "--log-every", "0"])
+    train.run(args, out=lambda *_: None)
+    assert wait_until(lambda: find(alertmanager.alerts(), "ForeshockNonFinite", "am-training"), 20)
+    (alert,) = find(alertmanager.alerts(), "ForeshockNonFinite", "am-training")
+    assert alert["annotations"]["first_step"] == "25"
+    assert alert["labels"]["run"] == "am-training" and alert["labels"]["layer"] == "all"
