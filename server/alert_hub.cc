@@ -2,18 +2,13 @@
 
 #include <spdlog/spdlog.h>
 
-#include <chrono>
+#include "server/clock.h"
 
 namespace foreshock::server {
 namespace {
 
 namespace v1 = foreshock::v1;
 
-int64_t NowMillis() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 std::string AlertKey(const alerts::Alert& alert) {
   return alert.alertname + '\x1f' + alert.run + '\x1f' + alert.layer;
@@ -61,9 +56,9 @@ void AlertHub::DeliverLocked(const std::vector<alerts::AlertTransition>& transit
     alerted_runs_.insert(alert.run);
     Times& times = times_[AlertKey(alert)];
     if (t.to == alerts::AlertState::kFiring && t.from != alerts::AlertState::kFiring) {
-      times = Times{NowMillis(), 0};
+      times = Times{NowUnixMillis(), 0};
     } else if (t.to == alerts::AlertState::kResolved) {
-      times.ends_ms = NowMillis();
+      times.ends_ms = NowUnixMillis();
     }
 
     metrics_.alert_active

@@ -7,14 +7,11 @@
 #include <ctime>
 #include <nlohmann/json.hpp>
 
+#include "server/clock.h"
+
 namespace foreshock::server {
 namespace {
 
-int64_t NowMillis() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 // RFC 3339 in UTC with milliseconds, as Alertmanager expects.
 std::string Rfc3339(int64_t unix_ms) {
@@ -166,7 +163,7 @@ void AlertmanagerNotifier::Run() {
 
     std::vector<AlertmanagerAlert> batch;
     for (const auto& [key, tracked] : alerts_) batch.push_back(tracked.alert);
-    const std::string body = RenderBody(batch, NowMillis());
+    const std::string body = RenderBody(batch, NowUnixMillis());
     lock.unlock();
     std::string error;
     const bool ok = Post(body, &error);

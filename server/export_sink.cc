@@ -1,26 +1,17 @@
 #include "server/export_sink.h"
 
-#include <chrono>
-
 #include <spdlog/spdlog.h>
 
+#include "server/clock.h"
+
 namespace foreshock::server {
-namespace {
-
-int64_t NowMillis() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
-}  // namespace
 
 void ExportSink::OnObservation(const detectors::Sample& sample,
                                const detectors::Observation& observation) {
   metrics_.ExportObservation(sample.run, observation);
   store_.Append(SeriesKey{sample.run, std::string(observation.signal), observation.layer,
                           observation.head},
-                Point{sample.step, observation.value, NowMillis()});
+                Point{sample.step, observation.value, NowUnixMillis()});
 }
 
 void ExportSink::OnNonFinite(const detectors::Sample& sample, detectors::SampleKind kind,

@@ -8,6 +8,7 @@
 #include <random>
 
 #include "detectors/detector.h"
+#include "tests/detectors/sample_builders.h"
 
 namespace foreshock::detectors {
 namespace {
@@ -18,22 +19,12 @@ class NullEmitter final : public Emitter {
   void NonFinite(SampleKind, int64_t) override {}
 };
 
-Sample MakeRouterSample(int tokens, int experts, int top_k, uint32_t seed) {
+Sample RandomRouterSample(int tokens, int experts, int top_k, uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.f, 2.f);
   std::vector<float> logits(static_cast<size_t>(tokens) * experts);
   for (float& z : logits) z = normal(rng);
-  RouterSample router;
-  router.layer = 0;
-  router.top_k = top_k;
-  router.logits.dtype = DType::kFloat32;
-  router.logits.shape = {tokens, experts};
-  router.logits.data.resize(logits.size() * 4);
-  std::memcpy(router.logits.data.data(), logits.data(), router.logits.data.size());
-  Sample sample;
-  sample.run = "bench";
-  sample.payload = std::move(router);
-  return sample;
+  return testing::RouterSampleOf(logits, tokens, experts, top_k, 0, "bench");
 }
 
 void BM_RouterDetector(benchmark::State& state) {
@@ -45,8 +36,8 @@ void BM_RouterDetector(benchmark::State& state) {
     if (info.name == "router") detector = info.create(DetectorOptions{});
   }
   // Two alternating probes, so every call computes flip rate and JS divergence.
-  const Sample samples[2] = {MakeRouterSample(tokens, experts, top_k, 1),
-                             MakeRouterSample(tokens, experts, top_k, 2)};
+  const Sample samples[2] = {RandomRouterSample(tokens, experts, top_k, 1),
+                             RandomRouterSample(tokens, experts, top_k, 2)};
   NullEmitter emitter;
   int i = 0;
   for (auto _ : state) detector->Process(samples[i++ & 1], emitter);

@@ -8,28 +8,14 @@
 
 #include "detectors/router_stats.h"
 #include "tests/detectors/detector_test_support.h"
+#include "tests/detectors/sample_builders.h"
 
 namespace foreshock::detectors {
 namespace {
 
 using testing::MakeDetector;
 using testing::RecordingEmitter;
-
-Sample RouterSampleOf(const std::vector<float>& logits, int tokens, int experts, int top_k,
-                      int64_t step = 0, std::string run = "r") {
-  RouterSample router;
-  router.layer = 1;
-  router.top_k = top_k;
-  router.logits.dtype = DType::kFloat32;
-  router.logits.shape = {tokens, experts};
-  router.logits.data.resize(logits.size() * 4);
-  std::memcpy(router.logits.data.data(), logits.data(), router.logits.data.size());
-  Sample sample;
-  sample.run = std::move(run);
-  sample.step = step;
-  sample.payload = std::move(router);
-  return sample;
-}
+using testing::RouterSampleOf;
 
 TEST(RouterStatsTest, UniformLogitsAreMaximallyUncertainAndBalanced) {
   // 4 tokens, 4 experts, all logits equal: entropy 1; ties go to the lowest
