@@ -6,7 +6,6 @@
 
 #include "alerts/text.h"
 
-
 namespace foreshock::alerts {
 namespace {
 
@@ -27,7 +26,9 @@ std::string Summary(std::string_view alertname, const std::string& run, int laye
   const std::string where =
       layer < 0 ? internal::Cat("run ", run) : internal::Cat("layer ", layer, " of run ", run);
   std::string_view what = "Foreshock alert";
-  if (alertname == kQKIncrementCollapse) what = "QK increment collapse (low-rank attention updates)";
+  if (alertname == kQKIncrementCollapse) {
+    what = "QK increment collapse (low-rank attention updates)";
+  }
   if (alertname == kAttentionLogitGrowth) what = "Attention logit growth";
   if (alertname == kAttentionEntropyCollapse) what = "Attention entropy collapse";
   if (alertname == kRouterCollapse) what = "MoE router collapse";
@@ -136,7 +137,9 @@ AlertEngine::AlertRecord& AlertEngine::GetRecord(RunState& run, std::string_view
 AlertEngine::Series& AlertEngine::GetSeries(RunState& run, const SignalConfig& config,
                                             std::string_view signal, int layer) {
   auto signal_it = run.series.find(signal);
-  if (signal_it == run.series.end()) signal_it = run.series.emplace(std::string(signal), std::map<int, Series>{}).first;
+  if (signal_it == run.series.end()) {
+    signal_it = run.series.emplace(std::string(signal), std::map<int, Series>{}).first;
+  }
   auto& by_layer = signal_it->second;
   auto it = by_layer.find(layer);
   if (it == by_layer.end()) {
@@ -174,9 +177,8 @@ std::vector<AlertTransition> AlertEngine::Observe(const SignalPoint& point) {
     case ChangeAssessment::Disposition::kWarmup:
     case ChangeAssessment::Disposition::kScored: ++counters_.points_scored; break;
   }
-  // A pending series can change its onset without changing state; otherwise
-  // only state changes matter to the alert.
-  if (assessment.state != before || assessment.state == SeriesState::kPending) {
+  // Only a change of the series' state can move its alert.
+  if (assessment.state != before) {
     Evaluate(run, *series.record, series, assessment, point.step, out);
   }
   return out;
@@ -198,8 +200,8 @@ void AlertEngine::Evaluate(RunState& run, AlertRecord& record, const Series& tri
     std::string text;
     if (a.change_flag) {
       text = internal::Cat(series.signal, rise ? " rose" : " dropped", " to ", Num(a.value),
-                          " at step ", a.step, " (baseline ", Num(a.baseline), ", robust z ",
-                          Num(a.z), ", change ", Num(100 * a.relative_change), "%)");
+                           " at step ", a.step, " (baseline ", Num(a.baseline), ", robust z ",
+                           Num(a.z), ", change ", Num(100 * a.relative_change), "%)");
     } else {
       text = internal::Cat(series.signal, " = ", Num(a.value), " at step ", a.step);
       if (!std::isnan(a.baseline)) {
@@ -211,16 +213,16 @@ void AlertEngine::Evaluate(RunState& run, AlertRecord& record, const Series& tri
     }
     if (confirmed) {
       text += internal::Cat("; anomalous in ", o.persist_m, " of ", o.persist_n,
-                      " samples since step ", a.onset_step, ".");
+                            " samples since step ", a.onset_step, ".");
     } else {
       text += internal::Cat("; ", a.anomalous_in_window, " of the last ", o.persist_n,
-                      " samples anomalous (", o.persist_m, " fire it), since step ", a.onset_step,
-                      ".");
+                            " samples anomalous (", o.persist_m, " fire it), since step ",
+                            a.onset_step, ".");
     }
     if (run.first_firing) {
       text += internal::Cat(" First layer to fire in this run: layer ", run.first_firing->layer,
-                      " (", run.first_firing->alertname, ", ", run.first_firing->signal,
-                      ", step ", run.first_firing->firing_step, ").");
+                            " (", run.first_firing->alertname, ", ", run.first_firing->signal,
+                            ", step ", run.first_firing->firing_step, ").");
     }
     return text;
   };
@@ -312,8 +314,8 @@ void AlertEngine::OnFired(RunState& run, AlertRecord& fired, int64_t step,
 
   if (fired.layer >= 0) {
     const bool earlier = !run.first_firing ||
-                         std::pair(step, onset) < std::pair(run.first_firing->firing_step,
-                                                            run.first_firing->first_step);
+                         std::pair(step, onset) <
+                             std::pair(run.first_firing->firing_step, run.first_firing->first_step);
     if (earlier) {
       run.first_firing = FirstFiring{alert.alertname, fired.layer, "", step, onset};
       // The signal that confirmed: an anomalous series of this record.
@@ -334,8 +336,9 @@ void AlertEngine::OnFired(RunState& run, AlertRecord& fired, int64_t step,
   // Re-derive the run's cause from the families near the mechanism onset.
   int64_t mechanism_onset = -1;
   for (size_t f = 0; f < kFamilyCount; ++f) {
-    if (static_cast<AlertFamily>(f) == AlertFamily::kConsequence || run.family_onset[f] < 0) continue;
-    if (mechanism_onset < 0 || run.family_onset[f] < mechanism_onset) mechanism_onset = run.family_onset[f];
+    const int64_t onset_f = run.family_onset[f];
+    if (static_cast<AlertFamily>(f) == AlertFamily::kConsequence || onset_f < 0) continue;
+    if (mechanism_onset < 0 || onset_f < mechanism_onset) mechanism_onset = onset_f;
   }
   auto within = [&](AlertFamily f) {
     const int64_t o = run.family_onset[static_cast<size_t>(f)];
@@ -397,15 +400,15 @@ std::vector<AlertTransition> AlertEngine::ObserveNonFinite(const NonFiniteEvent&
   alert.value = alert.baseline = alert.z = std::numeric_limits<double>::quiet_NaN();
   std::vector<AlertTransition> updates;
   OnFired(run, record, event.step, updates);
-  alert.description = internal::Cat(
-      event.count, " non-finite value(s) (NaN or Inf) in a ",
-      detectors::SampleKindName(event.kind), " sample at step ", event.step,
-      event.layer >= 0 ? internal::Cat(", layer ", event.layer) : std::string(),
-      "; the sample was not used for detection.");
+  alert.description =
+      internal::Cat(event.count, " non-finite value(s) (NaN or Inf) in a ",
+                    detectors::SampleKindName(event.kind), " sample at step ", event.step,
+                    event.layer >= 0 ? internal::Cat(", layer ", event.layer) : std::string(),
+                    "; the sample was not used for detection.");
   if (run.first_firing) {
-    alert.description += internal::Cat(" First layer to fire in this run: layer ",
-                    run.first_firing->layer, " (", run.first_firing->alertname, ", step ",
-                    run.first_firing->firing_step, ").");
+    alert.description +=
+        internal::Cat(" First layer to fire in this run: layer ", run.first_firing->layer, " (",
+                      run.first_firing->alertname, ", step ", run.first_firing->firing_step, ").");
   }
   RefreshCause(run, record);
   out.push_back(AlertTransition{alert, from, AlertState::kFiring, event.step});

@@ -119,10 +119,10 @@ struct Alert {
   int64_t first_step = -1;
 
   AlertState state = AlertState::kInactive;
-  int episode = 0;            // 1 for the first pending/firing episode, +1 per new one
-  int64_t pending_step = -1;  // step it became pending (-1: went straight to firing)
-  int64_t firing_step = -1;   // step it fired in this episode (-1: not yet)
-  int64_t resolved_step = -1; // step it resolved (-1: not resolved)
+  int episode = 0;             // 1 for the first pending/firing episode, +1 per new one
+  int64_t pending_step = -1;   // step it became pending (-1: went straight to firing)
+  int64_t firing_step = -1;    // step it fired in this episode (-1: not yet)
+  int64_t resolved_step = -1;  // step it resolved (-1: not resolved)
   // The values that fired it (or made it pending); NaN when not applicable
   // (no baseline yet, or a guard / non-finite alert).
   double value = std::numeric_limits<double>::quiet_NaN();
@@ -158,10 +158,10 @@ struct FirstFiring {
 
 // Points that did not reach a detector, for the server's metrics.
 struct AlertEngineCounters {
-  uint64_t points_scored = 0;        // reached a change detector and were scored or recorded
-  uint64_t points_stale = 0;         // older step than the series' latest
-  uint64_t points_duplicate = 0;     // same step, not worse than the value already scored
-  uint64_t points_nonfinite = 0;     // non-finite values passed to Observe (dropped)
+  uint64_t points_scored = 0;     // reached a change detector and were scored or recorded
+  uint64_t points_stale = 0;      // older step than the series' latest
+  uint64_t points_duplicate = 0;  // same step, not worse than the value already scored
+  uint64_t points_nonfinite = 0;  // non-finite values passed to Observe (dropped)
 };
 
 class AlertEngine {

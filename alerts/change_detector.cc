@@ -21,8 +21,7 @@ constexpr double kCusumClip = 3.0;
 // Median of `values`, which it reorders. `values` must not be empty.
 double MedianInPlace(std::vector<double>& values) {
   const size_t mid = values.size() / 2;
-  std::nth_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(mid),
-                   values.end());
+  std::nth_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(mid), values.end());
   const double upper = values[mid];
   if (values.size() % 2 == 1) return upper;
   const double lower =
@@ -117,8 +116,8 @@ ChangeAssessment ChangeDetector::Score(int64_t step, double value) {
       const double cusum_input =
           large_enough ? std::min(directed_z, clip) : std::min(directed_z, 0.0);
       c.cusum = std::max(0.0, c.cusum + cusum_input - options_.cusum_k);
-      a.change_flag = large_enough &&
-                      (directed_z >= options_.z_threshold || c.cusum >= options_.cusum_h);
+      a.change_flag =
+          large_enough && (directed_z >= options_.z_threshold || c.cusum >= options_.cusum_h);
     }
   }
   if (options_.bound) a.guard_flag = sign_ * (value - *options_.bound) > 0;
@@ -162,21 +161,38 @@ ChangeAssessment ChangeDetector::Score(int64_t step, double value) {
 }
 
 std::optional<ChangeDetector::Baseline> ChangeDetector::ComputeBaseline() const {
-  const std::vector<double>& history = core_.history;
+  const size_t history_size = core_.history.size();
   const size_t gap = static_cast<size_t>(options_.gap);
-  if (history.size() <= gap) return std::nullopt;
-  const size_t length = history.size() - gap;  // the window: history[0, length)
+  if (history_size <= gap) return std::nullopt;
+  const size_t length = history_size - gap;  // the window: history[0, length)
   const size_t min_length = std::max<size_t>(3, static_cast<size_t>(options_.window) / 2);
   if (length < min_length) return std::nullopt;
 
+  Baseline baseline = FitWindow(0, length);
+  const size_t recent = length / 2;
+  if (options_.trend && recent >= kMinTrendSamples) {
+    // Healthy drift often accelerates away from its start (entropies leave
+    // their initial plateau): the newer half's trend counts too, and the
+    // baseline further along the alert direction wins.
+    const Baseline recent_fit = FitWindow(length - recent, length);
+    if (sign_ * (recent_fit.level - baseline.level) > 0) baseline.level = recent_fit.level;
+    baseline.scale = std::max(baseline.scale, recent_fit.scale);
+  }
+  return baseline;
+}
+
+ChangeDetector::Baseline ChangeDetector::FitWindow(size_t begin, size_t end) const {
+  const std::vector<double>& history = core_.history;
+  const size_t length = end - begin;
   double slope = 0;
   if (options_.trend && length >= kMinTrendSamples) {
     // Medians of the older and newer halves; their centres are `length - half` apart.
     const size_t half = length / 2;
-    scratch_.assign(history.begin(), history.begin() + static_cast<std::ptrdiff_t>(half));
+    const auto first = history.begin() + static_cast<std::ptrdiff_t>(begin);
+    scratch_.assign(first, first + static_cast<std::ptrdiff_t>(half));
     const double older = MedianInPlace(scratch_);
-    scratch_.assign(history.begin() + static_cast<std::ptrdiff_t>(length - half),
-                    history.begin() + static_cast<std::ptrdiff_t>(length));
+    scratch_.assign(first + static_cast<std::ptrdiff_t>(length - half),
+                    first + static_cast<std::ptrdiff_t>(length));
     const double newer = MedianInPlace(scratch_);
     slope = (newer - older) / static_cast<double>(length - half);
     // Follow only drifts in the alert direction.
@@ -186,7 +202,7 @@ std::optional<ChangeDetector::Baseline> ChangeDetector::ComputeBaseline() const 
   const double centre = 0.5 * static_cast<double>(length - 1);
   residuals_.resize(length);
   for (size_t i = 0; i < length; ++i) {
-    residuals_[i] = history[i] - slope * (static_cast<double>(i) - centre);
+    residuals_[i] = history[begin + i] - slope * (static_cast<double>(i) - centre);
   }
   scratch_ = residuals_;
   const double level_at_centre = MedianInPlace(scratch_);
@@ -194,8 +210,9 @@ std::optional<ChangeDetector::Baseline> ChangeDetector::ComputeBaseline() const 
   const double mad = MedianInPlace(residuals_);
 
   Baseline baseline;
-  // Extrapolate from the window centre to the sample after the history.
-  baseline.level = level_at_centre + slope * (static_cast<double>(length + gap) - centre);
+  // Extrapolate from the centre of the fitted span to the sample after the history.
+  const double distance = static_cast<double>(history.size() - begin) - centre;
+  baseline.level = level_at_centre + slope * distance;
   baseline.scale = std::max(kMadToSigma * mad,
                             kRelativeScaleFloor * std::abs(baseline.level) + kAbsoluteScaleFloor);
   return baseline;

@@ -18,33 +18,38 @@
 //    Statistics are robust: the median m and the MAD of the window.
 //    The baseline is ready once `warmup` samples have been seen and the
 //    window holds at least max(3, window/2) samples.
-// 2. Trend (when `trend` is on, and the window holds >= 6 samples): the slope
-//    is the difference of the medians of the window's newer and older halves
-//    divided by the distance between the halves. The slope is clamped to the
-//    alert direction (a rise detector only follows rising trends, a drop
-//    detector only falling ones), then the baseline is extrapolated from the
-//    window centre to the current sample and the MAD is taken on the
-//    detrended residuals. Healthy training drifts monotonically in the alert
-//    direction (attention sharpens, entropies fall, logits grow); following
-//    that drift suppresses it, while a change much faster than the recent
-//    trend still stands out. Clamping means a plateau after a drift against
-//    the alert direction can never look like a change.
-// 3. Robust z-score: z = d * (x_t - baseline) / s, with s = 1.4826 * MAD,
+// 2. Trend (when `trend` is on): the slope of a span is the difference of
+//    the medians of its newer and older halves divided by the distance
+//    between them, clamped to the alert direction (a rise detector only
+//    follows rising trends, a drop detector only falling ones). The span's
+//    median and MAD are taken on the detrended values and the level is
+//    extrapolated from the span's centre to the current sample. Two spans
+//    are fitted, the whole window and its newer half (when each holds >= 6
+//    samples); the level further along the alert direction and the larger
+//    scale win. Healthy training drifts in the alert direction (attention
+//    sharpens, entropies fall, logits grow), often accelerating away from
+//    the plateau it starts on; following that drift suppresses it, while a
+//    change much faster than the recent trend still stands out. Clamping
+//    means a plateau after a drift against the alert direction can never
+//    look like a change. The price: a sustained moderate shift (z of 3)
+//    that takes longer than `gap` samples to confirm gets partly absorbed.
+// 3. Robust z-score: z = (x_t - baseline) / s, with s = 1.4826 * MAD,
 //    floored at 1e-6 * |baseline| + 1e-12 so that a flat series (MAD = 0)
 //    gives a finite, huge z: on such a series the effect-size gate decides.
+//    The tests below use the directed z_d = d * z.
 // 4. Effect-size gate: the change e = d * (x_t - baseline) must reach
 //    max(min_relative_change * |baseline|, min_absolute_change). This is
 //    what makes the detector tolerate slow drift and flat series: a
 //    statistically significant but small change is not an alert.
 // 5. One-sided CUSUM on the gated, clipped z:
 //      S_t = max(0, S_{t-1} + u_t - k),
-//      u_t = min(z, c) if the gate passes, else min(z, 0); c = min(3, z_threshold).
-//    It catches a sustained shift past the gate whose z (2..4, a noisy
+//      u_t = min(z_d, c) if the gate passes, else min(z_d, 0); c = min(3, z_threshold).
+//    It catches a sustained shift past the gate whose z_d (2..4, a noisy
 //    series) never crosses z_threshold. Clipping keeps outliers of
 //    heavy-tailed noise from reaching h in two samples; gating keeps a long
 //    small shift (healthy drift) from charging S for a later sample.
 // 6. The sample is anomalous when
-//      (gate passes and (z >= z_threshold or S_t >= h))   [change test]
+//      (gate passes and (z_d >= z_threshold or S_t >= h)) [change test]
 //      or value beyond `bound` (d * (x_t - bound) > 0)      [absolute guard]
 //    The absolute guard needs no baseline (only the warm-up).
 // 7. Persistence: the series turns kAnomalous when at least `persist_m` of
@@ -93,7 +98,7 @@ struct ChangeDetectorOptions {
   // False: only the absolute guard (`bound`) can make a sample anomalous.
   bool change_detection = true;
   // Samples seen before anything is scored (baseline and guard alike).
-  int warmup = 30;
+  int warmup = 40;
   // Samples in the baseline window.
   int window = 40;
   // Samples between the newest baseline sample and the current one. Keep
@@ -149,7 +154,8 @@ struct ChangeAssessment {
   bool guard_flag = false;   // the absolute guard marked the sample
   bool anomalous() const { return change_flag || guard_flag; }
   SeriesState state = SeriesState::kNormal;  // after this sample
-  int64_t onset_step = -1;  // earliest anomalous step of the episode, -1 if none
+  // The earliest anomalous step of the episode, -1 if none.
+  int64_t onset_step = -1;
   // anomalous samples among the last persist_n (while not kAnomalous)
   int anomalous_in_window = 0;
 };
@@ -195,6 +201,9 @@ class ChangeDetector {
   // The baseline from the history; nullopt until it is ready. Because nothing
   // enters the history while kAnomalous, this is frozen during an episode.
   std::optional<Baseline> ComputeBaseline() const;
+  // Median/MAD (with the clamped trend) of history[begin, end), extrapolated
+  // to the sample after the history.
+  Baseline FitWindow(size_t begin, size_t end) const;
 
   ChangeDetectorOptions options_;
   double sign_;  // +1 rise, -1 drop

@@ -12,25 +12,31 @@
 
 #include "alerts/text.h"
 
-
 namespace foreshock::alerts {
 
 // ---------------------------------------------------------------------------
 // Defaults. Counts are in samples of the series. The generic values are the
 // member initializers of ChangeDetectorOptions (change_detector.h):
-//   warmup 30, window 40, gap 8, trend on, z_threshold 5, cusum k 1 / h 8,
+//   warmup 40, window 40, gap 8, trend on, z_threshold 5, cusum k 1 / h 8,
 //   min_relative_change 0.10, min_absolute_change 0, persist 3 of 5,
 //   clear_after 10, no bound.
-// Why those: z 5 with 3-of-5 persistence keeps stationary noise (even
-// heavy-tailed) silent over tens of thousands of samples; the CUSUM (k 1,
-// h 8) confirms a sustained shift of 3 robust sigmas within about 4 samples;
-// the 8-sample gap is longer than the 5-sample persistence window, so a
-// collapse is confirmed before it can enter its own baseline; 40 samples of
-// window make the median/MAD stable to a few percent. The per-signal
-// overrides below set the direction and the effect size that counts: a
-// change smaller than that is healthy drift whatever its z-score. All of it
-// is to be calibrated by the fault-injection evaluation (issue 5).
-// ---------------------------------------------------------------------------
+// Why those:
+// - z 5 with 3-of-5 persistence keeps stationary noise silent: no episode in
+//   1.6M Gaussian samples with noise as large as the 10% gate, about one per
+//   250k samples of Laplace noise (tests/alerts/change_detector_test.cc);
+// - the CUSUM (k 1, h 8, input clipped at 3) confirms a sustained 3-4 sigma
+//   shift within about 7 samples;
+// - the 8-sample gap is longer than the 5-sample persistence window, so a
+//   collapse is confirmed before it can enter its own baseline; 40 samples
+//   of window keep the median/MAD stable;
+// - warm-up 40 samples: on the demo model (probe every 10 steps) attention
+//   and router signals change fastest in the first 300-400 steps of healthy
+//   training; with 30 the healthy run alerted, with 40 it, its LR-decay and
+//   its text-switch controls stayed silent (one seed, 1000 steps: a sanity
+//   check, not the calibration).
+// The per-signal overrides below set the direction and the effect size that
+// counts: a change smaller than that is healthy drift whatever its z-score.
+// All of it is to be calibrated by the fault-injection evaluation (issue 5).
 AlertConfig DefaultAlertConfig() {
   AlertConfig config;
   auto add = [&](std::string_view signal, std::string_view alert,
@@ -45,7 +51,8 @@ AlertConfig DefaultAlertConfig() {
   // entropy (in [0, 1]) drops and the top direction's share rises.
   add("qk_increment_entropy", kQKIncrementCollapse, Direction::kDrop).min_relative_change = 0.10;
   {
-    ChangeDetectorOptions& o = add("qk_increment_top1_share", kQKIncrementCollapse, Direction::kRise);
+    ChangeDetectorOptions& o =
+        add("qk_increment_top1_share", kQKIncrementCollapse, Direction::kRise);
     o.min_relative_change = 0.25;
     o.min_absolute_change = 0.05;  // the share is in [0, 1]; a few points is noise
   }
@@ -88,11 +95,15 @@ AlertConfig DefaultAlertConfig() {
 
   // Curvature: rho = lambda / tau. A surge of half again its baseline, or
   // rho > 1 (above the edge of stability); both sustained 3 samples in a
-  // row (curvature samples are sparse and each costs HVPs).
+  // row. Curvature samples are sparse (each costs HVPs; the demo takes one
+  // per 50 steps), hence the shorter warm-up and window.
   {
     ChangeDetectorOptions& o = add("curvature_eos_ratio", kCurvatureAboveEdge, Direction::kRise);
     o.min_relative_change = 0.5;
     o.bound = 1.0;
+    o.warmup = 10;
+    o.window = 12;
+    o.gap = 4;
     o.persist_m = 3;
     o.persist_n = 3;
   }
@@ -167,11 +178,11 @@ std::string IntRangeError(const IntField& field, int value) {
 }
 
 std::string DoubleRangeError(const DoubleField& field, double value) {
-  const bool ok = std::isfinite(value) &&
-                  (field.min_exclusive ? value > field.min : value >= field.min);
+  const bool ok =
+      std::isfinite(value) && (field.min_exclusive ? value > field.min : value >= field.min);
   if (ok) return "";
   return internal::Cat("must be a finite number ", field.min_exclusive ? "> " : ">= ", field.min,
-                      ", got ", value);
+                       ", got ", value);
 }
 
 bool IsKnownSignalAlert(std::string_view name) {
@@ -194,15 +205,17 @@ std::string SignalAlertChoices() {
 std::string SignalError(const SignalConfig& s) {
   if (!IsKnownSignalAlert(s.alertname)) {
     return internal::Cat("alert: unknown alert name '", s.alertname, "' (one of ",
-                        SignalAlertChoices(), ")");
+                         SignalAlertChoices(), ")");
   }
   if (!IsKnownSeverity(s.severity)) {
     return internal::Cat("severity: must be one of ", internal::Join(kSeverities, ", "), ", got '",
-                        s.severity, "'");
+                         s.severity, "'");
   }
   const ChangeDetectorOptions& o = s.detector;
   for (const IntField& f : kIntFields) {
-    if (std::string e = IntRangeError(f, o.*f.member); !e.empty()) return internal::Cat(f.key, ": ", e);
+    if (std::string e = IntRangeError(f, o.*f.member); !e.empty()) {
+      return internal::Cat(f.key, ": ", e);
+    }
   }
   for (const DoubleField& f : kDoubleFields) {
     if (std::string e = DoubleRangeError(f, o.*f.member); !e.empty()) {
@@ -211,7 +224,7 @@ std::string SignalError(const SignalConfig& s) {
   }
   if (o.persist_m > o.persist_n) {
     return internal::Cat("persist_m: must not exceed persist_n (", o.persist_n, "), got ",
-                        o.persist_m);
+                         o.persist_m);
   }
   if (o.bound && !std::isfinite(*o.bound)) return "bound: must be a finite number or null";
   if (s.enabled && !o.change_detection && !o.bound) {
@@ -230,19 +243,19 @@ absl::Status ValidateAlertConfig(const AlertConfig& config) {
     }
   }
   if (!IsKnownSeverity(config.nonfinite.severity)) {
-    return absl::InvalidArgumentError(
-        internal::Cat("alerts.nonfinite.severity: must be one of ", internal::Join(kSeverities, ", "),
-                     ", got '", config.nonfinite.severity, "'"));
+    return absl::InvalidArgumentError(internal::Cat("alerts.nonfinite.severity: must be one of ",
+                                                    internal::Join(kSeverities, ", "), ", got '",
+                                                    config.nonfinite.severity, "'"));
   }
   if (config.nonfinite.clear_after < 1 || config.nonfinite.clear_after > kMaxCount) {
-    return absl::InvalidArgumentError(internal::Cat(
-        "alerts.nonfinite.clear_after: must be an integer in [1, ", kMaxCount, "], got ",
-        config.nonfinite.clear_after));
+    return absl::InvalidArgumentError(
+        internal::Cat("alerts.nonfinite.clear_after: must be an integer in [1, ", kMaxCount,
+                      "], got ", config.nonfinite.clear_after));
   }
   if (config.probable_cause.onset_window_steps < 0) {
     return absl::InvalidArgumentError(
         internal::Cat("alerts.probable_cause.onset_window_steps: must be >= 0, got ",
-                     config.probable_cause.onset_window_steps));
+                      config.probable_cause.onset_window_steps));
   }
   return absl::OkStatus();
 }
@@ -364,7 +377,7 @@ void ApplySignalKey(const YamlReader& reader, std::string_view path, const std::
     if (!IsKnownSeverity(value)) {
       reader.Fail(node, key_path,
                   internal::Cat("expected one of ", internal::Join(kSeverities, ", "), ", got '",
-                               value, "'"));
+                                value, "'"));
     }
     signal.severity = std::move(value);
   } else if (key == "bound") {
@@ -385,9 +398,9 @@ void ApplySignalKey(const YamlReader& reader, std::string_view path, const std::
   } else if (key == "alert" && !in_defaults) {
     std::string value = reader.Scalar(node, key_path);
     if (!IsKnownSignalAlert(value)) {
-      reader.Fail(node, key_path,
-                  internal::Cat("unknown alert name '", value, "' (one of ", SignalAlertChoices(),
-                               ")"));
+      reader.Fail(
+          node, key_path,
+          internal::Cat("unknown alert name '", value, "' (one of ", SignalAlertChoices(), ")"));
     }
     signal.alertname = std::move(value);
   } else {
@@ -426,7 +439,7 @@ void ParseAlertsSection(const YamlReader& reader, const YAML::Node& alerts, Aler
       for (const auto& entry : config.signals) known.push_back(entry.first);
       reader.Fail(name_node, path,
                   internal::Cat("unknown signal (known: ", internal::Join(known, ", "),
-                               "); a new signal needs `alert` and `direction`"));
+                                "); a new signal needs `alert` and `direction`"));
     }
     SignalConfig added;
     ApplySignalKey(reader, path, "alert", name_node, node["alert"], false, added);
@@ -459,7 +472,7 @@ void ParseAlertsSection(const YamlReader& reader, const YAML::Node& alerts, Aler
       if (!IsKnownSeverity(config.nonfinite.severity)) {
         reader.Fail(node, path,
                     internal::Cat("expected one of ", internal::Join(kSeverities, ", "), ", got '",
-                                 config.nonfinite.severity, "'"));
+                                  config.nonfinite.severity, "'"));
       }
     } else if (key == "clear_after") {
       config.nonfinite.clear_after = reader.Int(node, path);

@@ -11,7 +11,7 @@
 //
 //   alerts:
 //     defaults:            # detector keys applied to every signal
-//       warmup: 30
+//       warmup: 40
 //     signals:
 //       <signal name>:     # a series name, e.g. qk_increment_entropy
 //         alert: ForeshockQKIncrementCollapse   # required for a signal not in the defaults
@@ -28,7 +28,7 @@
 //       severity: critical
 //       clear_after: 20
 //     probable_cause:
-//       onset_window_steps: 500
+//       onset_window_steps: 50
 //
 // Unknown keys, wrong types and out-of-range values are errors that name the
 // key and its line.
@@ -57,8 +57,15 @@ inline constexpr std::string_view kCurvatureAboveEdge = "ForeshockCurvatureAbove
 inline constexpr std::string_view kLossSpike = "ForeshockLossSpike";
 inline constexpr std::string_view kNonFinite = "ForeshockNonFinite";
 inline constexpr std::array<std::string_view, 8> kAlertNames = {
-    kQKIncrementCollapse, kAttentionLogitGrowth, kAttentionEntropyCollapse, kRouterCollapse,
-    kRouterImbalance,     kCurvatureAboveEdge,   kLossSpike,                kNonFinite};
+    kQKIncrementCollapse,
+    kAttentionLogitGrowth,
+    kAttentionEntropyCollapse,
+    kRouterCollapse,
+    kRouterImbalance,
+    kCurvatureAboveEdge,
+    kLossSpike,
+    kNonFinite,
+};
 
 // Severity label values accepted in the configuration.
 inline constexpr std::array<std::string_view, 3> kSeverities = {"info", "warning", "critical"};
@@ -83,7 +90,10 @@ struct ProbableCauseConfig {
   // (attention, router, curvature) that first fired within this many steps
   // of the run's first mechanism alert. Later alerts are consequences of a
   // run that is already going unstable and must not change the diagnosis.
-  int64_t onset_window_steps = 500;
+  // Short, because a fault spreads: on the demo model, attention faults
+  // disturbed the router ~100 steps later and LR faults the attention ~50-200
+  // steps later.
+  int64_t onset_window_steps = 50;
 };
 
 struct AlertConfig {

@@ -30,9 +30,7 @@ ProbableCause ClassifyProbableCause(const CauseEvidence& evidence) {
   const bool learning_rate_signature = evidence.curvature || evidence.router_collapse;
   if (evidence.attention && learning_rate_signature) return ProbableCause::kCombined;
   if (learning_rate_signature) return ProbableCause::kLearningRateTooHigh;
-  if (evidence.attention && !evidence.router_imbalance) {
-    return ProbableCause::kLowPrecisionAttention;
-  }
+  if (evidence.attention) return ProbableCause::kLowPrecisionAttention;
   return ProbableCause::kUnknown;
 }
 

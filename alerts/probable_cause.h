@@ -11,20 +11,22 @@
 //
 // Rules, first match wins:
 //
-//   attention | curvature or router collapse | router imbalance || cause
-//   ----------+------------------------------+------------------++------------------------
-//   yes       | yes                          | any              || combined
-//   no        | yes                          | any              || learning_rate_too_high
-//   yes       | no                           | no               || low_precision_attention
-//   yes       | no                           | yes              || unknown
-//   no        | no                           | any              || unknown
+//   attention | curvature or router collapse || cause
+//   ----------+------------------------------++------------------------
+//   yes       | yes                          || combined
+//   no        | yes                          || learning_rate_too_high
+//   yes       | no                           || low_precision_attention
+//   no        | no                           || unknown
 //
 // Why: a precision fault in attention leaves the router and the curvature
 // quiet at first, while a too-large learning rate shows first in the
 // curvature and the router (rising logit norms, falling entropy, flip
-// surges, dead experts). A router that is only imbalanced is not quiet, yet
-// is no evidence of a learning-rate problem either, so attention plus
-// imbalance stays unknown.
+// surges, dead experts). Router load imbalance alone is no evidence either
+// way: on the demo model an attention fault unbalanced the MoE load within
+// a few samples of the attention alerts, as the hidden states feeding the
+// router changed; so it neither blocks low_precision_attention nor implies
+// learning_rate_too_high. Which families count is decided by the engine's
+// onset window, so later consequences do not change the diagnosis.
 #pragma once
 
 #include <cstdint>
@@ -58,7 +60,7 @@ AlertFamily FamilyOfAlert(std::string_view alertname);
 struct CauseEvidence {
   bool attention = false;
   bool router_collapse = false;
-  bool router_imbalance = false;
+  bool router_imbalance = false;  // recorded for completeness; no rule depends on it
   bool curvature = false;
 };
 

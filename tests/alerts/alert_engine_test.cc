@@ -58,11 +58,13 @@ class EngineDriver {
   // fault_step + 2 * stride.
   void Fault(std::string_view run, std::string_view signal, int layer, int64_t fault_step,
              double normal, double faulty, int64_t stride = 10, int normal_samples = 60) {
-    Series(run, signal, layer, fault_step - normal_samples * stride, normal_samples, normal, stride);
+    Series(run, signal, layer, fault_step - normal_samples * stride, normal_samples, normal,
+           stride);
     Series(run, signal, layer, fault_step, 10, faulty, stride);
   }
 
-  std::vector<AlertTransition> Transitions(std::string_view alertname, std::string_view layer) const {
+  std::vector<AlertTransition> Transitions(std::string_view alertname,
+                                           std::string_view layer) const {
     std::vector<AlertTransition> selected;
     for (const AlertTransition& t : transitions) {
       if (t.alert.alertname == alertname && t.alert.layer == layer) selected.push_back(t);
@@ -82,9 +84,9 @@ class EngineDriver {
 
 TEST(AlertEngineTest, LifecyclePendingFiringResolvedWithLabelsAndAnnotations) {
   EngineDriver driver;
-  driver.Series("r1", "qk_increment_entropy", 2, 0, 100, 0.8);      // steps 0..990
+  driver.Series("r1", "qk_increment_entropy", 2, 0, 100, 0.8);  // steps 0..990
   for (int i = 0; i < 5; ++i) driver.Point("r1", 1000 + 10 * i, "qk_increment_entropy", 2, 0.4);
-  driver.Series("r1", "qk_increment_entropy", 2, 1050, 30, 0.8);    // recovered from 1050
+  driver.Series("r1", "qk_increment_entropy", 2, 1050, 30, 0.8);  // recovered from 1050
 
   const auto transitions = driver.Transitions(kQKIncrementCollapse, "2");
   ASSERT_EQ(transitions.size(), 3u);
@@ -112,8 +114,9 @@ TEST(AlertEngineTest, LifecyclePendingFiringResolvedWithLabelsAndAnnotations) {
   EXPECT_NE(Annotation(firing, "suggested_action").find("before step 1000"), std::string::npos);
   EXPECT_NE(Annotation(firing, "summary").find("layer 2 of run r1"), std::string::npos);
   const std::string description = Annotation(firing, "description");
-  for (const char* part : {"qk_increment_entropy dropped to 0.4 at step 1020", "(baseline 0.",
-                           "robust z", "since step 1000", "First layer to fire in this run: layer 2"}) {
+  for (const char* part :
+       {"qk_increment_entropy dropped to 0.4 at step 1020", "(baseline 0.", "robust z",
+        "since step 1000", "First layer to fire in this run: layer 2"}) {
     EXPECT_NE(description.find(part), std::string::npos) << part << " in: " << description;
   }
   EXPECT_NEAR(firing.baseline, 0.8, 0.01);
@@ -210,18 +213,27 @@ TEST(AlertEngineTest, RunLevelSignalsAlertOnLayerAll) {
   EXPECT_EQ(transitions[1].alert.probable_cause, "unknown");
 }
 
+int Warmup(std::string_view signal) {
+  return DefaultAlertConfig().signals.find(signal)->second.detector.warmup;
+}
+
 TEST(AlertEngineTest, DeadExpertsFireRouterCollapseOnlyAfterWarmup) {
   EngineDriver driver;
-  // A dead expert during warm-up (30 samples) is ignored ...
-  for (int i = 0; i < 30; ++i) driver.Point("r1", 10 * i, "router_dead_experts", 3, i < 10 ? 1 : 0);
-  for (int i = 30; i < 60; ++i) driver.Point("r1", 10 * i, "router_dead_experts", 3, 0);
+  const int warmup = Warmup("router_dead_experts");
+  // Dead experts during warm-up are ignored ...
+  for (int i = 0; i < warmup; ++i) {
+    driver.Point("r1", 10 * i, "router_dead_experts", 3, i < warmup / 2 ? 1 : 0);
+  }
+  for (int i = warmup; i < warmup + 20; ++i)
+    driver.Point("r1", 10 * i, "router_dead_experts", 3, 0);
   EXPECT_TRUE(driver.transitions.empty());
   // ... one after it fires on the third sample.
-  for (int i = 60; i < 63; ++i) driver.Point("r1", 10 * i, "router_dead_experts", 3, 2);
+  const int first = warmup + 20;
+  for (int i = first; i < first + 3; ++i) driver.Point("r1", 10 * i, "router_dead_experts", 3, 2);
   const auto transitions = driver.Transitions(kRouterCollapse, "3");
   ASSERT_EQ(transitions.size(), 2u);
   EXPECT_EQ(transitions[1].to, AlertState::kFiring);
-  EXPECT_EQ(transitions[1].step, 620);
+  EXPECT_EQ(transitions[1].step, 10 * (first + 2));
   EXPECT_EQ(transitions[1].alert.signal, "router_dead_experts");
   EXPECT_NE(transitions[1].alert.description.find("above the absolute bound 0"), std::string::npos)
       << transitions[1].alert.description;
@@ -229,7 +241,8 @@ TEST(AlertEngineTest, DeadExpertsFireRouterCollapseOnlyAfterWarmup) {
 
 TEST(AlertEngineTest, CurvatureAboveTheEdgeMustBeSustained) {
   EngineDriver driver;
-  // rho hovers just under 1 (normal at the edge of stability).
+  // rho hovers just under 1 (normal at the edge of stability), past warm-up.
+  ASSERT_LT(Warmup("curvature_eos_ratio"), 50);
   driver.Series("r1", "curvature_eos_ratio", kNoLayer, 0, 50, 0.9);
   // Two samples above 1, then back: not sustained.
   driver.Point("r1", 500, "curvature_eos_ratio", kNoLayer, 1.05);
@@ -241,7 +254,8 @@ TEST(AlertEngineTest, CurvatureAboveTheEdgeMustBeSustained) {
   }
   for (const AlertTransition& t : driver.transitions) EXPECT_NE(t.to, AlertState::kFiring);
   // Three in a row above 1 fire it.
-  for (int i = 0; i < 3; ++i) driver.Point("r1", 600 + 10 * i, "curvature_eos_ratio", kNoLayer, 1.05);
+  for (int i = 0; i < 3; ++i)
+    driver.Point("r1", 600 + 10 * i, "curvature_eos_ratio", kNoLayer, 1.05);
   const auto transitions = driver.Transitions(kCurvatureAboveEdge, "all");
   ASSERT_FALSE(transitions.empty());
   EXPECT_EQ(transitions.back().to, AlertState::kFiring);
@@ -252,12 +266,14 @@ TEST(AlertEngineTest, CurvatureAboveTheEdgeMustBeSustained) {
 TEST(AlertEngineTest, AttentionMaxLogitBoundFiresWithoutABaselineChange) {
   EngineDriver driver;
   // A model whose logits sit high and steady: no change, but beyond the bound.
-  driver.Series("r1", "attention_max_logit", 0, 0, 30, 120.0);  // warm-up
-  driver.Series("r1", "attention_max_logit", 0, 300, 3, 120.0);
+  const int warmup = Warmup("attention_max_logit");
+  driver.Series("r1", "attention_max_logit", 0, 0, warmup, 120.0);
+  EXPECT_TRUE(driver.transitions.empty());
+  driver.Series("r1", "attention_max_logit", 0, 10 * warmup, 3, 120.0);
   const auto transitions = driver.Transitions(kAttentionLogitGrowth, "0");
   ASSERT_EQ(transitions.size(), 2u);
   EXPECT_EQ(transitions[1].to, AlertState::kFiring);
-  EXPECT_EQ(transitions[1].step, 320);
+  EXPECT_EQ(transitions[1].step, 10 * (warmup + 2));
 }
 
 TEST(AlertEngineTest, NonFiniteFiresAtOnceAndResolvesAfterCleanSteps) {
@@ -323,21 +339,28 @@ TEST(AlertEngineTest, ProbableCauseFromTheRunsAlertFamilies) {
     const char* cause;
   };
   const std::vector<Case> cases = {
-      {"attention only", {{"qk_increment_entropy", 3}, {"attention_max_logit", 4}},
+      {"attention only",
+       {{"qk_increment_entropy", 3}, {"attention_max_logit", 4}},
        "low_precision_attention"},
       {"curvature only", {{"curvature_eos_ratio", kNoLayer}}, "learning_rate_too_high"},
       {"router collapse only", {{"router_entropy", 1}}, "learning_rate_too_high"},
-      {"attention then curvature", {{"attention_entropy", 2}, {"curvature_eos_ratio", kNoLayer}},
+      {"attention then curvature",
+       {{"attention_entropy", 2}, {"curvature_eos_ratio", kNoLayer}},
        "combined"},
-      {"attention with router imbalance", {{"qk_increment_entropy", 3}, {"router_load_cv", 1}},
-       "unknown"},
+      {"attention with router imbalance",
+       {{"qk_increment_entropy", 3}, {"router_load_cv", 1}},
+       "low_precision_attention"},
+      {"router imbalance only", {{"router_load_cv", 1}}, "unknown"},
       {"loss spike only", {{"loss", kNoLayer}}, "unknown"},
   };
   // Healthy level and faulty level per signal, in the signal's alert direction.
   const std::map<std::string, std::pair<double, double>> levels = {
-      {"qk_increment_entropy", {0.8, 0.4}}, {"attention_max_logit", {10, 20}},
-      {"attention_entropy", {2.0, 1.0}},    {"curvature_eos_ratio", {0.5, 1.5}},
-      {"router_entropy", {0.9, 0.5}},       {"router_load_cv", {0.3, 0.9}},
+      {"qk_increment_entropy", {0.8, 0.4}},
+      {"attention_max_logit", {10, 20}},
+      {"attention_entropy", {2.0, 1.0}},
+      {"curvature_eos_ratio", {0.5, 1.5}},
+      {"router_entropy", {0.9, 0.5}},
+      {"router_load_cv", {0.3, 0.9}},
       {"loss", {2.0, 4.0}}};
   for (const Case& c : cases) {
     EngineDriver driver;
@@ -347,7 +370,7 @@ TEST(AlertEngineTest, ProbableCauseFromTheRunsAlertFamilies) {
       // The loss has a 100-sample warm-up; one sample per step.
       const bool loss = signal == "loss";
       driver.Fault("r1", signal, layer, fault_step, normal, faulty, loss ? 1 : 10, loss ? 150 : 60);
-      fault_step += 100;  // well within the 500-step onset window
+      fault_step += 20;  // within the 50-step onset window
     }
     EXPECT_EQ(ProbableCauseName(driver.engine.RunProbableCause("r1")), c.cause) << c.name;
     const std::vector<Alert> active = driver.engine.ActiveAlerts();
@@ -366,7 +389,7 @@ TEST(AlertEngineTest, NewEvidenceReannotatesFiringAlerts) {
   EXPECT_EQ(driver.engine.ActiveAlerts()[0].probable_cause, "low_precision_attention");
   driver.transitions.clear();
 
-  driver.Fault("r1", "curvature_eos_ratio", kNoLayer, 1200, 0.5, 1.5);
+  driver.Fault("r1", "curvature_eos_ratio", kNoLayer, 1040, 0.5, 1.5);
   // The curvature alert fires as combined, and the attention alert is re-sent.
   const auto qk = driver.Transitions(kQKIncrementCollapse, "3");
   ASSERT_EQ(qk.size(), 1u);
@@ -385,8 +408,8 @@ TEST(AlertEngineTest, NewEvidenceReannotatesFiringAlerts) {
 TEST(AlertEngineTest, EvidenceAfterTheOnsetWindowDoesNotChangeTheCause) {
   EngineDriver driver;
   driver.Fault("r1", "qk_increment_entropy", 3, 1000, 0.8, 0.4);
-  // Router collapse 2000 steps later: a consequence of a run already failing.
-  driver.Fault("r1", "router_entropy", 1, 3000, 0.9, 0.5);
+  // Router collapse 200 steps later: a consequence of a run already failing.
+  driver.Fault("r1", "router_entropy", 1, 1200, 0.9, 0.5);
   EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kLowPrecisionAttention);
   for (const Alert& alert : driver.engine.ActiveAlerts()) {
     EXPECT_EQ(alert.probable_cause, "low_precision_attention") << alert.alertname;

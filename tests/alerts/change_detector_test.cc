@@ -18,10 +18,10 @@ constexpr int64_t kStepsPerSample = 10;
 // detector concluded.
 struct Trace {
   std::vector<ChangeAssessment> samples;
-  int episodes = 0;             // transitions into kAnomalous
-  int clears = 0;               // transitions out of kAnomalous
-  int pending_samples = 0;      // samples that left the series kPending
-  int first_anomalous = -1;     // sample index of the first kAnomalous state
+  int episodes = 0;          // transitions into kAnomalous
+  int clears = 0;            // transitions out of kAnomalous
+  int pending_samples = 0;   // samples that left the series kPending
+  int first_anomalous = -1;  // sample index of the first kAnomalous state
 };
 
 Trace Feed(ChangeDetector& detector, const std::vector<double>& values, int first_index = 0) {
@@ -202,8 +202,9 @@ TEST(ChangeDetectorTest, StationaryGaussianNoiseRaisesNoFalsePositives) {
   // The noise (sigma 10%) is as large as the effect-size gate (10%), so the
   // robust z, the CUSUM and persistence have to keep it silent on their own.
   for (Direction direction : {Direction::kRise, Direction::kDrop}) {
-    const int episodes = FalsePositiveEpisodes(
-        direction, 20000, 11, [gaussian = std::normal_distribution<double>(0.0, 0.1)](
+    const int episodes =
+        FalsePositiveEpisodes(direction, 20000, 11,
+                              [gaussian = std::normal_distribution<double>(0.0, 0.1)](
                                   std::mt19937_64& rng) mutable { return gaussian(rng); });
     EXPECT_EQ(episodes, 0) << DirectionName(direction);
   }
@@ -241,8 +242,7 @@ TEST(ChangeDetectorTest, HysteresisKeepsAnAlertFromFlappingAroundTheThreshold) {
   EXPECT_EQ(recovering.episodes, 0);
   EXPECT_EQ(recovering.samples[static_cast<size_t>(clear_after - 2)].state,
             SeriesState::kAnomalous);
-  EXPECT_EQ(recovering.samples[static_cast<size_t>(clear_after - 1)].state,
-            SeriesState::kNormal);
+  EXPECT_EQ(recovering.samples[static_cast<size_t>(clear_after - 1)].state, SeriesState::kNormal);
 }
 
 TEST(ChangeDetectorTest, BaselineIsFrozenWhileAnomalous) {
@@ -277,8 +277,8 @@ TEST(ChangeDetectorTest, FlatZeroSeriesNeedsTheAbsoluteChange) {
   ChangeDetectorOptions options = Options(Direction::kRise);
   options.min_absolute_change = 0.1;
   ChangeDetector detector(options);
-  const Trace small = Feed(detector, Concat(std::vector<double>(100, 0.0),
-                                           std::vector<double>(20, 0.05)));
+  const Trace small =
+      Feed(detector, Concat(std::vector<double>(100, 0.0), std::vector<double>(20, 0.05)));
   EXPECT_EQ(small.episodes, 0);
   const Trace large = Feed(detector, std::vector<double>(20, 0.3), 120);
   EXPECT_EQ(large.episodes, 1);

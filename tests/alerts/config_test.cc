@@ -159,8 +159,7 @@ TEST(AlertConfigTest, UnknownKeysAreErrorsWithTheirLine) {
 
   EXPECT_NE(ParseError("alerts:\n  signal:\n    loss: {}\n").find("alerts.signal"),
             std::string::npos);
-  EXPECT_NE(ParseError("alert:\n  signals: {}\n").find("unknown top-level key"),
-            std::string::npos);
+  EXPECT_NE(ParseError("alert:\n  signals: {}\n").find("unknown top-level key"), std::string::npos);
   EXPECT_NE(ParseError("alerts:\n  nonfinite:\n    clear: 3\n").find("alerts.nonfinite.clear"),
             std::string::npos);
   // `alert` and `direction` belong to a signal, not to the shared defaults.

@@ -3,6 +3,9 @@
 
 #include <gtest/gtest.h>
 
+#include <ostream>
+#include <string>
+
 #include "alerts/config.h"
 
 namespace foreshock::alerts {
@@ -12,6 +15,12 @@ struct Row {
   bool attention, router_collapse, router_imbalance, curvature;
   ProbableCause expected;
 };
+
+void PrintTo(const Row& row, std::ostream* os) {
+  *os << "{attention " << row.attention << ", router_collapse " << row.router_collapse
+      << ", router_imbalance " << row.router_imbalance << ", curvature " << row.curvature << " -> "
+      << ProbableCauseName(row.expected) << "}";
+}
 
 class ProbableCauseTableTest : public ::testing::TestWithParam<Row> {};
 
@@ -43,13 +52,27 @@ INSTANTIATE_TEST_SUITE_P(
         Row{false, true, true, false, ProbableCause::kLearningRateTooHigh},
         Row{false, false, true, true, ProbableCause::kLearningRateTooHigh},
         Row{false, true, true, true, ProbableCause::kLearningRateTooHigh},
-        // attention with router and curvature quiet -> low-precision attention
+        // attention with router collapse and curvature quiet -> low-precision
+        // attention, whether or not the load is imbalanced
         Row{true, false, false, false, ProbableCause::kLowPrecisionAttention},
-        // attention with only an imbalanced router: the router is not quiet
-        Row{true, false, true, false, ProbableCause::kUnknown},
+        Row{true, false, true, false, ProbableCause::kLowPrecisionAttention},
         // nothing mechanistic, or only imbalance
         Row{false, false, false, false, ProbableCause::kUnknown},
-        Row{false, false, true, false, ProbableCause::kUnknown}));
+        Row{false, false, true, false, ProbableCause::kUnknown}),
+    // e.g. "attention_curvature", "none"
+    [](const ::testing::TestParamInfo<Row>& info) {
+      std::string name;
+      auto add = [&](bool present, const char* family) {
+        if (!present) return;
+        if (!name.empty()) name += "_";
+        name += family;
+      };
+      add(info.param.attention, "attention");
+      add(info.param.router_collapse, "router_collapse");
+      add(info.param.router_imbalance, "router_imbalance");
+      add(info.param.curvature, "curvature");
+      return name.empty() ? std::string("none") : name;
+    });
 
 TEST(ProbableCauseTest, AnnotationValuesAreTheDesignNames) {
   EXPECT_EQ(ProbableCauseName(ProbableCause::kLowPrecisionAttention), "low_precision_attention");
