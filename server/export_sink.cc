@@ -22,8 +22,7 @@ void ExportSink::OnNonFinite(const detectors::Sample& sample, detectors::SampleK
 }
 
 void ExportSink::OnSampleDone(const detectors::Sample& sample) {
-  metrics_.samples_processed_total.Add({{"kind", detectors::SampleKindName(sample.kind())}})
-      .Increment();
+  metrics_.samples_processed(sample.kind()).Increment();
   runs_.OnStep(sample.run, sample.step);
   samples_processed_.fetch_add(1);
 }

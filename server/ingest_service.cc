@@ -131,9 +131,7 @@ class IngestReactor final
           metrics.CountRejection(rejection->code);
           continue;
         }
-        metrics.ingest_records_total
-            .Add({{"kind", detectors::SampleKindName(item.sample.kind())}})
-            .Increment();
+        metrics.records_accepted(item.sample.kind()).Increment();
         item.bytes = SampleBytes(item.sample);
         bytes += item.bytes;
         items_.push_back(std::move(item));

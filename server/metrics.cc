@@ -32,6 +32,11 @@ DaemonMetrics::DaemonMetrics(prometheus::Registry& registry, bool per_head_metri
   ingest_active_streams.Add({});
   streams_waiting_for_queue.Add({});
   queue_bytes.Add({});
+  for (size_t i = 0; i < kSampleKinds; ++i) {
+    const std::string kind = detectors::SampleKindName(static_cast<detectors::SampleKind>(i));
+    records_accepted_[i] = &ingest_records_total.Add({{"kind", kind}});
+    samples_processed_[i] = &samples_processed_total.Add({{"kind", kind}});
+  }
   for (const detectors::DetectorInfo& detector : detectors::DetectorRegistry::Instance().detectors()) {
     for (const detectors::SignalSpec& spec : detector.signals) {
       auto& family = prometheus::BuildGauge()

@@ -89,13 +89,25 @@ class DaemonMetrics {
   // Rejections are counted in one place so that reason codes stay consistent.
   void CountRejection(std::string_view reason_code, double n = 1);
 
+  // Per-kind counters resolved once: they are bumped for every record, and a
+  // family lookup hashes the labels under a lock.
+  prometheus::Counter& records_accepted(detectors::SampleKind kind) {
+    return *records_accepted_[static_cast<size_t>(kind)];
+  }
+  prometheus::Counter& samples_processed(detectors::SampleKind kind) {
+    return *samples_processed_[static_cast<size_t>(kind)];
+  }
+
  private:
   struct SignalFamily {
     const detectors::SignalSpec* spec;
     prometheus::Family<prometheus::Gauge>* family;
   };
+  static constexpr size_t kSampleKinds = 4;
   bool per_head_metrics_;
   std::map<std::string, SignalFamily, std::less<>> signals_;
+  prometheus::Counter* records_accepted_[kSampleKinds];
+  prometheus::Counter* samples_processed_[kSampleKinds];
 };
 
 }  // namespace foreshock::server
