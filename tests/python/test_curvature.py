@@ -223,3 +223,22 @@ def test_estimator_never_changes_training(hvp_mode):
         assert torch.equal(a.grad, b.grad), f"{name}.grad differs"
     for a, b in zip(plain_opt.state.values(), watched_opt.state.values()):
         assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+
+
+def test_a_failing_estimate_never_reaches_the_training_loop():
+    from foreshock import Monitor
+    model, batch = make_task()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    estimator = CurvatureEstimator(model, loss_fn, batch, optimizer, every=1)
+    with pytest.raises(FloatingPointError):  # the estimator itself says why
+        with torch.no_grad():
+            model.head.weight[0, 0] = float("nan")
+        estimator.estimate()
+    # Nothing listens on port 1: the monitor keeps its records queued.
+    monitor = Monitor("127.0.0.1:1", run_id="r", job="j", curvature=estimator)
+    try:
+        monitor.step(0, loss=1.0)  # must not raise
+        assert monitor.stats()["curvature_failures"] == 1
+        assert monitor.stats()["curvature_estimates"] == 0
+    finally:
+        monitor.close(timeout=0.5)

@@ -28,6 +28,7 @@ updates) and random start vectors come from a private generator, so the
 training RNG stream is untouched.
 """
 import contextlib
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -324,7 +325,11 @@ def _lanczos(apply, start, k, on_step=None):
 
 
 def _ritz(alphas, betas):
-    """Eigenpairs (ascending) of the Lanczos tridiagonal matrix."""
+    """Eigenpairs (ascending) of the Lanczos tridiagonal matrix. A non-finite
+    entry (a blown-up model) raises FloatingPointError, not LAPACK's error."""
+    if not all(math.isfinite(x) for x in alphas) or not all(math.isfinite(x) for x in betas):
+        raise FloatingPointError("non-finite Hessian-vector product: the loss or its "
+                                 "gradients are not finite")
     m = len(alphas)
     t = torch.zeros(m, m, dtype=torch.float64)
     for i in range(m):

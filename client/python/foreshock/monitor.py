@@ -87,7 +87,7 @@ class Monitor:
         self._collector = None  # a ProbeCollector while a probe forward runs
 
         self._counts = dict(enqueued=0, dropped_queue_full=0, dropped_after_close=0, probes=0,
-                            curvature_estimates=0)
+                            curvature_estimates=0, curvature_failures=0)
         self._probe_seconds = 0.0
         self._curvature_seconds = 0.0
         self._queue = RecordQueue(queue_size, queue_bytes)
@@ -122,8 +122,18 @@ class Monitor:
             self.estimate_curvature(step)
 
     def estimate_curvature(self, step):
-        """Runs the curvature estimator now and queues its CurvatureSample."""
-        estimate = self.curvature.estimate()
+        """Runs the curvature estimator now and queues its CurvatureSample.
+        A failing estimate (e.g. a blown-up model whose Lanczos matrix is not
+        finite) is counted in stats()["curvature_failures"] and skipped: it
+        never reaches the training loop."""
+        try:
+            estimate = self.curvature.estimate()
+        except Exception:  # noqa: BLE001 - training is sacred
+            self._counts["curvature_failures"] += 1
+            log.warning("foreshock: curvature estimate at step %d failed; skipped", step,
+                        exc_info=True)
+            self.curvature.reset()  # the warm start may be the culprit
+            return None
         record = pb.Record(step=step)
         record.curvature.CopyFrom(estimate.to_proto(pb))
         self._emit(record)
