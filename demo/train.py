@@ -228,7 +228,7 @@ def run(args, tap=None, out=print):
         recorder = MetricsRecorder(args.metrics_url, args.run_id, args.scrape_interval)
         recorder.start()
 
-    losses, train_seconds, monitor_seconds = [], [], []
+    losses, grad_norms, train_seconds, monitor_seconds = [], [], [], []
     try:
         for step in range(args.steps):
             t0 = time.perf_counter()
@@ -259,6 +259,7 @@ def run(args, tap=None, out=print):
                 monitor.step(step, loss=ce_value, grad_norm=grad_norm_value, lr=lr)
             t2 = time.perf_counter()
             losses.append(ce_value)
+            grad_norms.append(grad_norm_value)
             train_seconds.append(t1 - t0)
             monitor_seconds.append(t2 - t1)
             if args.log_every and (step % args.log_every == 0 or step == args.steps - 1):
@@ -275,7 +276,8 @@ def run(args, tap=None, out=print):
     probe_steps = [s for s in range(args.steps) if s % args.every == 0]
     other_steps = [s for s in range(args.steps) if s % args.every != 0]
     result = dict(
-        losses=losses, train_seconds=train_seconds, monitor_seconds=monitor_seconds,
+        losses=losses, grad_norms=grad_norms, train_seconds=train_seconds,
+        monitor_seconds=monitor_seconds,
         mean_step_s=sum(train_seconds) / len(train_seconds),
         mean_probe_s=(sum(monitor_seconds[s] for s in probe_steps) / len(probe_steps)
                       if monitor is not None and probe_steps else 0.0),
