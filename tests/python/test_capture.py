@@ -373,3 +373,25 @@ def test_step_scalars_carry_presence():
         assert not (second.HasField("loss") or second.HasField("grad_norm") or second.HasField("lr"))
     finally:
         monitor.close(timeout=0.1)
+
+
+def test_only_rank_zero_probes_unless_asked():
+    torch.manual_seed(0)
+    cfg = tmg.GPTConfig(vocab_size=16, block_size=8, n_layer=2, d_model=16, n_head=2,
+                        moe_layers=(1,))
+    model = tmg.TinyMoEGPT(cfg)
+    probe = torch.randint(0, 16, (2, 8))
+    kinds = {}
+    for rank, all_ranks in ((0, False), (1, False), (1, True)):
+        sent = []
+        # Nothing listens on port 1: records stay queued; `tap` sees them all.
+        monitor = Monitor("127.0.0.1:1", run_id="r", job="j", model=model, probe_batch=probe,
+                          every=1, rank=rank, tap=sent.append, probe_all_ranks=all_ranks)
+        try:
+            monitor.step(0, loss=1.0)
+        finally:
+            monitor.close(timeout=0.2)
+        kinds[(rank, all_ranks)] = sorted({r.WhichOneof("payload") for r in sent})
+    assert kinds[(0, False)] == ["qk", "router", "scalars"]
+    assert kinds[(1, False)] == ["scalars"]  # data-parallel ranks send scalars only
+    assert kinds[(1, True)] == ["qk", "router", "scalars"]

@@ -31,6 +31,12 @@ class Monitor:
     Args:
       endpoint: foreshockd's gRPC address, "host:port".
       run_id, job, rank, labels: identify the stream (sent in Hello).
+      probe_all_ranks: by default only rank 0 probes Q/K, routers and curvature
+        (data-parallel ranks hold the same weights, and the daemon pairs
+        consecutive samples of a (run, layer, probe_id): several ranks probing
+        the same batch would interleave). Every rank still sends its scalars.
+        Set it when ranks hold different shards (tensor/pipeline parallel)
+        and give each rank its own probe_id.
       model: the torch module to probe (None: scalars only).
       probe_batch: the fixed model input of every probe: a tensor (model(x)),
         a tuple/list (model(*x)) or a dict (model(**x)). Keep it fixed for the
@@ -55,7 +61,8 @@ class Monitor:
                  labels=None, model_info=None, dtype="bf16", queue_size=1024, tap=None, *,
                  probe_id="default", causal=True, discover=True, discover_routers=True,
                  router_dtype="fp32", queue_bytes=256 << 20, max_batch_bytes=1 << 20,
-                 backoff_initial_s=0.1, backoff_max_s=5.0, channel_options=(), curvature=None):
+                 backoff_initial_s=0.1, backoff_max_s=5.0, channel_options=(), curvature=None,
+                 probe_all_ranks=False):
         if every < 1:
             raise ValueError("every must be >= 1")
         self.model = model
@@ -67,6 +74,7 @@ class Monitor:
         self.causal = causal
         self.tap = tap
         self.curvature = curvature
+        self.probes_here = probe_all_ranks or rank == 0
         self._endpoint, self._run_id = endpoint, run_id
         self._channel_options = channel_options
         self._alerts = None  # an AlertWatcher once on_alert is used
@@ -116,6 +124,8 @@ class Monitor:
         if lr is not None:
             record.scalars.lr = float(lr)
         self._emit(record)
+        if not self.probes_here:
+            return
         if self.model is not None and self.probe_batch is not None and step % self.every == 0:
             self.probe(step)
         if self.curvature is not None and self.curvature.due(step):
