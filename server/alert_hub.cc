@@ -144,6 +144,20 @@ std::vector<v1::Alert> AlertHub::Alerts(const std::string& run, bool include_res
   return out;
 }
 
+void AlertHub::ExportCounters() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const alerts::AlertEngineCounters& now = engine_.counters();
+  auto add = [&](const char* outcome, uint64_t current, uint64_t& exported) {
+    metrics_.alert_points_total.Add({{"outcome", outcome}})
+        .Increment(static_cast<double>(current - exported));
+    exported = current;
+  };
+  add("scored", now.points_scored, exported_.points_scored);
+  add("stale", now.points_stale, exported_.points_stale);
+  add("duplicate", now.points_duplicate, exported_.points_duplicate);
+  add("nonfinite", now.points_nonfinite, exported_.points_nonfinite);
+}
+
 uint64_t AlertHub::Subscribe(const std::string& run, bool send_active, Subscriber subscriber) {
   std::lock_guard<std::mutex> lock(mu_);
   if (send_active) {

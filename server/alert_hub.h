@@ -47,6 +47,10 @@ class AlertHub final : public ObservationSink {
 
   AlertmanagerNotifier* notifier() { return notifier_.get(); }
 
+  // Brings foreshock_alert_points_total up to the engine's counters (called
+  // before each scrape).
+  void ExportCounters();
+
  private:
   void DeliverLocked(const std::vector<alerts::AlertTransition>& transitions);
   foreshock::v1::Alert ToProtoLocked(const alerts::Alert& alert) const;
@@ -68,6 +72,7 @@ class AlertHub final : public ObservationSink {
   std::set<std::string> alerted_runs_;  // runs with at least one transition
   std::map<uint64_t, Watcher> watchers_;
   uint64_t next_watcher_ = 1;
+  alerts::AlertEngineCounters exported_;  // counter values already exported
 };
 
 }  // namespace foreshock::server

@@ -49,6 +49,7 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
       [runs = runs_.get()](const foreshock::v1::Hello& hello) { runs->OnHello(hello); });
   http_ = std::make_unique<HttpServer>(registry_, [this] {
     metrics_->queue_bytes.Add({}).Set(static_cast<double>(gate_->in_flight_bytes()));
+    alerts_->ExportCounters();
     for (int i = 0; i < pool_->size(); ++i) {
       metrics_->queue_depth.Add({{"worker", std::to_string(i)}})
           .Set(static_cast<double>(pool_->QueueDepth(i)));

@@ -40,6 +40,10 @@ namespace foreshock::server {
     "POSTs to Alertmanager's /api/v2/alerts, by result (ok, error).")                         \
   X(alertmanager_dropped_total, "alertmanager_dropped_total",                                 \
     "Alert notifications dropped because too many alerts were waiting for delivery.")        \
+  X(alert_points_total, "alert_points_total",                                                 \
+    "Signal points offered to the alert engine, by outcome: scored, stale (an older step than "\
+    "the series has seen, e.g. a run resumed from a checkpoint), duplicate (another rank's "  \
+    "copy of a step), nonfinite.")                                                             \
   X(watch_events_dropped_total, "watch_events_dropped_total",                                 \
     "WatchAlerts events dropped for a subscriber that did not keep up (its stream ends).")
 

@@ -48,3 +48,6 @@ def test_router_and_curvature_reach_metrics(foreshockd):
     # Baselines run on the same scalars: a healthy 41-step run raises none.
     assert prometheus.value(samples, "foreshock_baseline_nonfinite", run=RUN) == 0.0
     assert prometheus.value(samples, "foreshock_baseline_megatron_spiky_loss", run=RUN) == 0.0
+    # The alert engine scored the run's layer aggregates and run-level values.
+    scored = prometheus.value(foreshockd.scrape(), "foreshock_alert_points_total", outcome="scored")
+    assert scored is not None and scored > 0
