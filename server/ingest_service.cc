@@ -149,10 +149,12 @@ class IngestReactor final
       std::lock_guard<std::mutex> lock(mu_);
       parked_ = true;
     }
+    // Counted as waiting first: a worker may resume the stream (and decrement)
+    // before Acquire even returns.
+    metrics.streams_waiting_for_queue.Add({}).Increment();
     if (service_.gate_.Acquire(bytes, [this] { Resume(); })) {
+      metrics.streams_waiting_for_queue.Add({}).Decrement();
       Admitted();
-    } else {
-      metrics.streams_waiting_for_queue.Add({}).Increment();
     }
   }
 

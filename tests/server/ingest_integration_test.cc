@@ -455,6 +455,7 @@ TEST_F(IngestIntegrationTest, TinyQueueBudgetParksStreamsWithoutLosingRecords) {
   for (auto& t : senders) t.join();
   daemon_->WaitIdle();
   EXPECT_EQ(accepted.load(), kStreams * kBatches);
+  EXPECT_EQ(Gauge("foreshock_streams_waiting_for_queue", {}), 0);
   EXPECT_EQ(CounterValue(daemon_->registry(), "foreshock_samples_processed_total", {{"kind", "qk"}}),
             kStreams * kBatches);
   for (int s = 0; s < kStreams; ++s) {
