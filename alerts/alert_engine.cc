@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <deque>
 
 #include "alerts/text.h"
 
@@ -63,6 +64,8 @@ Alert::KeyValues Alert::Annotations() const {
   return {{"description", description},
           {"first_step", std::to_string(first_step)},
           {"probable_cause", probable_cause},
+          {"probable_cause_evidence", probable_cause_evidence},
+          {"probable_cause_status", probable_cause_settled ? "settled" : "provisional"},
           {"suggested_action", suggested_action},
           {"summary", summary}};
 }
@@ -95,6 +98,11 @@ struct AlertEngine::RunState {
   std::array<int64_t, kFamilyCount> family_onset;
   ProbableCause cause = ProbableCause::kUnknown;
   int64_t mechanism_onset = -1;  // earliest onset among the evidence families
+  bool cause_settled = false;
+  std::string cause_evidence;
+  // The streamed learning rate, (step, value) by step; trimmed to what the
+  // LR-rise evidence can still look at.
+  std::deque<std::pair<int64_t, double>> learning_rate;
   std::optional<FirstFiring> first_firing;
 
   int64_t latest_step = -1;  // the highest step of any point or event
@@ -161,6 +169,10 @@ std::vector<AlertTransition> AlertEngine::Observe(const SignalPoint& point) {
   run.latest_step = std::max(run.latest_step, point.step);
   // Any finite value is evidence that the run computes finite numbers again.
   AdvanceCleanSteps(run, point.step, out);
+  if (point.signal == kLearningRateSignal && point.layer == detectors::kNoLayer) {
+    RecordLearningRate(run, point.step, point.value);
+  }
+  MaybeSettleCause(run, point.step, out);
 
   // Per-head values are summarized by the layer aggregate; values flagged
   // out of detection (e.g. unconverged curvature) are only exported.
@@ -333,31 +345,117 @@ void AlertEngine::OnFired(RunState& run, AlertRecord& fired, int64_t step,
   if (family == AlertFamily::kConsequence || (family_onset >= 0 && family_onset <= onset)) return;
   family_onset = onset;
 
-  // Re-derive the run's cause from the families near the mechanism onset.
-  int64_t mechanism_onset = -1;
-  for (size_t f = 0; f < kFamilyCount; ++f) {
-    const int64_t onset_f = run.family_onset[f];
-    if (static_cast<AlertFamily>(f) == AlertFamily::kConsequence || onset_f < 0) continue;
-    if (mechanism_onset < 0 || onset_f < mechanism_onset) mechanism_onset = onset_f;
+  if (run.cause_settled) {
+    // The diagnosis was delivered as final; an earlier onset (layers arrive
+    // out of order) still moves the rollback step.
+    run.mechanism_onset = std::min(run.mechanism_onset, onset);
+  } else {
+    DeriveCause(run);
   }
-  auto within = [&](AlertFamily f) {
-    const int64_t o = run.family_onset[static_cast<size_t>(f)];
-    return o >= 0 && o - mechanism_onset <= config_.probable_cause.onset_window_steps;
-  };
-  CauseEvidence evidence;
-  evidence.attention = within(AlertFamily::kAttention);
-  evidence.router_collapse = within(AlertFamily::kRouterCollapse);
-  evidence.router_imbalance = within(AlertFamily::kRouterImbalance);
-  evidence.curvature = within(AlertFamily::kCurvature);
-  run.cause = ClassifyProbableCause(evidence);
-  run.mechanism_onset = mechanism_onset;
-
   for (auto& [key, record] : run.alerts) {
     if (&record == &fired) continue;
     const bool changed = RefreshCause(run, record);
     if (changed && record.alert.state == AlertState::kFiring) {
       out.push_back(AlertTransition{record.alert, AlertState::kFiring, AlertState::kFiring, step});
     }
+  }
+}
+
+void AlertEngine::DeriveCause(RunState& run) const {
+  const ProbableCauseConfig& cfg = config_.probable_cause;
+  int64_t mechanism_onset = -1;
+  for (size_t f = 0; f < kFamilyCount; ++f) {
+    const int64_t onset_f = run.family_onset[f];
+    if (static_cast<AlertFamily>(f) == AlertFamily::kConsequence || onset_f < 0) continue;
+    if (mechanism_onset < 0 || onset_f < mechanism_onset) mechanism_onset = onset_f;
+  }
+  run.mechanism_onset = mechanism_onset;
+  if (mechanism_onset < 0) return;
+  std::vector<std::string> because;
+  auto within = [&](AlertFamily f, std::string_view what) {
+    const int64_t o = run.family_onset[static_cast<size_t>(f)];
+    const bool in = o >= 0 && o - mechanism_onset <= cfg.onset_window_steps;
+    if (in) because.push_back(internal::Cat(what, " from step ", o));
+    return in;
+  };
+  CauseEvidence evidence;
+  evidence.qk_spectrum = within(AlertFamily::kQKSpectrum, "QK increment collapse");
+  evidence.attention_logits = within(AlertFamily::kAttentionLogits, "attention logit growth");
+  evidence.router_collapse = within(AlertFamily::kRouterCollapse, "router collapse");
+  evidence.router_imbalance = within(AlertFamily::kRouterImbalance, "router load imbalance");
+  evidence.curvature = within(AlertFamily::kCurvature, "curvature above the edge");
+
+  // LR rise: the first LR, up to the end of the provisional period, of at
+  // least lr_rise_factor x the median of the lagged baseline window (or the
+  // earliest value of a young run).
+  const int64_t lr_window_end = mechanism_onset + cfg.settle_steps;
+  const int64_t baseline_from = mechanism_onset - cfg.lr_baseline_steps;
+  const int64_t baseline_to = mechanism_onset - cfg.lr_baseline_gap_steps;
+  std::vector<double> baseline;
+  for (const auto& [lr_step, lr] : run.learning_rate) {
+    if (lr_step >= baseline_from && lr_step < baseline_to) baseline.push_back(lr);
+  }
+  if (baseline.empty() && !run.learning_rate.empty()) {
+    baseline.push_back(run.learning_rate.front().second);
+  }
+  int64_t lr_rise_step = -1;
+  if (!baseline.empty()) {
+    std::nth_element(baseline.begin(), baseline.begin() + baseline.size() / 2, baseline.end());
+    const double reference = baseline[baseline.size() / 2];
+    for (const auto& [lr_step, lr] : run.learning_rate) {
+      if (lr_step > lr_window_end) break;
+      if (reference > 0 && lr_step >= baseline_to && lr >= cfg.lr_rise_factor * reference) {
+        lr_rise_step = lr_step;
+        evidence.lr_rise = true;
+        because.push_back(internal::Cat("learning rate up ", Num(lr / reference), "x (",
+                                        Num(reference), " -> ", Num(lr), ") at step ", lr_step));
+        break;
+      }
+    }
+  }
+  // Did the attention logits move before anything pointed at the learning rate?
+  int64_t learning_rate_onset = lr_rise_step;
+  for (AlertFamily f : {AlertFamily::kCurvature, AlertFamily::kRouterCollapse}) {
+    const int64_t o = run.family_onset[static_cast<size_t>(f)];
+    const bool in = o >= 0 && o - mechanism_onset <= cfg.onset_window_steps;
+    if (in && (learning_rate_onset < 0 || o < learning_rate_onset)) learning_rate_onset = o;
+  }
+  const int64_t logits_onset = run.family_onset[static_cast<size_t>(AlertFamily::kAttentionLogits)];
+  evidence.attention_before_learning_rate =
+      evidence.attention_logits && (learning_rate_onset < 0 || logits_onset < learning_rate_onset);
+  run.cause = ClassifyProbableCause(evidence);
+  run.cause_evidence = because.empty() ? std::string("none") : internal::Join(because, "; ");
+}
+
+void AlertEngine::MaybeSettleCause(RunState& run, int64_t step,
+                                   std::vector<AlertTransition>& out) {
+  if (run.cause_settled || run.mechanism_onset < 0 ||
+      run.latest_step < run.mechanism_onset + config_.probable_cause.settle_steps) {
+    return;
+  }
+  DeriveCause(run);
+  run.cause_settled = true;
+  for (auto& [key, record] : run.alerts) {
+    const bool changed = RefreshCause(run, record);
+    if (changed && record.alert.state == AlertState::kFiring) {
+      out.push_back(AlertTransition{record.alert, AlertState::kFiring, AlertState::kFiring, step});
+    }
+  }
+}
+
+void AlertEngine::RecordLearningRate(RunState& run, int64_t step, double lr) {
+  auto& points = run.learning_rate;
+  if (!points.empty() && step <= points.back().first) return;  // resent or stale
+  points.emplace_back(step, lr);
+  // Keep what a future onset's baseline window can reach, and while the cause
+  // is still open, what the current onset's baseline needs.
+  int64_t keep_from = step - config_.probable_cause.lr_baseline_steps;
+  if (run.mechanism_onset >= 0 && !run.cause_settled) {
+    keep_from = std::min(keep_from, run.mechanism_onset - config_.probable_cause.lr_baseline_steps);
+  }
+  constexpr size_t kMaxPoints = 1 << 14;
+  while (!points.empty() && (points.front().first < keep_from || points.size() > kMaxPoints)) {
+    points.pop_front();
   }
 }
 
@@ -371,9 +469,15 @@ bool AlertEngine::RefreshCause(const RunState& run, AlertRecord& record) const {
   }
   std::string cause(ProbableCauseName(run.cause));
   std::string action = SuggestedAction(run.cause, rollback);
-  if (cause == alert.probable_cause && action == alert.suggested_action) return false;
+  if (cause == alert.probable_cause && action == alert.suggested_action &&
+      alert.probable_cause_settled == run.cause_settled &&
+      alert.probable_cause_evidence == run.cause_evidence) {
+    return false;
+  }
   alert.probable_cause = std::move(cause);
   alert.suggested_action = std::move(action);
+  alert.probable_cause_settled = run.cause_settled;
+  alert.probable_cause_evidence = run.cause_evidence;
   return true;
 }
 
@@ -385,6 +489,7 @@ std::vector<AlertTransition> AlertEngine::ObserveNonFinite(const NonFiniteEvent&
   run.last_nonfinite_step = std::max(run.last_nonfinite_step, event.step);
   run.last_clean_step = run.last_nonfinite_step;
   run.clean_steps = 0;
+  MaybeSettleCause(run, event.step, out);
 
   AlertRecord& record = GetRecord(run, kNonFinite, detectors::kNoLayer);
   Alert& alert = record.alert;

@@ -45,9 +45,12 @@
 //
 // Per run, from the rule table in probable_cause.h over the alert families
 // whose first episode's first_step lies within
-// probable_cause.onset_window_steps of the run's earliest mechanism onset.
-// When new evidence changes a run's cause, every firing alert of the run is
-// re-annotated and reported as a firing -> firing transition.
+// probable_cause.onset_window_steps of the run's earliest mechanism onset,
+// and over the learning rate the run streams (signal "lr"). When new evidence
+// changes a run's cause, every firing alert of the run is re-annotated and
+// reported as a firing -> firing transition. The cause stays "provisional"
+// until probable_cause.settle_steps after the onset; it then becomes
+// "settled" (every firing alert is re-sent once more) and no longer changes.
 //
 // ## Threading
 //
@@ -103,6 +106,8 @@ std::string_view AlertStateName(AlertState state);  // "inactive", "pending", "f
 
 inline constexpr std::string_view kRunLevelLayer = "all";
 inline constexpr std::string_view kNonFiniteSignal = "nonfinite_values";
+// The run-level signal the trainer streams its learning rate as (StepScalars.lr).
+inline constexpr std::string_view kLearningRateSignal = "lr";
 
 struct Alert {
   // Labels (DESIGN.md section 5).
@@ -117,6 +122,8 @@ struct Alert {
   std::string probable_cause;
   std::string suggested_action;
   int64_t first_step = -1;
+  bool probable_cause_settled = false;  // annotation probable_cause_status: provisional|settled
+  std::string probable_cause_evidence;  // what the cause rests on, for humans
 
   AlertState state = AlertState::kInactive;
   int episode = 0;             // 1 for the first pending/firing episode, +1 per new one
@@ -132,7 +139,8 @@ struct Alert {
   using KeyValues = std::vector<std::pair<std::string, std::string>>;
   // Sorted by name: alertname, layer, run, severity, signal.
   KeyValues Labels() const;
-  // Sorted by name: description, first_step, probable_cause, suggested_action, summary.
+  // Sorted by name: description, first_step, probable_cause, probable_cause_evidence,
+  // probable_cause_status, suggested_action, summary.
   KeyValues Annotations() const;
 };
 
@@ -209,6 +217,12 @@ class AlertEngine {
   // annotations changed are appended to `out` as firing -> firing.
   void OnFired(RunState& run, AlertRecord& fired, int64_t step, std::vector<AlertTransition>& out);
   bool RefreshCause(const RunState& run, AlertRecord& record) const;
+  // Re-derives the run's cause from its family onsets and LR history.
+  void DeriveCause(RunState& run) const;
+  // Settles the run's cause once its latest step is settle_steps past the
+  // onset; firing alerts are re-sent (firing -> firing) with the final cause.
+  void MaybeSettleCause(RunState& run, int64_t step, std::vector<AlertTransition>& out);
+  void RecordLearningRate(RunState& run, int64_t step, double lr);
 
   const AlertConfig config_;
   std::map<std::string, std::unique_ptr<RunState>, std::less<>> runs_;

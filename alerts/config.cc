@@ -252,10 +252,25 @@ absl::Status ValidateAlertConfig(const AlertConfig& config) {
         internal::Cat("alerts.nonfinite.clear_after: must be an integer in [1, ", kMaxCount,
                       "], got ", config.nonfinite.clear_after));
   }
-  if (config.probable_cause.onset_window_steps < 0) {
+  const ProbableCauseConfig& cause = config.probable_cause;
+  if (cause.onset_window_steps < 0) {
+    return absl::InvalidArgumentError(internal::Cat(
+        "alerts.probable_cause.onset_window_steps: must be >= 0, got ", cause.onset_window_steps));
+  }
+  if (cause.settle_steps < cause.onset_window_steps) {
     return absl::InvalidArgumentError(
-        internal::Cat("alerts.probable_cause.onset_window_steps: must be >= 0, got ",
-                      config.probable_cause.onset_window_steps));
+        internal::Cat("alerts.probable_cause.settle_steps: must be >= onset_window_steps (",
+                      cause.onset_window_steps, "), got ", cause.settle_steps));
+  }
+  if (!(cause.lr_rise_factor > 1.0) || !std::isfinite(cause.lr_rise_factor)) {
+    return absl::InvalidArgumentError(internal::Cat(
+        "alerts.probable_cause.lr_rise_factor: must be a finite number > 1, got ",
+        cause.lr_rise_factor));
+  }
+  if (cause.lr_baseline_gap_steps < 0 || cause.lr_baseline_steps <= cause.lr_baseline_gap_steps) {
+    return absl::InvalidArgumentError(internal::Cat(
+        "alerts.probable_cause.lr_baseline_steps: must be > lr_baseline_gap_steps >= 0, got ",
+        cause.lr_baseline_steps, " and ", cause.lr_baseline_gap_steps));
   }
   return absl::OkStatus();
 }
@@ -484,12 +499,25 @@ void ParseAlertsSection(const YamlReader& reader, const YAML::Node& alerts, Aler
   }
   for (const auto& [key, key_node, node] : reader.Entries(cause, "alerts.probable_cause")) {
     const std::string path = internal::Cat("alerts.probable_cause.", key);
-    if (key == "onset_window_steps") {
+    auto steps = [&](int64_t& field) {
       const int64_t value = reader.As<int64_t>(node, path, "an integer");
       if (value < 0) reader.Fail(node, path, internal::Cat("must be >= 0, got ", value));
-      config.probable_cause.onset_window_steps = value;
+      field = value;
+    };
+    if (key == "onset_window_steps") {
+      steps(config.probable_cause.onset_window_steps);
+    } else if (key == "settle_steps") {
+      steps(config.probable_cause.settle_steps);
+    } else if (key == "lr_baseline_steps") {
+      steps(config.probable_cause.lr_baseline_steps);
+    } else if (key == "lr_baseline_gap_steps") {
+      steps(config.probable_cause.lr_baseline_gap_steps);
+    } else if (key == "lr_rise_factor") {
+      config.probable_cause.lr_rise_factor = reader.Double(node, path);
     } else {
-      FailUnknownKey(reader, key_node, "alerts.probable_cause", key, {"onset_window_steps"});
+      FailUnknownKey(reader, key_node, "alerts.probable_cause", key,
+                     {"onset_window_steps", "settle_steps", "lr_rise_factor", "lr_baseline_steps",
+                      "lr_baseline_gap_steps"});
     }
   }
 }

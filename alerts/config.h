@@ -29,6 +29,10 @@
 //       clear_after: 20
 //     probable_cause:
 //       onset_window_steps: 50
+//       settle_steps: 100
+//       lr_rise_factor: 3.0
+//       lr_baseline_steps: 1000
+//       lr_baseline_gap_steps: 100
 //
 // Unknown keys, wrong types and out-of-range values are errors that name the
 // key and its line.
@@ -87,13 +91,26 @@ struct NonFiniteConfig {
 
 struct ProbableCauseConfig {
   // Evidence for the probable cause is the set of mechanism alert families
-  // (attention, router, curvature) that first fired within this many steps
-  // of the run's first mechanism alert. Later alerts are consequences of a
-  // run that is already going unstable and must not change the diagnosis.
-  // Short, because a fault spreads: on the demo model, attention faults
-  // disturbed the router ~100 steps later and LR faults the attention ~50-200
-  // steps later.
+  // (QK spectrum, attention logits, router, curvature) whose first episode
+  // began within this many steps of the run's mechanism onset (the earliest
+  // such episode). Later alerts are consequences of a run that is already
+  // going unstable and must not change the diagnosis. Short, because a fault
+  // spreads: on the demo model, attention faults disturbed the router ~100
+  // steps later and LR faults the QK spectrum ~80-150 steps later.
   int64_t onset_window_steps = 50;
+  // The cause is provisional (annotation probable_cause_status) until the
+  // run's latest step reaches mechanism onset + settle_steps; then it is
+  // final, and firing alerts are re-sent with it. Must cover the onset window
+  // plus the time an alert needs to confirm (persist_n samples).
+  int64_t settle_steps = 100;
+  // LR-rise evidence: the run streamed, up to onset + settle_steps, a
+  // learning rate of at least lr_rise_factor x the median of its values in
+  // the lagged window [onset - lr_baseline_steps, onset - lr_baseline_gap_steps)
+  // (or of its earliest value, when the run is younger). A schedule that
+  // decays the LR, or a warm-up that ended before that window, never counts.
+  double lr_rise_factor = 3.0;
+  int64_t lr_baseline_steps = 1000;
+  int64_t lr_baseline_gap_steps = 100;
 };
 
 struct AlertConfig {

@@ -16,9 +16,9 @@ std::string_view ProbableCauseName(ProbableCause cause) {
 }
 
 AlertFamily FamilyOfAlert(std::string_view alertname) {
-  if (alertname == kQKIncrementCollapse || alertname == kAttentionLogitGrowth ||
-      alertname == kAttentionEntropyCollapse) {
-    return AlertFamily::kAttention;
+  if (alertname == kQKIncrementCollapse) return AlertFamily::kQKSpectrum;
+  if (alertname == kAttentionLogitGrowth || alertname == kAttentionEntropyCollapse) {
+    return AlertFamily::kAttentionLogits;
   }
   if (alertname == kRouterCollapse) return AlertFamily::kRouterCollapse;
   if (alertname == kRouterImbalance) return AlertFamily::kRouterImbalance;
@@ -27,10 +27,14 @@ AlertFamily FamilyOfAlert(std::string_view alertname) {
 }
 
 ProbableCause ClassifyProbableCause(const CauseEvidence& evidence) {
-  const bool learning_rate_signature = evidence.curvature || evidence.router_collapse;
-  if (evidence.attention && learning_rate_signature) return ProbableCause::kCombined;
-  if (learning_rate_signature) return ProbableCause::kLearningRateTooHigh;
-  if (evidence.attention) return ProbableCause::kLowPrecisionAttention;
+  const bool precision =
+      evidence.qk_spectrum ||
+      (evidence.attention_logits && evidence.attention_before_learning_rate);
+  const bool learning_rate = evidence.lr_rise || evidence.curvature || evidence.router_collapse;
+  const bool attention = evidence.qk_spectrum || evidence.attention_logits;
+  if (precision && learning_rate) return ProbableCause::kCombined;
+  if (learning_rate) return ProbableCause::kLearningRateTooHigh;
+  if (attention) return ProbableCause::kLowPrecisionAttention;
   return ProbableCause::kUnknown;
 }
 

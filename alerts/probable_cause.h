@@ -1,32 +1,46 @@
-// The probable-cause rule table (DESIGN.md sections 1.2 and 5).
+// The probable-cause rule table (DESIGN.md sections 1.1, 1.2 and 5).
 //
-// Evidence is the set of alert families that fired in a run near its onset
-// (see ProbableCauseConfig::onset_window_steps). Families:
-//   attention        ForeshockQKIncrementCollapse, ForeshockAttentionLogitGrowth,
-//                    ForeshockAttentionEntropyCollapse
+// Evidence, gathered by the engine per run near its mechanism onset (the
+// first_step of the earliest mechanism alert; see ProbableCauseConfig):
+//   qk spectrum      ForeshockQKIncrementCollapse: the QK increment concentrates
+//                    in a few directions (entropy drop, top-1 share rise)
+//   attention logits ForeshockAttentionLogitGrowth, ForeshockAttentionEntropyCollapse
 //   router collapse  ForeshockRouterCollapse (entropy drop, flip surge, z-loss, dead experts)
 //   router imbalance ForeshockRouterImbalance (load CV, MaxVio)
 //   curvature        ForeshockCurvatureAboveEdge (rho surge or rho > 1)
+//   LR rise          the learning rate the run streams (StepScalars.lr) rose by
+//                    lr_rise_factor or more over its own lagged baseline
 //   (loss spikes and non-finite values are consequences, not evidence)
 //
-// Rules, first match wins:
+// With  precision = qk spectrum, or attention logits that began before any
+//                   learning-rate evidence (the LR had not yet risen by the
+//                   factor, and neither the curvature nor the router had alerted),
+//       learning rate = LR rise or curvature or router collapse,
+//       attention = qk spectrum or attention logits,
+// first match wins:
 //
-//   attention | curvature or router collapse || cause
-//   ----------+------------------------------++------------------------
-//   yes       | yes                          || combined
-//   no        | yes                          || learning_rate_too_high
-//   yes       | no                           || low_precision_attention
-//   no        | no                           || unknown
+//   precision | learning rate | attention || cause
+//   ----------+---------------+-----------++------------------------
+//   yes       | yes           |  (yes)    || combined
+//   no        | yes           |  any      || learning_rate_too_high
+//   -         | no            |  yes      || low_precision_attention
+//   -         | no            |  no       || unknown
 //
-// Why: a precision fault in attention leaves the router and the curvature
-// quiet at first, while a too-large learning rate shows first in the
-// curvature and the router (rising logit norms, falling entropy, flip
-// surges, dead experts). Router load imbalance alone is no evidence either
-// way: on the demo model an attention fault unbalanced the MoE load within
-// a few samples of the attention alerts, as the hidden states feeding the
-// router changed; so it neither blocks low_precision_attention nor implies
-// learning_rate_too_high. Which families count is decided by the engine's
-// onset window, so later consequences do not change the diagnosis.
+// Why: the spectral entropy and top-1 share of the QK increment are
+// scale-invariant, so a larger learning rate, which scales every update, does
+// not move them by itself; biased rounding in low-precision attention does
+// (its gradient errors point the same way every step). Logit growth and
+// attention-entropy collapse, by contrast, follow from any too-large update:
+// on the evaluation model a geometric LR ramp grew the attention max logit
+// before the router or the curvature alerted. So with learning-rate evidence
+// present, attention logits count as a precision fault only when they began
+// before the learning rate went up (a cause cannot follow its effect); the QK
+// spectrum counts whenever it collapses near the onset.
+// A too-large learning rate shows in the curvature and the router (rising logit
+// norms, falling entropy, flip surges, dead experts), and most directly in the
+// LR the run reports. Router load imbalance alone is no evidence either way:
+// an attention fault unbalanced the MoE load within a few samples, as the
+// hidden states feeding the router changed.
 #pragma once
 
 #include <cstdint>
@@ -47,7 +61,8 @@ enum class ProbableCause : uint8_t {
 std::string_view ProbableCauseName(ProbableCause cause);
 
 enum class AlertFamily : uint8_t {
-  kAttention,
+  kQKSpectrum,
+  kAttentionLogits,
   kRouterCollapse,
   kRouterImbalance,
   kCurvature,
@@ -58,10 +73,14 @@ enum class AlertFamily : uint8_t {
 AlertFamily FamilyOfAlert(std::string_view alertname);
 
 struct CauseEvidence {
-  bool attention = false;
+  bool qk_spectrum = false;
+  bool attention_logits = false;
   bool router_collapse = false;
   bool router_imbalance = false;  // recorded for completeness; no rule depends on it
   bool curvature = false;
+  bool lr_rise = false;
+  // The attention-logit evidence began before any learning-rate evidence.
+  bool attention_before_learning_rate = false;
 };
 
 ProbableCause ClassifyProbableCause(const CauseEvidence& evidence);

@@ -71,10 +71,11 @@ void AlertHub::DeliverLocked(const std::vector<alerts::AlertTransition>& transit
     // One structured line per transition (key=value, values quoted).
     spdlog::info(
         "alert transition alertname={} run=\"{}\" layer={} signal={} severity={} from={} to={} "
-        "step={} first_step={} probable_cause={} value={} baseline={} z={}",
+        "step={} first_step={} probable_cause={} cause_status={} value={} baseline={} z={}",
         alert.alertname, alert.run, alert.layer, alert.signal, alert.severity,
         alerts::AlertStateName(t.from), alerts::AlertStateName(t.to), t.step, alert.first_step,
-        alert.probable_cause, alert.value, alert.baseline, alert.z);
+        alert.probable_cause, alert.probable_cause_settled ? "settled" : "provisional",
+        alert.value, alert.baseline, alert.z);
 
     const bool deliver = t.to == alerts::AlertState::kFiring ||
                          (t.to == alerts::AlertState::kResolved && t.from == alerts::AlertState::kFiring);
@@ -113,6 +114,8 @@ v1::Alert AlertHub::ToProtoLocked(const alerts::Alert& alert) const {
   out.set_summary(alert.summary);
   out.set_description(alert.description);
   out.set_probable_cause(alert.probable_cause);
+  out.set_probable_cause_settled(alert.probable_cause_settled);
+  out.set_probable_cause_evidence(alert.probable_cause_evidence);
   out.set_suggested_action(alert.suggested_action);
   out.set_first_step(alert.first_step);
   out.set_firing_step(alert.firing_step);

@@ -5,6 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <functional>
 #include <map>
 #include <random>
 #include <string>
@@ -71,6 +74,15 @@ class EngineDriver {
     }
     return selected;
   }
+  // The same without firing -> firing re-annotations (a refined or settled cause).
+  std::vector<AlertTransition> StateChanges(std::string_view alertname,
+                                            std::string_view layer) const {
+    std::vector<AlertTransition> selected = Transitions(alertname, layer);
+    std::erase_if(selected, [](const AlertTransition& t) {
+      return t.from == AlertState::kFiring && t.to == AlertState::kFiring;
+    });
+    return selected;
+  }
 
   AlertEngine engine;
   std::vector<AlertTransition> transitions;
@@ -88,8 +100,16 @@ TEST(AlertEngineTest, LifecyclePendingFiringResolvedWithLabelsAndAnnotations) {
   for (int i = 0; i < 5; ++i) driver.Point("r1", 1000 + 10 * i, "qk_increment_entropy", 2, 0.4);
   driver.Series("r1", "qk_increment_entropy", 2, 1050, 30, 0.8);  // recovered from 1050
 
-  const auto transitions = driver.Transitions(kQKIncrementCollapse, "2");
-  ASSERT_EQ(transitions.size(), 3u);
+  auto transitions = driver.Transitions(kQKIncrementCollapse, "2");
+  ASSERT_EQ(transitions.size(), 4u);
+  // The cause settles settle_steps (100) after the onset: the firing alert is
+  // re-sent once with its final diagnosis.
+  EXPECT_EQ(transitions[2].from, AlertState::kFiring);
+  EXPECT_EQ(transitions[2].to, AlertState::kFiring);
+  EXPECT_EQ(transitions[2].step, 1100);
+  EXPECT_EQ(Annotation(transitions[2].alert, "probable_cause_status"), "settled");
+  EXPECT_EQ(Annotation(transitions[1].alert, "probable_cause_status"), "provisional");
+  transitions.erase(transitions.begin() + 2);
   EXPECT_EQ(transitions[0].from, AlertState::kInactive);
   EXPECT_EQ(transitions[0].to, AlertState::kPending);
   EXPECT_EQ(transitions[0].step, 1000);
@@ -100,7 +120,7 @@ TEST(AlertEngineTest, LifecyclePendingFiringResolvedWithLabelsAndAnnotations) {
   EXPECT_EQ(transitions[2].to, AlertState::kResolved);
   // Hysteresis: the 10th consecutive normal sample after the collapse (1050 + 9 * 10).
   EXPECT_EQ(transitions[2].step, 1140);
-  EXPECT_EQ(driver.transitions.size(), 3u) << "no other alert may move";
+  EXPECT_EQ(driver.transitions.size(), 4u) << "no other alert may move";
 
   const Alert& firing = transitions[1].alert;
   EXPECT_EQ(Label(firing, "alertname"), "ForeshockQKIncrementCollapse");
@@ -165,7 +185,7 @@ TEST(AlertEngineTest, OneAlertPerLayerWhateverTheHeadsAndRanksFeeding) {
     // An unconverged value flagged out of detection is ignored too.
     driver.Point("r1", step, "qk_increment_entropy", 5, 0.0, kAllHeads, /*for_detection=*/false);
   }
-  const auto transitions = driver.Transitions(kQKIncrementCollapse, "5");
+  const auto transitions = driver.StateChanges(kQKIncrementCollapse, "5");
   ASSERT_EQ(transitions.size(), 2u);
   EXPECT_EQ(transitions[0].to, AlertState::kPending);
   EXPECT_EQ(transitions[1].to, AlertState::kFiring);
@@ -189,7 +209,7 @@ TEST(AlertEngineTest, SignalsOfOneAlertShareItAndItResolvesWhenAllClear) {
     driver.Point("r1", 1000 + 10 * i, "qk_increment_entropy", 1, 0.8);
     driver.Point("r1", 1000 + 10 * i, "qk_increment_top1_share", 1, i < 15 ? 0.7 : 0.2);
   }
-  const auto transitions = driver.Transitions(kQKIncrementCollapse, "1");
+  const auto transitions = driver.StateChanges(kQKIncrementCollapse, "1");
   ASSERT_EQ(transitions.size(), 3u);
   EXPECT_EQ(transitions[0].to, AlertState::kPending);
   EXPECT_EQ(transitions[1].to, AlertState::kFiring);
@@ -344,9 +364,19 @@ TEST(AlertEngineTest, ProbableCauseFromTheRunsAlertFamilies) {
        "low_precision_attention"},
       {"curvature only", {{"curvature_eos_ratio", kNoLayer}}, "learning_rate_too_high"},
       {"router collapse only", {{"router_entropy", 1}}, "learning_rate_too_high"},
-      {"attention then curvature",
+      {"attention logits, then curvature: both at fault",
        {{"attention_entropy", 2}, {"curvature_eos_ratio", kNoLayer}},
        "combined"},
+      {"curvature, then attention logits: the logits follow from the large updates",
+       {{"curvature_eos_ratio", kNoLayer}, {"attention_max_logit", 2}},
+       "learning_rate_too_high"},
+      {"router collapse, then attention logits",
+       {{"router_entropy", 1}, {"attention_entropy", 2}},
+       "learning_rate_too_high"},
+      {"QK spectrum then curvature",
+       {{"qk_increment_entropy", 2}, {"curvature_eos_ratio", kNoLayer}},
+       "combined"},
+      {"attention logits only", {{"attention_max_logit", 1}}, "low_precision_attention"},
       {"attention with router imbalance",
        {{"qk_increment_entropy", 3}, {"router_load_cv", 1}},
        "low_precision_attention"},
@@ -392,7 +422,9 @@ TEST(AlertEngineTest, NewEvidenceReannotatesFiringAlerts) {
   driver.Fault("r1", "curvature_eos_ratio", kNoLayer, 1040, 0.5, 1.5);
   // The curvature alert fires as combined, and the attention alert is re-sent.
   const auto qk = driver.Transitions(kQKIncrementCollapse, "3");
-  ASSERT_EQ(qk.size(), 1u);
+  ASSERT_EQ(qk.size(), 2u);  // re-annotated at 1060, re-sent as settled at 1100
+  EXPECT_EQ(Annotation(qk[1].alert, "probable_cause_status"), "settled");
+  EXPECT_EQ(qk[1].alert.probable_cause, "combined");
   EXPECT_EQ(qk[0].from, AlertState::kFiring);
   EXPECT_EQ(qk[0].to, AlertState::kFiring);
   EXPECT_EQ(qk[0].alert.probable_cause, "combined");
@@ -457,6 +489,100 @@ TEST(AlertEngineTest, NonFiniteValuesInPointsAreDropped) {
   }
   EXPECT_TRUE(driver.transitions.empty());
   EXPECT_EQ(driver.engine.counters().points_nonfinite, 5u);
+}
+
+}  // namespace
+}  // namespace foreshock::alerts
+
+namespace foreshock::alerts {
+namespace {
+
+// The trainer's learning rate, one point per step: `base` until `change_step`,
+// then `lr(step)` (already multiplied in).
+void StreamLearningRate(EngineDriver& driver, std::string_view run, int64_t from, int64_t to,
+                        const std::function<double(int64_t)>& lr) {
+  for (int64_t step = from; step <= to; ++step) driver.Point(run, step, "lr", kNoLayer, lr(step));
+}
+
+double Ramp(int64_t step) {  // 1e-3, then geometric to 20x over steps 900..1100
+  return step < 900 ? 1e-3 : 1e-3 * std::pow(20.0, std::min<double>(step - 900, 200) / 200.0);
+}
+
+TEST(AlertEngineTest, ARisingLearningRateMakesLogitGrowthALearningRateCause) {
+  EngineDriver driver;
+  StreamLearningRate(driver, "r1", 0, 1099, Ramp);
+  driver.Fault("r1", "attention_max_logit", 1, 1000, 10, 20);
+  ASSERT_EQ(driver.engine.ActiveAlerts().size(), 1u);
+  const Alert provisional = driver.engine.ActiveAlerts()[0];
+  EXPECT_EQ(provisional.probable_cause, "learning_rate_too_high");
+  EXPECT_EQ(Annotation(provisional, "probable_cause_status"), "provisional");
+  // The first step at 3x the baseline: Ramp(974) / 1e-3 = 20^(74/200) = 3.03,
+  // before the logits moved.
+  EXPECT_NE(provisional.probable_cause_evidence.find("learning rate up 3.03x (0.001 -> 0.00303) at step 974"), std::string::npos)
+      << provisional.probable_cause_evidence;
+  EXPECT_NE(provisional.probable_cause_evidence.find("attention logit growth from step 1000"),
+            std::string::npos)
+      << provisional.probable_cause_evidence;
+}
+
+TEST(AlertEngineTest, LogitGrowthBeforeTheLRRiseIsAPrecisionFaultToo) {
+  EngineDriver driver;
+  // The logits grow from step 900, before the LR passes 3x at 974.
+  StreamLearningRate(driver, "r1", 0, 1099, Ramp);
+  driver.Fault("r1", "attention_max_logit", 1, 900, 10, 20);
+  // The LR points reach step 1099, past onset + settle_steps: settled at once.
+  EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kCombined);
+  EXPECT_EQ(driver.engine.ActiveAlerts().at(0).probable_cause, "combined");
+  EXPECT_TRUE(driver.engine.ActiveAlerts().at(0).probable_cause_settled);
+}
+
+TEST(AlertEngineTest, ADecayingLearningRateIsNoEvidence) {
+  EngineDriver driver;
+  StreamLearningRate(driver, "r1", 0, 1200, [](int64_t s) { return s < 900 ? 1e-3 : 3e-4; });
+  driver.Fault("r1", "attention_max_logit", 1, 1000, 10, 20);
+  ASSERT_EQ(driver.engine.ActiveAlerts().size(), 1u);
+  EXPECT_EQ(driver.engine.ActiveAlerts()[0].probable_cause, "low_precision_attention");
+}
+
+TEST(AlertEngineTest, AnLRRiseBeforeTheBaselineWindowIsNoEvidence) {
+  // A warm-up that ended long before the onset: the baseline is the peak LR.
+  EngineDriver driver;
+  StreamLearningRate(driver, "r1", 0, 1200,
+                     [](int64_t s) { return 1e-3 * std::min<double>(1.0, (s + 1) / 100.0); });
+  driver.Fault("r1", "attention_max_logit", 1, 1000, 10, 20);
+  EXPECT_EQ(driver.engine.ActiveAlerts().at(0).probable_cause, "low_precision_attention");
+}
+
+TEST(AlertEngineTest, TheCauseIsProvisionalUntilItSettles) {
+  AlertConfig config = DefaultAlertConfig();
+  config.probable_cause.settle_steps = 200;  // past the last point Fault() feeds
+  EngineDriver driver(config);
+  StreamLearningRate(driver, "r1", 0, 1040, Ramp);
+  driver.Fault("r1", "attention_max_logit", 1, 1000, 10, 20);  // fires at 1020
+  EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kLearningRateTooHigh);
+  // The QK spectrum collapses 30 steps after the onset, within the window:
+  // precision is at fault as well.
+  driver.Fault("r1", "qk_increment_entropy", 0, 1030, 0.8, 0.4);
+  EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kCombined);
+  for (const Alert& alert : driver.engine.ActiveAlerts()) {
+    EXPECT_EQ(alert.probable_cause, "combined") << alert.alertname;
+    EXPECT_FALSE(alert.probable_cause_settled) << alert.alertname;
+  }
+  driver.transitions.clear();
+  StreamLearningRate(driver, "r1", 1041, 1200, Ramp);  // step 1200 = onset + settle_steps
+  // Both firing alerts are re-sent once, settled, at the step that settled them.
+  ASSERT_EQ(driver.transitions.size(), 2u);
+  for (const AlertTransition& t : driver.transitions) {
+    EXPECT_EQ(t.from, AlertState::kFiring);
+    EXPECT_EQ(t.to, AlertState::kFiring);
+    EXPECT_EQ(t.step, 1200);
+    EXPECT_EQ(t.alert.probable_cause, "combined");
+    EXPECT_EQ(Annotation(t.alert, "probable_cause_status"), "settled");
+  }
+  // Settled means final: a router collapse with an onset inside the window
+  // that confirms only now changes nothing.
+  driver.Fault("r1", "router_entropy", 2, 1040, 0.9, 0.5);
+  EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kCombined);
 }
 
 }  // namespace

@@ -67,6 +67,10 @@ void ExpectSameConfig(const AlertConfig& a, const AlertConfig& b) {
   EXPECT_EQ(a.nonfinite.severity, b.nonfinite.severity);
   EXPECT_EQ(a.nonfinite.clear_after, b.nonfinite.clear_after);
   EXPECT_EQ(a.probable_cause.onset_window_steps, b.probable_cause.onset_window_steps);
+  EXPECT_EQ(a.probable_cause.settle_steps, b.probable_cause.settle_steps);
+  EXPECT_DOUBLE_EQ(a.probable_cause.lr_rise_factor, b.probable_cause.lr_rise_factor);
+  EXPECT_EQ(a.probable_cause.lr_baseline_steps, b.probable_cause.lr_baseline_steps);
+  EXPECT_EQ(a.probable_cause.lr_baseline_gap_steps, b.probable_cause.lr_baseline_gap_steps);
 }
 
 TEST(AlertConfigTest, DefaultsAreValidAndCoverEverySignalAlert) {
@@ -125,6 +129,8 @@ alerts:
     clear_after: 5
   probable_cause:
     onset_window_steps: 1000
+    settle_steps: 1200
+    lr_rise_factor: 5
 )");
   const SignalConfig& loss = config.signals.at("loss");
   EXPECT_EQ(loss.detector.warmup, 200);
@@ -144,6 +150,9 @@ alerts:
   EXPECT_EQ(grad_norm.detector.warmup, 50);
   EXPECT_EQ(config.nonfinite.clear_after, 5);
   EXPECT_EQ(config.probable_cause.onset_window_steps, 1000);
+  EXPECT_EQ(config.probable_cause.settle_steps, 1200);
+  EXPECT_DOUBLE_EQ(config.probable_cause.lr_rise_factor, 5.0);
+  EXPECT_EQ(config.probable_cause.lr_baseline_steps, 1000);  // its built-in default
 }
 
 TEST(AlertConfigTest, UnknownKeysAreErrorsWithTheirLine) {
@@ -201,6 +210,12 @@ TEST(AlertConfigTest, BadValuesAreErrorsThatSayWhatIsExpected) {
                 "could never fire"},
            Case{"alerts:\n  probable_cause:\n    onset_window_steps: -5\n",
                 "alerts.probable_cause.onset_window_steps: must be >= 0"},
+           Case{"alerts:\n  probable_cause:\n    settle_steps: 10\n",
+                "alerts.probable_cause.settle_steps: must be >= onset_window_steps (50)"},
+           Case{"alerts:\n  probable_cause:\n    lr_rise_factor: 0.5\n",
+                "alerts.probable_cause.lr_rise_factor: must be a finite number > 1"},
+           Case{"alerts:\n  probable_cause:\n    lr_baseline_steps: 50\n",
+                "must be > lr_baseline_gap_steps >= 0"},
            Case{"alerts:\n  signals: [loss]\n", "alerts.signals: expected a mapping"},
            Case{"alerts: {signals: {loss: {warmup: 3}\n", "test.yaml"},  // YAML syntax error
        }) {

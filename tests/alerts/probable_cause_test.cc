@@ -12,14 +12,15 @@ namespace foreshock::alerts {
 namespace {
 
 struct Row {
-  bool attention, router_collapse, router_imbalance, curvature;
+  bool qk_spectrum, attention_logits, router_collapse, router_imbalance, curvature, lr_rise;
   ProbableCause expected;
 };
 
 void PrintTo(const Row& row, std::ostream* os) {
-  *os << "{attention " << row.attention << ", router_collapse " << row.router_collapse
-      << ", router_imbalance " << row.router_imbalance << ", curvature " << row.curvature << " -> "
-      << ProbableCauseName(row.expected) << "}";
+  *os << "{qk " << row.qk_spectrum << ", logits " << row.attention_logits << ", router_collapse "
+      << row.router_collapse << ", router_imbalance " << row.router_imbalance << ", curvature "
+      << row.curvature << ", lr_rise " << row.lr_rise << " -> " << ProbableCauseName(row.expected)
+      << "}";
 }
 
 class ProbableCauseTableTest : public ::testing::TestWithParam<Row> {};
@@ -27,39 +28,44 @@ class ProbableCauseTableTest : public ::testing::TestWithParam<Row> {};
 TEST_P(ProbableCauseTableTest, ClassifiesTheRow) {
   const Row& row = GetParam();
   CauseEvidence evidence;
-  evidence.attention = row.attention;
+  evidence.qk_spectrum = row.qk_spectrum;
+  evidence.attention_logits = row.attention_logits;
   evidence.router_collapse = row.router_collapse;
   evidence.router_imbalance = row.router_imbalance;
   evidence.curvature = row.curvature;
+  evidence.lr_rise = row.lr_rise;
   EXPECT_EQ(ProbableCauseName(ClassifyProbableCause(evidence)), ProbableCauseName(row.expected));
 }
 
-// Every combination of the four families, grouped by the table's rows.
+constexpr bool Y = true, N = false;
+using PC = ProbableCause;
+
+// Grouped by the table's rows (probable_cause.h). Columns: qk spectrum,
+// attention logits, router collapse, router imbalance, curvature, LR rise.
 INSTANTIATE_TEST_SUITE_P(
     Rows, ProbableCauseTableTest,
     ::testing::Values(
-        // attention + (curvature or router collapse) -> combined, imbalance irrelevant
-        Row{true, true, false, false, ProbableCause::kCombined},
-        Row{true, false, false, true, ProbableCause::kCombined},
-        Row{true, true, true, true, ProbableCause::kCombined},
-        Row{true, true, true, false, ProbableCause::kCombined},
-        Row{true, false, true, true, ProbableCause::kCombined},
-        Row{true, true, false, true, ProbableCause::kCombined},
-        // curvature or router collapse alone -> learning rate
-        Row{false, false, false, true, ProbableCause::kLearningRateTooHigh},
-        Row{false, true, false, false, ProbableCause::kLearningRateTooHigh},
-        Row{false, true, false, true, ProbableCause::kLearningRateTooHigh},
-        Row{false, true, true, false, ProbableCause::kLearningRateTooHigh},
-        Row{false, false, true, true, ProbableCause::kLearningRateTooHigh},
-        Row{false, true, true, true, ProbableCause::kLearningRateTooHigh},
-        // attention with router collapse and curvature quiet -> low-precision
+        // QK spectrum + any learning-rate evidence -> combined
+        Row{Y, N, N, N, N, Y, PC::kCombined}, Row{Y, Y, N, N, N, Y, PC::kCombined},
+        Row{Y, N, Y, N, N, N, PC::kCombined}, Row{Y, N, N, N, Y, N, PC::kCombined},
+        Row{Y, Y, Y, Y, Y, Y, PC::kCombined},
+        // learning-rate evidence without the QK spectrum -> learning rate,
+        // even with attention logit growth (a consequence of large updates)
+        Row{N, N, N, N, N, Y, PC::kLearningRateTooHigh},
+        Row{N, N, N, N, Y, N, PC::kLearningRateTooHigh},
+        Row{N, N, Y, N, N, N, PC::kLearningRateTooHigh},
+        Row{N, Y, N, N, N, Y, PC::kLearningRateTooHigh},
+        Row{N, Y, Y, N, Y, N, PC::kLearningRateTooHigh},
+        Row{N, Y, Y, Y, Y, Y, PC::kLearningRateTooHigh},
+        // attention evidence, learning-rate evidence quiet -> low-precision
         // attention, whether or not the load is imbalanced
-        Row{true, false, false, false, ProbableCause::kLowPrecisionAttention},
-        Row{true, false, true, false, ProbableCause::kLowPrecisionAttention},
+        Row{Y, N, N, N, N, N, PC::kLowPrecisionAttention},
+        Row{N, Y, N, N, N, N, PC::kLowPrecisionAttention},
+        Row{Y, Y, N, N, N, N, PC::kLowPrecisionAttention},
+        Row{Y, Y, N, Y, N, N, PC::kLowPrecisionAttention},
         // nothing mechanistic, or only imbalance
-        Row{false, false, false, false, ProbableCause::kUnknown},
-        Row{false, false, true, false, ProbableCause::kUnknown}),
-    // e.g. "attention_curvature", "none"
+        Row{N, N, N, N, N, N, PC::kUnknown}, Row{N, N, N, Y, N, N, PC::kUnknown}),
+    // e.g. "qk_lr", "none"
     [](const ::testing::TestParamInfo<Row>& info) {
       std::string name;
       auto add = [&](bool present, const char* family) {
@@ -67,10 +73,12 @@ INSTANTIATE_TEST_SUITE_P(
         if (!name.empty()) name += "_";
         name += family;
       };
-      add(info.param.attention, "attention");
+      add(info.param.qk_spectrum, "qk");
+      add(info.param.attention_logits, "logits");
       add(info.param.router_collapse, "router_collapse");
       add(info.param.router_imbalance, "router_imbalance");
       add(info.param.curvature, "curvature");
+      add(info.param.lr_rise, "lr");
       return name.empty() ? std::string("none") : name;
     });
 
@@ -82,9 +90,9 @@ TEST(ProbableCauseTest, AnnotationValuesAreTheDesignNames) {
 }
 
 TEST(ProbableCauseTest, EveryAlertNameHasItsFamily) {
-  EXPECT_EQ(FamilyOfAlert(kQKIncrementCollapse), AlertFamily::kAttention);
-  EXPECT_EQ(FamilyOfAlert(kAttentionLogitGrowth), AlertFamily::kAttention);
-  EXPECT_EQ(FamilyOfAlert(kAttentionEntropyCollapse), AlertFamily::kAttention);
+  EXPECT_EQ(FamilyOfAlert(kQKIncrementCollapse), AlertFamily::kQKSpectrum);
+  EXPECT_EQ(FamilyOfAlert(kAttentionLogitGrowth), AlertFamily::kAttentionLogits);
+  EXPECT_EQ(FamilyOfAlert(kAttentionEntropyCollapse), AlertFamily::kAttentionLogits);
   EXPECT_EQ(FamilyOfAlert(kRouterCollapse), AlertFamily::kRouterCollapse);
   EXPECT_EQ(FamilyOfAlert(kRouterImbalance), AlertFamily::kRouterImbalance);
   EXPECT_EQ(FamilyOfAlert(kCurvatureAboveEdge), AlertFamily::kCurvature);

@@ -138,10 +138,12 @@ class Monitor:
         never reaches the training loop."""
         try:
             estimate = self.curvature.estimate()
-        except Exception:  # noqa: BLE001 - training is sacred
+        except Exception as e:  # noqa: BLE001 - training is sacred
             self._counts["curvature_failures"] += 1
-            log.warning("foreshock: curvature estimate at step %d failed; skipped", step,
-                        exc_info=True)
+            # The traceback once; a blown-up model fails every later estimate too.
+            first = self._counts["curvature_failures"] == 1
+            log.warning("foreshock: curvature estimate at step %d failed (%s); skipped", step,
+                        e if not first else type(e).__name__, exc_info=first)
             self.curvature.reset()  # the warm start may be the culprit
             return None
         record = pb.Record(step=step)
