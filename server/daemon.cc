@@ -46,7 +46,8 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
                                        [gate = gate_.get()](size_t bytes) { gate->Release(bytes); });
   ingest_ = std::make_unique<IngestService>(
       options_.limits, *gate_, *pool_, *metrics_,
-      [runs = runs_.get()](const foreshock::v1::Hello& hello) { runs->OnHello(hello); });
+      [runs = runs_.get()](const foreshock::v1::Hello& hello) { runs->OnHello(hello); },
+      options_.record_dir);
   http_ = std::make_unique<HttpServer>(registry_, [this] {
     metrics_->queue_bytes.Add({}).Set(static_cast<double>(gate_->in_flight_bytes()));
     alerts_->ExportCounters();

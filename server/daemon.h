@@ -46,6 +46,9 @@ struct DaemonOptions {
   alerts::AlertConfig alert_config = alerts::DefaultAlertConfig();
   std::string alertmanager_url;  // empty: no Alertmanager delivery
   std::chrono::milliseconds alertmanager_resend_interval{60000};
+  // Directory for recordings of the raw ingest streams (record/recording.h),
+  // one file per stream. Empty: nothing is recorded.
+  std::string record_dir;
 };
 
 class Daemon {

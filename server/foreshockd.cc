@@ -62,6 +62,15 @@ ABSL_FLAG(std::string, alertmanager_url, "",
           "(alerts still reach WatchAlerts and foreshock_alert_active).");
 ABSL_FLAG(int64_t, alertmanager_resend_s, 60,
           "Seconds between re-sends of firing alerts to Alertmanager.");
+ABSL_FLAG(std::string, record_dir, "",
+          "Directory in which to record every ingest stream as received, for replay with "
+          "`foreshockctl replay`: one file per stream, named "
+          "<UTC yyyymmddThhmmss>-<run>-rank<rank>-<session>.fsrec, holding each StreamRequest "
+          "(Hello and Batches, including ones that are then rejected) with its receive time. "
+          "The directory is created if missing. Recording never fails or slows a stream: when "
+          "the disk cannot keep up or a write fails, frames are dropped, logged once per stream "
+          "and counted in foreshock_record_frames_total{outcome=\"dropped\"}. Empty: no "
+          "recording.");
 ABSL_FLAG(std::string, log_level, "info", "Log level: trace, debug, info, warn, error, off.");
 
 int main(int argc, char** argv) {
@@ -95,6 +104,7 @@ int main(int argc, char** argv) {
   options.max_queue_bytes = static_cast<size_t>(std::max<int64_t>(1, absl::GetFlag(FLAGS_max_queue_mb))) << 20;
   options.max_message_bytes = static_cast<int>(std::clamp<int64_t>(absl::GetFlag(FLAGS_max_message_mb), 1, 2047)) << 20;
 
+  options.record_dir = absl::GetFlag(FLAGS_record_dir);
   options.alertmanager_url = absl::GetFlag(FLAGS_alertmanager_url);
   options.alertmanager_resend_interval =
       std::chrono::seconds(std::max<int64_t>(1, absl::GetFlag(FLAGS_alertmanager_resend_s)));

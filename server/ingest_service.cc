@@ -224,8 +224,14 @@ class IngestReactor final
 };
 
 IngestService::IngestService(const IngestLimits& limits, AdmissionGate& gate, WorkerPool& pool,
-                             DaemonMetrics& metrics, HelloObserver on_hello)
-    : limits_(limits), gate_(gate), pool_(pool), metrics_(metrics), on_hello_(std::move(on_hello)) {}
+                             DaemonMetrics& metrics, HelloObserver on_hello,
+                             std::string record_dir)
+    : limits_(limits),
+      gate_(gate),
+      pool_(pool),
+      metrics_(metrics),
+      on_hello_(std::move(on_hello)),
+      record_dir_(std::move(record_dir)) {}
 
 grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* IngestService::Stream(
     grpc::CallbackServerContext* context) {

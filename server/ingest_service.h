@@ -22,7 +22,7 @@ using HelloObserver = std::function<void(const foreshock::v1::Hello&)>;
 class IngestService final : public foreshock::v1::Ingest::CallbackService {
  public:
   IngestService(const IngestLimits& limits, AdmissionGate& gate, WorkerPool& pool,
-                DaemonMetrics& metrics, HelloObserver on_hello);
+                DaemonMetrics& metrics, HelloObserver on_hello, std::string record_dir = "");
 
   grpc::ServerBidiReactor<foreshock::v1::StreamRequest, foreshock::v1::StreamResponse>* Stream(
       grpc::CallbackServerContext* context) override;
@@ -34,6 +34,7 @@ class IngestService final : public foreshock::v1::Ingest::CallbackService {
   WorkerPool& pool_;
   DaemonMetrics& metrics_;
   HelloObserver on_hello_;
+  const std::string record_dir_;  // empty: streams are not recorded
   std::atomic<uint64_t> next_session_{1};
 };
 
