@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "alerts/config.h"
 #include "detectors/detector.h"
+#include "server/series_store.h"
 #include "server/validation.h"
 
 namespace grpc {
@@ -30,7 +31,6 @@ class ExportSink;
 class HttpServer;
 class IngestService;
 class RunTracker;
-class SeriesStore;
 class WorkerPool;
 
 struct DaemonOptions {

@@ -1,0 +1,160 @@
+// Per-(run, signal, layer, head) time series. Prometheus sees only the latest
+// value per scrape; the store keeps every step. Two implementations:
+// InMemorySeriesStore (a bounded ring per series, for tests and for running
+// without a data directory) and DurableSeriesStore (store/durable_store.h, an
+// append-only log on disk).
+//
+// Pure storage: no gRPC, no Prometheus, no math beyond downsampling.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "store/bounded_ring.h"
+
+namespace foreshock::store {
+
+struct SeriesKey {
+  std::string run;
+  std::string signal;  // metric name without the foreshock_ prefix (DESIGN.md 4)
+  int layer = -1;      // -1: run-level signal
+  int head = -1;       // -1: aggregated over heads
+
+  bool operator==(const SeriesKey&) const = default;
+};
+
+struct SeriesKeyHash {
+  size_t operator()(const SeriesKey& key) const;
+};
+
+// Orders by (run, signal, layer, head).
+bool SeriesKeyLess(const SeriesKey& a, const SeriesKey& b);
+
+struct Point {
+  int64_t step = 0;
+  double value = 0;
+  int64_t wall_time_ms = 0;  // Unix epoch milliseconds at ingest processing
+};
+
+using KeyedPoint = std::pair<SeriesKey, Point>;
+
+// One downsampled bucket. Non-finite values (NaN, ±inf) are counted in both
+// `count` and `nonfinite` but excluded from min/max/mean, which are NaN when
+// the bucket holds no finite value. `last_value` is the value of the bucket's
+// last point as stored, finite or not: a series that ends in NaN shows it.
+struct Bucket {
+  int64_t first_step = 0;  // step of the bucket's first point
+  int64_t last_step = 0;   // step of the bucket's last point
+  double min = std::numeric_limits<double>::quiet_NaN();
+  double max = std::numeric_limits<double>::quiet_NaN();
+  double mean = std::numeric_limits<double>::quiet_NaN();
+  uint64_t count = 0;      // every point, finite or not
+  uint64_t nonfinite = 0;  // points whose value is NaN or ±inf
+  double last_value = std::numeric_limits<double>::quiet_NaN();
+};
+
+struct RunInfo {
+  std::string run;
+  int64_t first_step = 0;  // smallest step of any of its series
+  int64_t last_step = 0;   // largest step of any of its series
+  size_t series = 0;
+  int64_t last_wall_time_ms = 0;  // newest wall time of any point
+};
+
+struct SeriesInfo {
+  SeriesKey key;
+  int64_t first_step = 0;  // smallest stored step
+  int64_t last_step = 0;   // largest stored step
+  uint64_t points = 0;
+};
+
+// Buckets `points`, which must be sorted by step (as Range returns them).
+// With at most `max_points` points: one bucket per point. Otherwise the step
+// range [first point's step, last point's step] is split into at most
+// `max_points` buckets of equal step width, and empty buckets are skipped.
+// max_points == 0 yields no buckets.
+std::vector<Bucket> DownsamplePoints(const std::vector<Point>& points, size_t max_points);
+
+class SeriesStore {
+ public:
+  virtual ~SeriesStore() = default;
+
+  // Appends all observations of one processed sample at once; a durable store
+  // writes them as one log record.
+  virtual void AppendBatch(const std::vector<KeyedPoint>& points) = 0;
+  void Append(const SeriesKey& key, const Point& point) { AppendBatch({{key, point}}); }
+
+  // Every stored point with from_step <= step <= to_step, in ascending step
+  // order; points with equal steps (a run resumed from a checkpoint) keep
+  // their arrival order.
+  virtual std::vector<Point> Range(const SeriesKey& key, int64_t from_step,
+                                   int64_t to_step) const = 0;
+  // Range, then DownsamplePoints.
+  virtual std::vector<Bucket> Downsample(const SeriesKey& key, int64_t from_step,
+                                         int64_t to_step, size_t max_points) const;
+
+  // Sorted by run name.
+  virtual std::vector<RunInfo> ListRuns() const = 0;
+  // Series of `run` that hold at least one point, sorted by (signal, layer, head).
+  virtual std::vector<SeriesInfo> ListSeries(const std::string& run) const = 0;
+
+  // Opaque records (alert transitions, serialized by the caller). The store
+  // keeps the most recent N per kind in memory; Events returns them oldest first.
+  virtual void AppendEvent(std::string_view kind, std::string_view bytes) = 0;
+  virtual std::vector<std::string> Events(std::string_view kind) const = 0;
+
+  // Named blobs that replace each other whole (e.g. alert engine state).
+  // Names: 1-128 characters of [A-Za-z0-9._-], not starting with '.'.
+  // WriteCheckpoint returns false when the name is invalid or the write failed;
+  // ReadCheckpoint returns nullopt when there is none or it is corrupt.
+  virtual bool WriteCheckpoint(std::string_view name, std::string_view bytes) = 0;
+  virtual std::optional<std::string> ReadCheckpoint(std::string_view name) const = 0;
+};
+
+bool IsValidCheckpointName(std::string_view name);
+
+// Keeps the most recent `capacity_per_series` points of every series and the
+// last `events_per_kind` events of every kind. Thread-safe; lock striping keeps
+// workers appending to different series from contending.
+class InMemorySeriesStore final : public SeriesStore {
+ public:
+  explicit InMemorySeriesStore(size_t capacity_per_series, size_t events_per_kind = 1024);
+
+  void AppendBatch(const std::vector<KeyedPoint>& points) override;
+  std::vector<Point> Range(const SeriesKey& key, int64_t from_step,
+                           int64_t to_step) const override;
+  std::vector<RunInfo> ListRuns() const override;
+  std::vector<SeriesInfo> ListSeries(const std::string& run) const override;
+  void AppendEvent(std::string_view kind, std::string_view bytes) override;
+  std::vector<std::string> Events(std::string_view kind) const override;
+  bool WriteCheckpoint(std::string_view name, std::string_view bytes) override;
+  std::optional<std::string> ReadCheckpoint(std::string_view name) const override;
+
+ private:
+  struct Stripe {
+    mutable std::mutex mu;
+    std::unordered_map<SeriesKey, BoundedRing<Point>, SeriesKeyHash> series;
+  };
+  static constexpr size_t kStripes = 16;
+
+  Stripe& StripeFor(const SeriesKey& key) const;
+  std::vector<SeriesInfo> AllSeries() const;
+
+  const size_t capacity_;
+  const size_t events_per_kind_;
+  mutable Stripe stripes_[kStripes];
+
+  mutable std::mutex blobs_mu_;  // events and checkpoints
+  std::map<std::string, BoundedRing<std::string>, std::less<>> events_;
+  std::map<std::string, std::string, std::less<>> checkpoints_;
+};
+
+}  // namespace foreshock::store
