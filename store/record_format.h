@@ -1,0 +1,89 @@
+// The on-disk layout of a segment file (segments/NNNNNNNN.seg):
+//
+//   "FSHKSEG1"                          8-byte magic
+//   record*                             until the end of the file
+//
+//   record = crc32c   u32 little-endian, over the length, type and payload
+//            length   u32 little-endian, payload bytes
+//            type     u8 (RecordType)
+//            payload
+//
+// The first record is a kSegmentHeader, the second a kBlockStart; a sealed
+// segment ends with a kSegmentEnd, so an older segment cut at a record
+// boundary is still recognised as truncated. A series
+// is introduced in each segment by a kSeriesDef before its first point there,
+// so every segment decodes on its own: deleting older segments orphans
+// nothing. Points (kPoints, store/point_codec.h) refer to series by their
+// local id within the segment; their encoding state restarts at each
+// kBlockStart.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "store/series_store.h"
+
+namespace foreshock::store {
+
+inline constexpr std::string_view kSegmentMagic = "FSHKSEG1";
+inline constexpr uint32_t kSegmentFormatVersion = 1;
+inline constexpr size_t kRecordHeaderBytes = 9;
+// Larger lengths are corruption; the writer splits batches well below this.
+inline constexpr uint32_t kMaxRecordPayloadBytes = 64u << 20;
+
+enum class RecordType : uint8_t {
+  kSegmentHeader = 1,  // version, segment sequence number, creation wall time
+  kBlockStart = 2,     // empty: point encoding state restarts here
+  kSeriesDef = 3,      // local id, run, signal, layer, head
+  kPoints = 4,         // one AppendBatch (or a part of a very large one)
+  kEvent = 5,          // kind, wall time, opaque bytes
+  kSegmentEnd = 6,     // number of points in the segment; nothing follows
+};
+
+void AppendRecord(std::string* out, RecordType type, std::string_view payload);
+
+enum class ParseResult {
+  kOk,
+  kEnd,        // no bytes left: a clean end
+  kTruncated,  // the record runs past the end of the data (a torn write)
+  kCorrupt,    // checksum mismatch, impossible length or unknown type
+};
+
+struct Record {
+  RecordType type = RecordType::kPoints;
+  std::string_view payload;
+  size_t size = 0;  // header + payload
+};
+
+// Parses the record starting at `data[offset]`.
+ParseResult ParseRecord(std::string_view data, size_t offset, Record* record);
+
+struct SegmentHeader {
+  uint32_t version = kSegmentFormatVersion;
+  uint64_t sequence = 0;
+  int64_t created_wall_time_ms = 0;
+};
+std::string EncodeSegmentHeader(const SegmentHeader& header);
+bool DecodeSegmentHeader(std::string_view payload, SegmentHeader* header);
+
+std::string EncodeSegmentEnd(uint64_t points);
+bool DecodeSegmentEnd(std::string_view payload, uint64_t* points);
+
+struct SeriesDef {
+  uint32_t local_id = 0;
+  SeriesKey key;
+};
+std::string EncodeSeriesDef(const SeriesDef& def);
+bool DecodeSeriesDef(std::string_view payload, SeriesDef* def);
+
+struct EventRecord {
+  std::string_view kind;
+  int64_t wall_time_ms = 0;
+  std::string_view bytes;
+};
+std::string EncodeEvent(const EventRecord& event);
+// The decoded views point into `payload`.
+bool DecodeEvent(std::string_view payload, EventRecord* event);
+
+}  // namespace foreshock::store
