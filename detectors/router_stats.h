@@ -10,6 +10,8 @@
 #include <span>
 #include <vector>
 
+#include <Eigen/Core>
+
 namespace foreshock::detectors {
 
 struct RouterOptions {
@@ -24,7 +26,12 @@ struct RouterDecisions {
   int experts = 0;
   int top_k = 0;
   std::vector<int32_t> topk;   // [tokens, top_k], expert indices ascending within a token
-  std::vector<float> probs;    // [tokens, experts], softmax of the logits
+  // [tokens, experts], softmax of the logits. Aligned like Eigen's own
+  // arrays: the vectorized softmax peels its first elements by address, so
+  // with a plain vector the same logits gave last-bit different values
+  // depending on where malloc put the buffer (and a restored detector would
+  // not continue bit-identically).
+  std::vector<float, Eigen::aligned_allocator<float>> probs;
   std::vector<double> entropy; // [tokens], H(p_t) in nats
 };
 
