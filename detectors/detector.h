@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "detectors/sample.h"
+#include "detectors/state_codec.h"
 
 namespace foreshock::detectors {
 
@@ -92,12 +93,35 @@ struct DetectorOptions {
   double baseline_spiky_loss_factor = 10.0;
 };
 
+// Which series a restore keeps: called with the run and the layer of a
+// series (kNoLayer for run-level state, as Sample::layer() reports it). An
+// empty filter keeps everything.
+using SeriesFilter = std::function<bool(std::string_view run, int layer)>;
+
 class Detector {
  public:
   virtual ~Detector() = default;
   virtual void Process(const Sample& sample, Emitter& emitter) = 0;
   // Drop all state kept for `run` (its series are gone or restarted).
   virtual void ForgetRun(const std::string& run) = 0;
+
+  // Checkpointing: the state that matters for detection (previous samples,
+  // baselines), so that a restarted daemon continues instead of re-learning.
+  // Decoding buffers and options are not state. A detector without
+  // cross-sample state keeps the defaults (writes nothing, reads nothing).
+  //
+  // SaveState appends the whole state, starting with the detector's own
+  // format version, deterministically (the same state gives the same bytes).
+  virtual void SaveState(codec::StateWriter& writer) const {}
+  // Adds the series in `reader` (written by SaveState of the same detector
+  // kind) for which `keep(run, layer)` is true; a series already present is
+  // replaced. Several blobs can be restored one after the other (the daemon
+  // restores every worker's blob, each keeping its own shard). Reads exactly
+  // what SaveState wrote. On truncated, corrupt or unsupported input it
+  // returns false (reader.error() says why) and leaves the detector empty,
+  // as newly created. Options are the detector's current ones, not the saved.
+  virtual bool RestoreState(codec::StateReader& reader, const SeriesFilter& keep) { return true; }
+  bool RestoreState(codec::StateReader& reader) { return RestoreState(reader, SeriesFilter()); }
 };
 
 struct DetectorInfo {

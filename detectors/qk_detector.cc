@@ -102,6 +102,13 @@ class QKDetector final : public Detector {
     while (it != series_.end() && std::get<0>(it->first) == run) it = series_.erase(it);
   }
 
+  // State, version 1: U64 series count, then per series (in key order):
+  //   run, I32 layer, probe_id, tensor q, tensor k (the previous finite sample),
+  //   U64 heads, per head Vector<double> top direction (empty when unknown);
+  // a tensor is U8 dtype, Vector<i64> shape, Bytes data.
+  void SaveState(codec::StateWriter& writer) const override;
+  bool RestoreState(codec::StateReader& reader, const SeriesFilter& keep) override;
+
  private:
   using SeriesKey = std::tuple<std::string, int, std::string>;  // run, layer, probe_id
   struct SeriesState {
@@ -212,6 +219,113 @@ void QKDetector::Process(const Sample& sample, Emitter& emitter) {
 
   state.q = qk.q;
   state.k = qk.k;
+}
+
+constexpr uint32_t kQKStateVersion = 1;
+
+void PutTensor(codec::StateWriter& writer, const RawTensor& tensor) {
+  writer.PutU8(static_cast<uint8_t>(tensor.dtype));
+  writer.PutVector(tensor.shape);
+  writer.PutBytes(tensor.data);
+}
+
+// Reads a tensor as PutTensor wrote it and checks the sample invariant
+// (data.size() == product(shape) * DTypeSize, every dim > 0); an empty shape
+// with no data is "no tensor". The data stays a view into the input.
+bool GetTensor(codec::StateReader& reader, DType& dtype, std::vector<int64_t>& shape,
+               std::string_view& data) {
+  uint8_t dtype_byte = 0;
+  if (!reader.GetU8(dtype_byte) || !reader.GetVector(shape) || !reader.GetStringView(data)) {
+    return false;
+  }
+  if (dtype_byte > static_cast<uint8_t>(DType::kFloat16)) return reader.Fail("unknown dtype");
+  dtype = static_cast<DType>(dtype_byte);
+  if (shape.empty()) return data.empty() ? true : reader.Fail("tensor data without a shape");
+  const uint64_t max_elements = data.size() / DTypeSize(dtype);
+  uint64_t elements = 1;
+  for (int64_t d : shape) {
+    if (d <= 0 || static_cast<uint64_t>(d) > max_elements / elements) {
+      return reader.Fail("tensor shape does not match its data");
+    }
+    elements *= static_cast<uint64_t>(d);
+  }
+  if (elements * DTypeSize(dtype) != data.size()) {
+    return reader.Fail("tensor shape does not match its data");
+  }
+  return true;
+}
+
+void QKDetector::SaveState(codec::StateWriter& writer) const {
+  writer.PutU32(kQKStateVersion);
+  writer.PutU64(series_.size());
+  for (const auto& [key, state] : series_) {
+    const auto& [run, layer, probe_id] = key;
+    writer.PutString(run);
+    writer.PutI32(layer);
+    writer.PutString(probe_id);
+    PutTensor(writer, state.q);
+    PutTensor(writer, state.k);
+    writer.PutU64(state.top_vectors.size());
+    for (const std::vector<double>& top : state.top_vectors) writer.PutVector(top);
+  }
+}
+
+bool QKDetector::RestoreState(codec::StateReader& reader, const SeriesFilter& keep) {
+  std::map<SeriesKey, SeriesState> restored;
+  auto read = [&]() -> bool {
+    uint32_t version = 0;
+    uint64_t count = 0;
+    if (!reader.GetVersion("qk", kQKStateVersion, kQKStateVersion, version) ||
+        !reader.GetCount(count)) {
+      return false;
+    }
+    for (uint64_t i = 0; i < count; ++i) {
+      std::string run, probe_id;
+      int32_t layer = 0;
+      DType q_dtype{}, k_dtype{};
+      std::vector<int64_t> q_shape, k_shape;
+      std::string_view q_data, k_data;
+      uint64_t heads = 0;
+      if (!reader.GetString(run) || !reader.GetI32(layer) || !reader.GetString(probe_id) ||
+          !GetTensor(reader, q_dtype, q_shape, q_data) ||
+          !GetTensor(reader, k_dtype, k_shape, k_data) || !reader.GetCount(heads, 8)) {
+        return false;
+      }
+      if (q_shape != k_shape) return reader.Fail("q and k shapes differ");
+      if (!q_shape.empty() && q_shape.size() != 3) return reader.Fail("q is not [heads, tokens, dim]");
+      if (!q_shape.empty() && heads > static_cast<uint64_t>(q_shape[0])) {
+        return reader.Fail("more top directions than heads");
+      }
+      std::vector<std::vector<double>> top_vectors(static_cast<size_t>(heads));
+      for (std::vector<double>& top : top_vectors) {
+        if (!reader.GetVector(top)) return false;
+        // A direction lives in token space (its length is the probe's token count).
+        if (!top.empty() && (q_shape.empty() || top.size() != static_cast<uint64_t>(q_shape[1]))) {
+          return reader.Fail("top direction length does not match the probe");
+        }
+      }
+      SeriesKey key{std::move(run), layer, std::move(probe_id)};
+      if (keep && !keep(std::get<0>(key), layer)) continue;
+      SeriesState state;
+      state.q.dtype = q_dtype;
+      state.q.shape = std::move(q_shape);
+      state.q.data.assign(q_data);
+      state.k.dtype = k_dtype;
+      state.k.shape = std::move(k_shape);
+      state.k.data.assign(k_data);
+      state.top_vectors = std::move(top_vectors);
+      if (!restored.emplace(std::move(key), std::move(state)).second) {
+        return reader.Fail("series saved twice");
+      }
+    }
+    return true;
+  };
+  if (!read()) {
+    series_.clear();
+    return false;
+  }
+  for (auto& [key, state] : restored) series_.insert_or_assign(key, std::move(state));
+  return true;
 }
 
 }  // namespace

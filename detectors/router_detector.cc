@@ -2,6 +2,7 @@
 // experts on the fixed probe batch (DESIGN.md section 1.2). A too-high
 // learning rate shows as rising logit norms and z-loss, falling entropy,
 // flip-rate spikes or freezes and dead experts.
+#include <algorithm>
 #include <array>
 #include <deque>
 #include <map>
@@ -106,12 +107,97 @@ class RouterDetector final : public Detector {
     std::erase_if(states_, [&](const auto& entry) { return std::get<0>(entry.first) == run; });
   }
 
+  // State, version 1: U64 series count, then per series (in key order):
+  //   run, I32 layer, probe_id, the previous decisions (I32 tokens, experts,
+  //   top_k, Vector<i32> topk, Vector<float> probs, Vector<double> entropy),
+  //   U64 window length, per sample Vector<double> expert load (oldest first).
+  void SaveState(codec::StateWriter& writer) const override {
+    writer.PutU32(kStateVersion);
+    writer.PutU64(states_.size());
+    for (const auto& [key, state] : states_) {
+      const auto& [run, layer, probe_id] = key;
+      writer.PutString(run);
+      writer.PutI32(layer);
+      writer.PutString(probe_id);
+      const RouterDecisions& d = state.previous;
+      writer.PutI32(d.tokens);
+      writer.PutI32(d.experts);
+      writer.PutI32(d.top_k);
+      writer.PutVector(d.topk);
+      writer.PutVector(d.probs);
+      writer.PutVector(d.entropy);
+      writer.PutU64(state.loads.size());
+      for (const std::vector<double>& load : state.loads) writer.PutVector(load);
+    }
+  }
+
+  bool RestoreState(codec::StateReader& reader, const SeriesFilter& keep) override {
+    std::map<Key, State> restored;
+    if (!ReadStates(reader, keep, restored)) {
+      states_.clear();
+      return false;
+    }
+    for (auto& [key, state] : restored) states_.insert_or_assign(key, std::move(state));
+    return true;
+  }
+
  private:
   using Key = std::tuple<std::string, int, std::string>;  // run, layer, probe_id
   struct State {
     RouterDecisions previous;
     std::deque<std::vector<double>> loads;  // the dead-expert window
   };
+  static constexpr uint32_t kStateVersion = 1;
+
+  bool ReadStates(codec::StateReader& reader, const SeriesFilter& keep,
+                  std::map<Key, State>& restored) const {
+    uint32_t version = 0;
+    uint64_t count = 0;
+    if (!reader.GetVersion("router", kStateVersion, kStateVersion, version) ||
+        !reader.GetCount(count)) {
+      return false;
+    }
+    const size_t window = static_cast<size_t>(std::max(1, options_.router_dead_window));
+    for (uint64_t i = 0; i < count; ++i) {
+      std::string run, probe_id;
+      int32_t layer = 0;
+      State state;
+      RouterDecisions& d = state.previous;
+      uint64_t loads = 0;
+      if (!reader.GetString(run) || !reader.GetI32(layer) || !reader.GetString(probe_id) ||
+          !reader.GetI32(d.tokens) || !reader.GetI32(d.experts) || !reader.GetI32(d.top_k) ||
+          !reader.GetVector(d.topk) || !reader.GetVector(d.probs) || !reader.GetVector(d.entropy) ||
+          !reader.GetCount(loads, 8)) {
+        return false;
+      }
+      if (d.tokens < 0 || d.experts < 0 || d.top_k < 0 ||
+          d.topk.size() != static_cast<uint64_t>(d.tokens) * static_cast<uint64_t>(d.top_k) ||
+          d.probs.size() != static_cast<uint64_t>(d.tokens) * static_cast<uint64_t>(d.experts) ||
+          d.entropy.size() != static_cast<uint64_t>(d.tokens)) {
+        return reader.Fail("router decisions do not match their shape");
+      }
+      for (int32_t expert : d.topk) {
+        if (expert < 0 || expert >= d.experts) return reader.Fail("top-k expert out of range");
+      }
+      for (uint64_t j = 0; j < loads; ++j) {
+        std::vector<double> load;
+        if (!reader.GetVector(load)) return false;
+        if (load.size() != static_cast<uint64_t>(d.experts)) {
+          return reader.Fail("expert load does not match the expert count");
+        }
+        state.loads.push_back(std::move(load));
+      }
+      // A shorter dead-expert window than when saved keeps the newest loads.
+      while (state.loads.size() > window) state.loads.pop_front();
+      Key key{std::move(run), layer, std::move(probe_id)};
+      if (keep && !keep(std::get<0>(key), layer)) continue;
+      if (!restored.emplace(std::move(key), std::move(state)).second) {
+        return reader.Fail("series saved twice");
+      }
+    }
+    return true;
+  }
+
   const DetectorOptions options_;
   std::map<Key, State> states_;
   std::vector<float> logits_;  // decode buffer, reused

@@ -46,6 +46,37 @@ class Window {
     const double var = std::max(0.0, sum_sq_ / n - mean * mean);
     return var > 0 ? (x - mean) / std::sqrt(var) : 0.0;
   }
+  // State: Vector<double> values (oldest first), Double sum, Double sum of
+  // squares (saved, not recomputed, so that a restored window gives the same
+  // z-scores to the last bit).
+  void Save(codec::StateWriter& writer) const {
+    writer.PutU64(values_.size());
+    for (double v : values_) writer.PutDouble(v);
+    writer.PutDouble(sum_);
+    writer.PutDouble(sum_sq_);
+  }
+  bool Restore(codec::StateReader& reader) {
+    uint64_t n = 0;
+    if (!reader.GetCount(n, 8)) return false;
+    values_.clear();
+    for (uint64_t i = 0; i < n; ++i) {
+      double v = 0;
+      if (!reader.GetDouble(v)) return false;
+      values_.push_back(v);
+    }
+    if (!reader.GetDouble(sum_) || !reader.GetDouble(sum_sq_)) return false;
+    if (values_.size() > capacity_) {
+      // The window is shorter than when saved: keep the newest values.
+      while (values_.size() > capacity_) values_.pop_front();
+      sum_ = sum_sq_ = 0;
+      for (double v : values_) {
+        sum_ += v;
+        sum_sq_ += v * v;
+      }
+    }
+    return true;
+  }
+
   void Push(double x) {
     values_.push_back(x);
     sum_ += x;
@@ -114,7 +145,54 @@ class ScalarBaselinesDetector final : public Detector {
 
   void ForgetRun(const std::string& run) override { runs_.erase(run); }
 
+  // State, version 1: U64 run count, then per run (by name): run, I64 last
+  // step, Double max loss, the loss window, the grad-norm window.
+  void SaveState(codec::StateWriter& writer) const override {
+    writer.PutU32(kStateVersion);
+    writer.PutU64(runs_.size());
+    for (const auto& [run, state] : runs_) {
+      writer.PutString(run);
+      writer.PutI64(state.last_step);
+      writer.PutDouble(state.max_loss);
+      state.loss.Save(writer);
+      state.grad_norm.Save(writer);
+    }
+  }
+
+  bool RestoreState(codec::StateReader& reader, const SeriesFilter& keep) override {
+    std::map<std::string, RunState> restored;
+    auto read = [&]() -> bool {
+      uint32_t version = 0;
+      uint64_t count = 0;
+      if (!reader.GetVersion("scalar_baselines", kStateVersion, kStateVersion, version) ||
+          !reader.GetCount(count)) {
+        return false;
+      }
+      for (uint64_t i = 0; i < count; ++i) {
+        std::string run;
+        RunState state(options_);
+        if (!reader.GetString(run) || !reader.GetI64(state.last_step) ||
+            !reader.GetDouble(state.max_loss) || !state.loss.Restore(reader) ||
+            !state.grad_norm.Restore(reader)) {
+          return false;
+        }
+        if (keep && !keep(run, kNoLayer)) continue;
+        if (!restored.emplace(std::move(run), std::move(state)).second) {
+          return reader.Fail("run saved twice");
+        }
+      }
+      return true;
+    };
+    if (!read()) {
+      runs_.clear();
+      return false;
+    }
+    for (auto& [run, state] : restored) runs_.insert_or_assign(run, std::move(state));
+    return true;
+  }
+
  private:
+  static constexpr uint32_t kStateVersion = 1;
   struct RunState {
     explicit RunState(const DetectorOptions& options)
         : loss(static_cast<size_t>(std::max(2, options.baseline_spike_window))),
