@@ -20,12 +20,16 @@
 #include "detectors/detector.h"
 #include "detectors/state_codec.h"
 #include "tests/detectors/detector_test_support.h"
+#include "tests/detectors/sample_streams.h"
 
 namespace foreshock::detectors {
 namespace {
 
 using testing::MakeDetector;
 using testing::RecordingEmitter;
+using testing::QKStream;
+using testing::RouterStream;
+using testing::Scalars;
 
 std::string Save(const Detector& detector) {
   codec::StateWriter writer;
@@ -65,66 +69,7 @@ RecordingEmitter Feed(Detector& detector, const std::vector<Sample>& samples) {
 }
 
 // ---------------------------------------------------------------------------
-// Sample streams: one evolving probe series each.
-
-RawTensor Encode(const std::vector<float>& values, std::vector<int64_t> shape, DType dtype) {
-  RawTensor tensor;
-  tensor.dtype = dtype;
-  tensor.shape = std::move(shape);
-  if (dtype == DType::kFloat32) {
-    tensor.data.resize(values.size() * 4);
-    std::memcpy(tensor.data.data(), values.data(), tensor.data.size());
-  } else {  // bfloat16: the upper half of the float
-    tensor.data.resize(values.size() * 2);
-    for (size_t i = 0; i < values.size(); ++i) {
-      const uint16_t bits = static_cast<uint16_t>(std::bit_cast<uint32_t>(values[i]) >> 16);
-      std::memcpy(tensor.data.data() + 2 * i, &bits, 2);
-    }
-  }
-  return tensor;
-}
-
-struct QKStream {
-  std::string run;
-  int layer;
-  std::string probe;
-  int heads, tokens, dim;
-  DType dtype = DType::kFloat32;
-  bool causal = false;
-  std::vector<float> q{}, k{};
-
-  Sample Next(int64_t step, std::mt19937& rng, double drift = 0.05) {
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    const size_t n = static_cast<size_t>(heads * tokens * dim);
-    if (q.size() != n) {
-      q.assign(n, 0);
-      k.assign(n, 0);
-      for (size_t i = 0; i < n; ++i) q[i] = normal(rng), k[i] = normal(rng);
-    } else {
-      for (size_t i = 0; i < n; ++i) {
-        q[i] += static_cast<float>(drift) * normal(rng);
-        k[i] += static_cast<float>(drift) * normal(rng);
-      }
-    }
-    return Same(step);
-  }
-  // The current values again (a zero increment), or with a NaN.
-  Sample Same(int64_t step, bool nan = false) const {
-    QKSample s;
-    s.layer = layer;
-    s.probe_id = probe;
-    s.causal = causal;
-    std::vector<float> qv = q;
-    if (nan) qv[3] = std::numeric_limits<float>::quiet_NaN();
-    s.q = Encode(qv, {heads, tokens, dim}, dtype);
-    s.k = Encode(k, {heads, tokens, dim}, dtype);
-    Sample sample;
-    sample.run = run;
-    sample.step = step;
-    sample.payload = std::move(s);
-    return sample;
-  }
-};
+// Scenarios: samples A (before the checkpoint) and B (after).
 
 struct QKScenario {
   std::vector<Sample> a, b;
@@ -158,37 +103,6 @@ QKScenario MakeQKScenario() {
   return scenario;
 }
 
-struct RouterStream {
-  std::string run;
-  int layer;
-  std::string probe;
-  int tokens, experts, top_k;
-  std::vector<float> logits{};
-
-  Sample Next(int64_t step, std::mt19937& rng) {
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    const size_t n = static_cast<size_t>(tokens * experts);
-    if (logits.size() != n) {
-      logits.assign(n, 0);
-      for (size_t i = 0; i < n; ++i) logits[i] = normal(rng);
-      // Expert 0 is nearly never chosen: dead in the window.
-      for (int t = 0; t < tokens; ++t) logits[static_cast<size_t>(t * experts)] = -20;
-    } else {
-      for (size_t i = 0; i < n; ++i) logits[i] += 0.3f * normal(rng);
-    }
-    RouterSample r;
-    r.layer = layer;
-    r.probe_id = probe;
-    r.top_k = top_k;
-    r.logits = Encode(logits, {tokens, experts}, DType::kFloat32);
-    Sample sample;
-    sample.run = run;
-    sample.step = step;
-    sample.payload = std::move(r);
-    return sample;
-  }
-};
-
 struct Scenario {
   std::vector<Sample> a, b;
 };
@@ -212,20 +126,6 @@ Scenario MakeRouterScenario() {
     for (RouterStream& s : streams) scenario.b.push_back(s.Next(step, rng));
   }
   return scenario;
-}
-
-Sample Scalars(const std::string& run, int64_t step, double loss, double grad_norm,
-               double lr = 1e-3) {
-  ScalarsSample s;
-  s.has_loss = s.has_grad_norm = s.has_lr = true;
-  s.loss = loss;
-  s.grad_norm = grad_norm;
-  s.lr = lr;
-  Sample sample;
-  sample.run = run;
-  sample.step = step;
-  sample.payload = s;
-  return sample;
 }
 
 Scenario MakeScalarScenario() {
