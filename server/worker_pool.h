@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -80,19 +81,60 @@ class WorkerPool {
   int size() const { return static_cast<int>(workers_.size()); }
   size_t QueueDepth(int worker) const;
   static size_t ShardOf(const detectors::Sample& sample, size_t shards);
+  // The shard of a series: ShardOf(sample) == ShardOfSeries(sample.run, sample.layer()).
+  static size_t ShardOfSeries(std::string_view run, int layer, size_t shards);
+
+  // Detector checkpoints (the daemon stores the bytes with
+  // store.WriteCheckpoint and hands them back after a restart).
+  //
+  // SaveDetectorState may be called at any time, also while workers run and
+  // after DrainAndStop. Each worker holds its detector lock while it
+  // processes one item; the calling thread takes that lock in turn for each
+  // worker and serializes that worker's detectors under it. So each worker's
+  // part is a consistent snapshot between two items (items still queued are
+  // not in it), and the workers are snapshotted one after the other, not at
+  // one instant: fine, since their series are disjoint. A worker is paused
+  // only while its own detectors are serialized.
+  //
+  // Format (codec, detectors/state_codec.h), version 1:
+  //   Header "FSDP" v1 | U32 workers | per worker: U32 detectors |
+  //   per detector: String registered name, Bytes Detector::SaveState blob.
+  std::string SaveDetectorState() const;
+
+  // Restores what SaveDetectorState wrote, from a pool of any size: every
+  // worker's detector of a given name is rebuilt from the blobs of that name
+  // of all saved workers, keeping the series of its own shard (ShardOfSeries
+  // over this pool's size). Call it before the first Dispatch; it replaces
+  // whatever the detectors hold. Returns true when everything was restored.
+  // On false, *error (if given) says why, and:
+  //  - unreadable framing (truncated, not a pool blob, unknown version):
+  //    every detector is left empty, as newly created;
+  //  - a detector that refuses its own state (corrupt, or a state version
+  //    this build does not read): that detector is left empty in every
+  //    worker, the other detectors are restored.
+  // Saved detectors that this build no longer registers are ignored;
+  // registered detectors absent from the blob start empty. Neither is an
+  // error.
+  bool RestoreDetectorState(std::string_view bytes, std::string* error = nullptr);
 
  private:
+  using DetectorList =
+      std::vector<std::pair<const detectors::DetectorInfo*, std::unique_ptr<detectors::Detector>>>;
   struct Worker {
     mutable std::mutex mu;
     std::condition_variable ready;
     std::deque<WorkItem> queue;
     bool stopping = false;
-    std::vector<std::pair<const detectors::DetectorInfo*, std::unique_ptr<detectors::Detector>>> detectors;
+    // Held by the worker thread while it processes an item, and by
+    // SaveDetectorState/RestoreDetectorState while they use `detectors`.
+    mutable std::mutex detectors_mu;
+    DetectorList detectors;
     std::thread thread;
   };
   void Run(Worker& worker);
   void Process(Worker& worker, const detectors::Sample& sample);
 
+  const detectors::DetectorOptions options_;
   ObservationSink& sink_;
   std::function<void(size_t)> on_done_;
   std::vector<std::unique_ptr<Worker>> workers_;
