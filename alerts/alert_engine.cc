@@ -594,4 +594,293 @@ std::vector<AlertTransition> AlertEngine::ForgetRun(std::string_view run) {
   return out;
 }
 
+// ---------------------------------------------------------------------------
+// Checkpointing.
+//
+// Header "FSAE" v1
+// Bytes   configuration fingerprint (ConfigFingerprint below)
+// U64 x 4 counters: scored, stale, duplicate, nonfinite
+// U64     runs, then per run (by name):
+//   String name, I64 latest_step
+//   U32 family count (must be kFamilyCount), I64 onset per family
+//   U8 cause, I64 mechanism_onset, Bool cause_settled, String cause_evidence
+//   U64 learning-rate points, each I64 step, Double lr
+//   Bool has first firing [String alertname, I32 layer, String signal,
+//                          I64 firing_step, I64 first_step]
+//   I64 last_nonfinite_step, I64 last_clean_step, I32 clean_steps
+//   U64 series, each String signal, I32 layer, ChangeDetector state
+//   U64 alerts, each String alertname, I32 layer, the Alert (PutAlert),
+//     U64 feeding series + String signal of each, in the record's order
+//     (the order Evaluate scans them in)
+
+namespace {
+
+constexpr std::string_view kEngineStateMagic = "FSAE";
+constexpr uint32_t kEngineStateVersion = 1;
+
+// Every configuration value the engine's behaviour depends on.
+std::string ConfigFingerprint(const AlertConfig& config) {
+  codec::StateWriter w;
+  w.PutU64(config.signals.size());
+  for (const auto& [name, signal] : config.signals) {
+    w.PutString(name);
+    w.PutString(signal.alertname);
+    w.PutBool(signal.enabled);
+    w.PutString(signal.severity);
+    const ChangeDetectorOptions& o = signal.detector;
+    w.PutU8(static_cast<uint8_t>(o.direction));
+    w.PutBool(o.change_detection);
+    w.PutI32(o.warmup);
+    w.PutI32(o.window);
+    w.PutI32(o.gap);
+    w.PutBool(o.trend);
+    w.PutDouble(o.z_threshold);
+    w.PutDouble(o.cusum_k);
+    w.PutDouble(o.cusum_h);
+    w.PutDouble(o.min_relative_change);
+    w.PutDouble(o.min_absolute_change);
+    w.PutI32(o.persist_m);
+    w.PutI32(o.persist_n);
+    w.PutI32(o.clear_after);
+    w.PutBool(o.bound.has_value());
+    w.PutDouble(o.bound.value_or(0.0));
+  }
+  w.PutBool(config.nonfinite.enabled);
+  w.PutString(config.nonfinite.severity);
+  w.PutI32(config.nonfinite.clear_after);
+  const ProbableCauseConfig& pc = config.probable_cause;
+  w.PutI64(pc.onset_window_steps);
+  w.PutI64(pc.settle_steps);
+  w.PutDouble(pc.lr_rise_factor);
+  w.PutI64(pc.lr_baseline_steps);
+  w.PutI64(pc.lr_baseline_gap_steps);
+  return w.Take();
+}
+
+void PutAlert(codec::StateWriter& w, const Alert& a) {
+  for (const std::string* text : {&a.alertname, &a.run, &a.layer, &a.signal, &a.severity,
+                                  &a.summary, &a.description, &a.probable_cause,
+                                  &a.suggested_action}) {
+    w.PutString(*text);
+  }
+  w.PutI64(a.first_step);
+  w.PutBool(a.probable_cause_settled);
+  w.PutString(a.probable_cause_evidence);
+  w.PutU8(static_cast<uint8_t>(a.state));
+  w.PutI32(a.episode);
+  w.PutI64(a.pending_step);
+  w.PutI64(a.firing_step);
+  w.PutI64(a.resolved_step);
+  w.PutDouble(a.value);
+  w.PutDouble(a.baseline);
+  w.PutDouble(a.z);
+}
+
+bool GetAlert(codec::StateReader& r, Alert& a) {
+  for (std::string* text : {&a.alertname, &a.run, &a.layer, &a.signal, &a.severity, &a.summary,
+                            &a.description, &a.probable_cause, &a.suggested_action}) {
+    if (!r.GetString(*text)) return false;
+  }
+  uint8_t state = 0;
+  if (!r.GetI64(a.first_step) || !r.GetBool(a.probable_cause_settled) ||
+      !r.GetString(a.probable_cause_evidence) || !r.GetU8(state) || !r.GetI32(a.episode) ||
+      !r.GetI64(a.pending_step) || !r.GetI64(a.firing_step) || !r.GetI64(a.resolved_step) ||
+      !r.GetDouble(a.value) || !r.GetDouble(a.baseline) || !r.GetDouble(a.z)) {
+    return false;
+  }
+  if (state > static_cast<uint8_t>(AlertState::kResolved)) return r.Fail("unknown alert state");
+  a.state = static_cast<AlertState>(state);
+  return true;
+}
+
+}  // namespace
+
+std::string AlertEngine::SaveState() const {
+  codec::StateWriter w;
+  w.PutHeader(kEngineStateMagic, kEngineStateVersion);
+  w.PutBytes(ConfigFingerprint(config_));
+  w.PutU64(counters_.points_scored);
+  w.PutU64(counters_.points_stale);
+  w.PutU64(counters_.points_duplicate);
+  w.PutU64(counters_.points_nonfinite);
+  w.PutU64(runs_.size());
+  for (const auto& [name, run_ptr] : runs_) {
+    const RunState& run = *run_ptr;
+    w.PutString(run.name);
+    w.PutI64(run.latest_step);
+    w.PutU32(static_cast<uint32_t>(run.family_onset.size()));
+    for (int64_t onset : run.family_onset) w.PutI64(onset);
+    w.PutU8(static_cast<uint8_t>(run.cause));
+    w.PutI64(run.mechanism_onset);
+    w.PutBool(run.cause_settled);
+    w.PutString(run.cause_evidence);
+    w.PutU64(run.learning_rate.size());
+    for (const auto& [step, lr] : run.learning_rate) {
+      w.PutI64(step);
+      w.PutDouble(lr);
+    }
+    w.PutBool(run.first_firing.has_value());
+    if (run.first_firing) {
+      w.PutString(run.first_firing->alertname);
+      w.PutI32(run.first_firing->layer);
+      w.PutString(run.first_firing->signal);
+      w.PutI64(run.first_firing->firing_step);
+      w.PutI64(run.first_firing->first_step);
+    }
+    w.PutI64(run.last_nonfinite_step);
+    w.PutI64(run.last_clean_step);
+    w.PutI32(run.clean_steps);
+
+    size_t series_count = 0;
+    for (const auto& [signal, by_layer] : run.series) series_count += by_layer.size();
+    w.PutU64(series_count);
+    for (const auto& [signal, by_layer] : run.series) {
+      for (const auto& [layer, series] : by_layer) {
+        w.PutString(signal);
+        w.PutI32(layer);
+        series.detector.SaveState(w);
+      }
+    }
+    w.PutU64(run.alerts.size());
+    for (const auto& [key, record] : run.alerts) {
+      w.PutString(key.first);
+      w.PutI32(key.second);
+      PutAlert(w, record.alert);
+      w.PutU64(record.series.size());
+      for (const Series* series : record.series) w.PutString(series->signal);
+    }
+  }
+  return w.Take();
+}
+
+bool AlertEngine::RestoreState(std::string_view bytes, std::string* error) {
+  codec::StateReader r(bytes);
+  std::map<std::string, std::unique_ptr<RunState>, std::less<>> runs;
+  AlertEngineCounters counters;
+
+  auto read_run = [&](RunState& run) -> bool {
+    uint32_t families = 0;
+    if (!r.GetString(run.name) || !r.GetI64(run.latest_step) || !r.GetU32(families)) return false;
+    if (families != kFamilyCount) return r.Fail("alert family count differs");
+    for (int64_t& onset : run.family_onset) {
+      if (!r.GetI64(onset)) return false;
+    }
+    uint8_t cause = 0;
+    uint64_t lr_points = 0;
+    if (!r.GetU8(cause) || !r.GetI64(run.mechanism_onset) || !r.GetBool(run.cause_settled) ||
+        !r.GetString(run.cause_evidence) || !r.GetCount(lr_points, 16)) {
+      return false;
+    }
+    if (cause > static_cast<uint8_t>(ProbableCause::kCombined)) return r.Fail("unknown cause");
+    run.cause = static_cast<ProbableCause>(cause);
+    for (uint64_t i = 0; i < lr_points; ++i) {
+      int64_t step = 0;
+      double lr = 0;
+      if (!r.GetI64(step) || !r.GetDouble(lr)) return false;
+      if (!std::isfinite(lr)) return r.Fail("non-finite learning rate");
+      run.learning_rate.emplace_back(step, lr);
+    }
+    bool has_first_firing = false;
+    if (!r.GetBool(has_first_firing)) return false;
+    if (has_first_firing) {
+      FirstFiring& f = run.first_firing.emplace();
+      int32_t layer = 0;
+      if (!r.GetString(f.alertname) || !r.GetI32(layer) || !r.GetString(f.signal) ||
+          !r.GetI64(f.firing_step) || !r.GetI64(f.first_step)) {
+        return false;
+      }
+      f.layer = layer;
+    }
+    int32_t clean_steps = 0;
+    if (!r.GetI64(run.last_nonfinite_step) || !r.GetI64(run.last_clean_step) ||
+        !r.GetI32(clean_steps)) {
+      return false;
+    }
+    run.clean_steps = clean_steps;
+
+    uint64_t series_count = 0;
+    if (!r.GetCount(series_count)) return false;
+    for (uint64_t i = 0; i < series_count; ++i) {
+      std::string signal;
+      int32_t layer = 0;
+      if (!r.GetString(signal) || !r.GetI32(layer)) return false;
+      const auto config_it = config_.signals.find(signal);
+      if (config_it == config_.signals.end()) return r.Fail("series of an unknown signal");
+      auto& by_layer = run.series[signal];
+      auto [it, inserted] = by_layer.try_emplace(layer, config_it->second, signal);
+      if (!inserted) return r.Fail("series saved twice");
+      if (!it->second.detector.RestoreState(r)) return false;
+    }
+
+    uint64_t alert_count = 0;
+    if (!r.GetCount(alert_count)) return false;
+    for (uint64_t i = 0; i < alert_count; ++i) {
+      std::string alertname;
+      int32_t layer = 0;
+      if (!r.GetString(alertname) || !r.GetI32(layer)) return false;
+      auto [it, inserted] = run.alerts.try_emplace({alertname, layer});
+      if (!inserted) return r.Fail("alert saved twice");
+      AlertRecord& record = it->second;
+      record.layer = layer;
+      uint64_t feeding = 0;
+      if (!GetAlert(r, record.alert) || !r.GetCount(feeding)) return false;
+      for (uint64_t j = 0; j < feeding; ++j) {
+        std::string signal;
+        if (!r.GetString(signal)) return false;
+        const auto signal_it = run.series.find(signal);
+        if (signal_it == run.series.end()) return r.Fail("alert fed by an unknown series");
+        const auto series_it = signal_it->second.find(layer);
+        if (series_it == signal_it->second.end()) return r.Fail("alert fed by an unknown series");
+        Series& series = series_it->second;
+        if (series.record != nullptr) return r.Fail("series feeds two alerts");
+        if (series.config->alertname != alertname) return r.Fail("series feeds another alert");
+        series.record = &record;
+        record.series.push_back(&series);
+      }
+    }
+    // Observe relies on every series having its alert.
+    for (const auto& [signal, by_layer] : run.series) {
+      for (const auto& [layer, series] : by_layer) {
+        if (series.record == nullptr) return r.Fail("series without an alert");
+      }
+    }
+    return true;
+  };
+
+  auto read = [&]() -> bool {
+    uint32_t version = 0;
+    std::string_view fingerprint;
+    uint64_t run_count = 0;
+    if (!r.GetHeader(kEngineStateMagic, kEngineStateVersion, kEngineStateVersion, version) ||
+        !r.GetStringView(fingerprint)) {
+      return false;
+    }
+    if (fingerprint != ConfigFingerprint(config_)) {
+      return r.Fail("the alert configuration changed since the state was saved");
+    }
+    if (!r.GetU64(counters.points_scored) || !r.GetU64(counters.points_stale) ||
+        !r.GetU64(counters.points_duplicate) || !r.GetU64(counters.points_nonfinite) ||
+        !r.GetCount(run_count)) {
+      return false;
+    }
+    for (uint64_t i = 0; i < run_count; ++i) {
+      auto run = std::make_unique<RunState>();
+      if (!read_run(*run)) return false;
+      std::string name = run->name;
+      if (!runs.emplace(std::move(name), std::move(run)).second) return r.Fail("run saved twice");
+    }
+    return r.ExpectEnd();
+  };
+
+  if (!read()) {
+    runs_.clear();
+    counters_ = AlertEngineCounters{};
+    if (error) *error = "alert engine state refused: " + r.error();
+    return false;
+  }
+  runs_ = std::move(runs);
+  counters_ = counters;
+  return true;
+}
+
 }  // namespace foreshock::alerts

@@ -200,6 +200,31 @@ class AlertEngine {
   const AlertConfig& config() const { return config_; }
   const AlertEngineCounters& counters() const { return counters_; }
 
+  // Checkpointing, so that a restarted daemon continues its alerts instead of
+  // re-learning every baseline. SaveState is const (see Threading) and
+  // captures everything the engine's future output depends on: every run's
+  // series (their change detectors, including the state before the latest
+  // step and the last assessment), alert records (state, labels,
+  // annotations, episode and steps), probable-cause state (family onsets,
+  // mechanism onset, cause, settled flag, evidence, LR history), first firing
+  // layer, non-finite state, and the point counters.
+  //
+  // RestoreState replaces the engine's state with a saved one; the engine
+  // must have the same configuration as the one that saved (the blob carries
+  // a fingerprint of it: a changed configuration is refused, since baselines
+  // and persistence windows learned under other options would not mean the
+  // same). A restored engine continues exactly like the saved one: same
+  // transitions, same snapshots. Returns false on truncated, corrupt or
+  // unsupported input or a changed configuration; *error (if given) says
+  // why, and the engine is left empty, as newly constructed (counters 0).
+  // Restoring changes counters(): a caller exporting counter deltas must
+  // take the restored values as its new baseline (or export them once).
+  //
+  // Format: codec (detectors/state_codec.h), Header "FSAE" version 1; see
+  // alert_engine.cc for the layout.
+  std::string SaveState() const;
+  bool RestoreState(std::string_view bytes, std::string* error = nullptr);
+
  private:
   struct AlertRecord;
   struct Series;

@@ -218,4 +218,129 @@ ChangeDetector::Baseline ChangeDetector::FitWindow(size_t begin, size_t end) con
   return baseline;
 }
 
+// ---------------------------------------------------------------------------
+// Checkpointing.
+//
+// Core: Vector<double> history, U64 flags + per flag (I64 step, Bool
+// anomalous), I64 samples_seen, I64 last_step, Double cusum, I32
+// consecutive_normal, U8 state, I64 onset_step.
+// Assessment: U8 disposition, I64 step, Double value, baseline, scale, z,
+// cusum, relative_change, Bool change_flag, guard_flag, U8 state, I64
+// onset_step, I32 anomalous_in_window.
+
+namespace {
+
+constexpr uint8_t kChangeDetectorStateVersion = 1;
+
+}  // namespace
+
+void ChangeDetector::SaveState(codec::StateWriter& writer) const {
+  auto put_core = [&](const Core& c) {
+    writer.PutVector(c.history);
+    writer.PutU64(c.flags.size());
+    for (const Flag& flag : c.flags) {
+      writer.PutI64(flag.step);
+      writer.PutBool(flag.anomalous);
+    }
+    writer.PutI64(c.samples_seen);
+    writer.PutI64(c.last_step);
+    writer.PutDouble(c.cusum);
+    writer.PutI32(c.consecutive_normal);
+    writer.PutU8(static_cast<uint8_t>(c.state));
+    writer.PutI64(c.onset_step);
+  };
+  writer.PutU8(kChangeDetectorStateVersion);
+  put_core(core_);
+  put_core(before_last_step_);
+  const ChangeAssessment& a = last_;
+  writer.PutU8(static_cast<uint8_t>(a.disposition));
+  writer.PutI64(a.step);
+  writer.PutDouble(a.value);
+  writer.PutDouble(a.baseline);
+  writer.PutDouble(a.scale);
+  writer.PutDouble(a.z);
+  writer.PutDouble(a.cusum);
+  writer.PutDouble(a.relative_change);
+  writer.PutBool(a.change_flag);
+  writer.PutBool(a.guard_flag);
+  writer.PutU8(static_cast<uint8_t>(a.state));
+  writer.PutI64(a.onset_step);
+  writer.PutI32(a.anomalous_in_window);
+}
+
+bool ChangeDetector::RestoreState(codec::StateReader& reader) {
+  const size_t history_capacity = static_cast<size_t>(options_.window + options_.gap);
+  const size_t flags_capacity = static_cast<size_t>(options_.persist_n);
+  auto get_state = [&](SeriesState& state) {
+    uint8_t byte = 0;
+    if (!reader.GetU8(byte)) return false;
+    if (byte > static_cast<uint8_t>(SeriesState::kAnomalous)) return reader.Fail("unknown series state");
+    state = static_cast<SeriesState>(byte);
+    return true;
+  };
+  auto get_core = [&](Core& c) {
+    uint64_t flags = 0;
+    if (!reader.GetVector(c.history) || !reader.GetCount(flags, 9)) return false;
+    if (c.history.size() > history_capacity) return reader.Fail("history longer than window + gap");
+    if (flags > flags_capacity) return reader.Fail("persistence window longer than persist_n");
+    c.flags.clear();
+    for (uint64_t i = 0; i < flags; ++i) {
+      Flag flag{};
+      if (!reader.GetI64(flag.step) || !reader.GetBool(flag.anomalous)) return false;
+      c.flags.push_back(flag);
+    }
+    int32_t consecutive_normal = 0;
+    if (!reader.GetI64(c.samples_seen) || !reader.GetI64(c.last_step) ||
+        !reader.GetDouble(c.cusum) || !reader.GetI32(consecutive_normal) || !get_state(c.state) ||
+        !reader.GetI64(c.onset_step)) {
+      return false;
+    }
+    if (c.samples_seen < 0 || consecutive_normal < 0) return reader.Fail("negative count");
+    // Update never accepts a non-finite value (and the medians must not see one).
+    for (double v : c.history) {
+      if (!std::isfinite(v)) return reader.Fail("non-finite value in the history");
+    }
+    if (!std::isfinite(c.cusum)) return reader.Fail("non-finite CUSUM");
+    c.consecutive_normal = consecutive_normal;
+    return true;
+  };
+  auto read = [&](Core& core, Core& before, ChangeAssessment& a) {
+    uint8_t version = 0, disposition = 0;
+    int32_t anomalous_in_window = 0;
+    if (!reader.GetU8(version)) return false;
+    if (version != kChangeDetectorStateVersion) {
+      return reader.Fail("change detector state version " + std::to_string(version) +
+                         " not supported");
+    }
+    if (!get_core(core) || !get_core(before) || !reader.GetU8(disposition) ||
+        !reader.GetI64(a.step) || !reader.GetDouble(a.value) || !reader.GetDouble(a.baseline) ||
+        !reader.GetDouble(a.scale) || !reader.GetDouble(a.z) || !reader.GetDouble(a.cusum) ||
+        !reader.GetDouble(a.relative_change) || !reader.GetBool(a.change_flag) ||
+        !reader.GetBool(a.guard_flag) || !get_state(a.state) || !reader.GetI64(a.onset_step) ||
+        !reader.GetI32(anomalous_in_window)) {
+      return false;
+    }
+    if (disposition > static_cast<uint8_t>(ChangeAssessment::Disposition::kDuplicate)) {
+      return reader.Fail("unknown disposition");
+    }
+    a.disposition = static_cast<ChangeAssessment::Disposition>(disposition);
+    a.anomalous_in_window = anomalous_in_window;
+    return true;
+  };
+  Core core, before;
+  ChangeAssessment assessment;
+  if (!read(core, before, assessment)) {
+    core_ = Core{};
+    before_last_step_ = Core{};
+    last_ = ChangeAssessment{};
+    core_.history.reserve(history_capacity + 1);
+    core_.flags.reserve(flags_capacity + 1);
+    return false;
+  }
+  core_ = std::move(core);
+  before_last_step_ = std::move(before);
+  last_ = assessment;
+  return true;
+}
+
 }  // namespace foreshock::alerts

@@ -85,6 +85,8 @@
 #include <string_view>
 #include <vector>
 
+#include "detectors/state_codec.h"
+
 namespace foreshock::alerts {
 
 enum class Direction : uint8_t { kRise, kDrop };
@@ -174,6 +176,18 @@ class ChangeDetector {
   // The last assessment that was scored or recorded (default before any).
   const ChangeAssessment& last() const { return last_; }
   const ChangeDetectorOptions& options() const { return options_; }
+
+  // Checkpointing (the alert engine's SaveState): everything Update depends
+  // on, i.e. the current state, the state before the latest step (to re-score
+  // a worse same-step value) and the last assessment, bit-exact. Restore into
+  // a detector built with the same options: it then continues exactly like
+  // the saved one. On truncated or corrupt input, or state that does not fit
+  // the options (a history longer than window + gap ...), RestoreState
+  // returns false and leaves the detector as newly constructed.
+  // Format, version 1: U8 version, core, core before the latest step, last
+  // assessment (see change_detector.cc).
+  void SaveState(codec::StateWriter& writer) const;
+  bool RestoreState(codec::StateReader& reader);
 
  private:
   struct Baseline {
