@@ -1,0 +1,615 @@
+// foreshockctl: the command-line client of foreshockd. Reads runs, alerts and
+// series over foreshock.v1.Query, follows alerts as they change, and replays
+// recordings (foreshockd --record_dir) into a daemon over foreshock.v1.Ingest.
+//
+// Exit status: 0 success; 1 the daemon answered with an error, a replayed
+// stream failed, or a watch ended on its own; 2 usage error, or the daemon
+// cannot be reached.
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
+#include <pthread.h>
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ctl/cli.h"
+#include "ctl/replay.h"
+#include "foreshock/v1/query.grpc.pb.h"
+
+namespace foreshock::ctl {
+namespace {
+
+namespace v1 = foreshock::v1;
+
+constexpr int kExitOk = 0;
+constexpr int kExitFailed = 1;
+constexpr int kExitUsage = 2;  // also: the daemon cannot be reached
+
+const char kDefaultEndpoint[] = "127.0.0.1:50051";
+
+struct Globals {
+  std::string endpoint = kDefaultEndpoint;
+  bool json = false;
+  int64_t timeout_s = 10;
+};
+
+const std::vector<OptionSpec> kGlobalOptions = {
+    {"endpoint", true}, {"json", false}, {"timeout_s", true}, {"help", false}};
+
+const char kGlobalHelp[] =
+    "Global options (before or after the command):\n"
+    "  --endpoint HOST:PORT  foreshockd's gRPC address (default 127.0.0.1:50051, the daemon's\n"
+    "                        default --listen)\n"
+    "  --json                machine-readable output: the proto response as JSON (proto field\n"
+    "                        names, every field printed; 64-bit integers are JSON strings, as\n"
+    "                        the proto3 JSON mapping has it); one document per command, one\n"
+    "                        line per event for watch\n"
+    "  --timeout_s N         seconds to wait for the connection and for each reply (default 10)\n"
+    "  --help                this text, or a command's own with the command\n";
+
+const char kExitHelp[] =
+    "Exit status: 0 success; 1 the daemon answered with an error, a replayed stream failed or\n"
+    "a watch ended on its own; 2 usage error or the daemon cannot be reached.\n";
+
+struct Command {
+  std::string name;
+  std::string summary;  // one line, for the command list
+  std::string help;     // the command's --help, after its usage line
+  std::string usage;
+  std::vector<OptionSpec> options;
+  size_t min_positional = 0;
+  size_t max_positional = 0;
+  std::function<int(const Args&, const Globals&)> run;
+};
+
+// ---------------------------------------------------------------- plumbing
+
+std::string StatusCodeName(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK: return "OK";
+    case grpc::StatusCode::CANCELLED: return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED: return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL: return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
+    default: return "code " + std::to_string(static_cast<int>(code));
+  }
+}
+
+int Unreachable(const Globals& g) {
+  std::fprintf(stderr,
+               "foreshockctl: cannot reach foreshockd at %s: no connection within %lld s "
+               "(is it running? --endpoint sets the address)\n",
+               g.endpoint.c_str(), static_cast<long long>(g.timeout_s));
+  return kExitUsage;
+}
+
+// A channel that is connected, or null after printing why (exit 2).
+std::shared_ptr<grpc::Channel> Connect(const Globals& g) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(512 << 20);
+  args.SetMaxSendMessageSize(-1);
+  auto channel = grpc::CreateCustomChannel(g.endpoint, grpc::InsecureChannelCredentials(), args);
+  if (!channel->WaitForConnected(std::chrono::system_clock::now() +
+                                 std::chrono::seconds(g.timeout_s))) {
+    Unreachable(g);
+    return nullptr;
+  }
+  return channel;
+}
+
+void SetDeadline(grpc::ClientContext& context, const Globals& g) {
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(g.timeout_s));
+}
+
+int RpcFailed(const std::string& command, const std::string& method, const grpc::Status& status,
+              const Globals& g) {
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    std::fprintf(stderr, "foreshockctl: foreshockd at %s is unavailable: %s\n",
+                 g.endpoint.c_str(), status.error_message().c_str());
+    return kExitUsage;
+  }
+  if (status.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+    std::fprintf(stderr,
+                 "foreshockctl %s: foreshockd at %s does not implement foreshock.v1.Query/%s "
+                 "(an older daemon?)\n",
+                 command.c_str(), g.endpoint.c_str(), method.c_str());
+    return kExitFailed;
+  }
+  std::fprintf(stderr, "foreshockctl %s: %s: %s\n", command.c_str(),
+               StatusCodeName(status.error_code()).c_str(), status.error_message().c_str());
+  return kExitFailed;
+}
+
+bool PrintJson(const google::protobuf::Message& message, bool one_line) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = !one_line;
+  options.always_print_primitive_fields = true;
+  options.preserve_proto_field_names = true;
+  std::string text;
+  if (!google::protobuf::util::MessageToJsonString(message, &text, options).ok()) {
+    std::fprintf(stderr, "foreshockctl: cannot print the response as JSON\n");
+    return false;
+  }
+  while (!text.empty() && text.back() == '\n') text.pop_back();
+  std::cout << text << '\n' << std::flush;
+  return true;
+}
+
+std::string Cause(const v1::Alert& a) {
+  if (a.probable_cause().empty()) return "-";
+  return a.probable_cause() + (a.probable_cause_settled() ? "" : " (provisional)");
+}
+
+std::string StepOrDash(int64_t step) { return step < 0 ? "-" : std::to_string(step); }
+
+// ---------------------------------------------------------------- commands
+
+int RunRuns(const Args& args, const Globals& g) {
+  auto channel = Connect(g);
+  if (!channel) return kExitUsage;
+  auto stub = v1::Query::NewStub(channel);
+  grpc::ClientContext context;
+  SetDeadline(context, g);
+  v1::ListRunsResponse response;
+  const grpc::Status status = stub->ListRuns(&context, v1::ListRunsRequest(), &response);
+  if (!status.ok()) return RpcFailed("runs", "ListRuns", status, g);
+  if (g.json) return PrintJson(response, false) ? kExitOk : kExitFailed;
+  if (response.runs().empty()) {
+    std::cout << "no runs\n";
+    return kExitOk;
+  }
+  Table table({"RUN", "JOB", "FIRST_STEP", "LAST_STEP", "SERIES", "ACTIVE_ALERTS", "LAST_SEEN"});
+  for (const v1::RunInfo& run : response.runs()) {
+    table.AddRow({run.run(), run.job_name().empty() ? "-" : run.job_name(),
+                  std::to_string(run.first_step()), std::to_string(run.last_step()),
+                  std::to_string(run.series()), std::to_string(run.active_alerts()),
+                  UtcTime(run.last_seen_unix_ms())});
+  }
+  std::cout << table.Render();
+  return kExitOk;
+}
+
+int RunAlerts(const Args& args, const Globals& g) {
+  auto channel = Connect(g);
+  if (!channel) return kExitUsage;
+  auto stub = v1::Query::NewStub(channel);
+  grpc::ClientContext context;
+  SetDeadline(context, g);
+  v1::ListAlertsRequest request;
+  request.set_run(args.Get("run"));
+  request.set_include_resolved(args.Flag("all"));
+  v1::ListAlertsResponse response;
+  const grpc::Status status = stub->ListAlerts(&context, request, &response);
+  if (!status.ok()) return RpcFailed("alerts", "ListAlerts", status, g);
+  if (g.json) return PrintJson(response, false) ? kExitOk : kExitFailed;
+  if (response.alerts().empty()) {
+    std::cout << (request.include_resolved() ? "no alerts\n" : "no active alerts\n");
+    return kExitOk;
+  }
+  Table table({"STATE", "ALERTNAME", "RUN", "LAYER", "SEVERITY", "FIRST_STEP", "FIRING_STEP",
+               "RESOLVED_STEP", "VALUE", "PROBABLE_CAUSE", "SUMMARY"});
+  for (const v1::Alert& a : response.alerts()) {
+    table.AddRow({a.state(), a.alertname(), a.run(), a.layer(), a.severity(),
+                  std::to_string(a.first_step()), StepOrDash(a.firing_step()),
+                  StepOrDash(a.resolved_step()), ShortNumber(a.value()), Cause(a), a.summary()});
+  }
+  std::cout << table.Render();
+  return kExitOk;
+}
+
+std::string EventLine(const v1::AlertEvent& event) {
+  const v1::Alert& a = event.alert();
+  const int64_t now_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                             std::chrono::system_clock::now().time_since_epoch())
+                             .count();
+  std::string line = UtcTime(now_ms) + "  step " + std::to_string(event.step()) + "  " +
+                     a.alertname() + " run=" + a.run() + " layer=" + a.layer() + "  " +
+                     event.from_state() + " -> " + event.to_state() +
+                     "  value=" + ShortNumber(a.value());
+  if (!std::isnan(a.baseline())) line += " baseline=" + ShortNumber(a.baseline());
+  if (!std::isnan(a.z())) line += " z=" + ShortNumber(a.z());
+  line += " first_step=" + std::to_string(a.first_step()) + "  cause=" + Cause(a);
+  return line;
+}
+
+int RunWatch(const Args& args, const Globals& g) {
+  // Only the waiter thread below takes SIGINT/SIGTERM: block them before
+  // gRPC starts its threads, which inherit the mask.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  auto channel = Connect(g);
+  if (!channel) return kExitUsage;
+  auto stub = v1::Query::NewStub(channel);
+  grpc::ClientContext context;
+  std::atomic<bool> interrupted{false};
+  std::thread waiter([&] {
+    int received = 0;
+    sigwait(&stop_signals, &received);
+    interrupted = true;
+    context.TryCancel();
+  });
+  waiter.detach();  // still waiting if the stream ends on its own; exit ends it
+
+  v1::WatchAlertsRequest request;
+  request.set_run(args.Get("run"));
+  request.set_send_active(true);
+  auto reader = stub->WatchAlerts(&context, request);
+  v1::AlertEvent event;
+  while (reader->Read(&event)) {
+    if (g.json) {
+      if (!PrintJson(event, true)) return kExitFailed;
+    } else {
+      std::cout << EventLine(event) << '\n' << std::flush;
+    }
+  }
+  const grpc::Status status = reader->Finish();
+  if (interrupted) return kExitOk;
+  if (status.ok()) {
+    std::fprintf(stderr, "foreshockctl watch: the daemon ended the stream\n");
+    return kExitFailed;
+  }
+  return RpcFailed("watch", "WatchAlerts", status, g) == kExitUsage ? kExitUsage : kExitFailed;
+}
+
+int RunSeries(const Args& args, const Globals& g) {
+  if (args.Flag("csv") && g.json) {
+    std::fprintf(stderr, "foreshockctl series: --csv and --json exclude each other\n");
+    return kExitUsage;
+  }
+  v1::GetSeriesRequest request;
+  request.set_run(args.positional[0]);
+  request.set_signal(args.positional[1]);
+  struct IntOption {
+    const char* name;
+    std::function<void(int64_t)> set;
+    int64_t min, max;
+  };
+  const IntOption int_options[] = {
+      {"layer", [&](int64_t v) { request.set_layer(static_cast<int32_t>(v)); }, -1, INT32_MAX},
+      {"head", [&](int64_t v) { request.set_head(static_cast<int32_t>(v)); }, -1, INT32_MAX},
+      {"from", [&](int64_t v) { request.set_from_step(v); }, INT64_MIN, INT64_MAX},
+      {"to", [&](int64_t v) { request.set_to_step(v); }, INT64_MIN, INT64_MAX},
+      {"max_points", [&](int64_t v) { request.set_max_points(static_cast<uint32_t>(v)); }, 0,
+       UINT32_MAX},
+  };
+  for (const IntOption& option : int_options) {
+    if (!args.Has(option.name)) continue;
+    const std::optional<int64_t> value = ParseInt(args.Get(option.name));
+    if (!value || *value < option.min || *value > option.max) {
+      std::fprintf(stderr, "foreshockctl series: --%s wants an integer in [%lld, %lld], not '%s'\n",
+                   option.name, static_cast<long long>(option.min),
+                   static_cast<long long>(option.max), args.Get(option.name).c_str());
+      return kExitUsage;
+    }
+    option.set(*value);
+  }
+  auto channel = Connect(g);
+  if (!channel) return kExitUsage;
+  auto stub = v1::Query::NewStub(channel);
+  grpc::ClientContext context;
+  SetDeadline(context, g);
+  v1::GetSeriesResponse response;
+  const grpc::Status status = stub->GetSeries(&context, request, &response);
+  if (!status.ok()) return RpcFailed("series", "GetSeries", status, g);
+  if (g.json) return PrintJson(response, false) ? kExitOk : kExitFailed;
+  if (args.Flag("csv")) {
+    std::cout << SeriesCsv(response) << std::flush;
+    return kExitOk;
+  }
+  std::cout << "run " << response.run() << ", signal " << response.signal() << ", layer "
+            << (response.layer() < 0 ? std::string("- (run-level)") : std::to_string(response.layer()))
+            << ", head "
+            << (response.head() < 0 ? std::string("- (over heads)") : std::to_string(response.head()))
+            << ": " << response.total_points() << " points"
+            << (response.downsampled()
+                    ? " in " + std::to_string(response.buckets_size()) + " buckets"
+                    : std::string())
+            << "\n";
+  if (response.downsampled()) {
+    Table table({"FIRST_STEP", "LAST_STEP", "COUNT", "MIN", "MEAN", "MAX", "LAST"});
+    for (const v1::SeriesBucket& b : response.buckets()) {
+      table.AddRow({std::to_string(b.first_step()), std::to_string(b.last_step()),
+                    std::to_string(b.count()), ShortNumber(b.min()), ShortNumber(b.mean()),
+                    ShortNumber(b.max()), ShortNumber(b.last())});
+    }
+    std::cout << table.Render();
+  } else {
+    Table table({"STEP", "VALUE", "WALL_TIME"});
+    for (const v1::SeriesPoint& p : response.points()) {
+      table.AddRow({std::to_string(p.step()), ShortNumber(p.value()),
+                    UtcTime(p.wall_time_unix_ms())});
+    }
+    std::cout << table.Render();
+  }
+  return kExitOk;
+}
+
+int RunReplay(const Args& args, const Globals& g) {
+  if (!args.Has("to") || args.Get("to").empty()) {
+    std::fprintf(stderr, "foreshockctl replay: --to HOST:PORT is required (the daemon to replay into)\n");
+    return kExitUsage;
+  }
+  const std::string speed_name = args.Get("speed", "max");
+  ReplaySpeed speed;
+  if (speed_name == "max") {
+    speed = ReplaySpeed::kMax;
+  } else if (speed_name == "realtime") {
+    speed = ReplaySpeed::kRealtime;
+  } else {
+    std::fprintf(stderr, "foreshockctl replay: --speed is max or realtime, not '%s'\n",
+                 speed_name.c_str());
+    return kExitUsage;
+  }
+  // Every file must be a recording before anything is sent.
+  int64_t origin = INT64_MAX;
+  for (const std::string& path : args.positional) {
+    record::RecordingReader reader;
+    if (!reader.Open(path)) {
+      std::fprintf(stderr, "foreshockctl replay: %s\n", reader.error().c_str());
+      return kExitUsage;
+    }
+    if (auto first = FirstFrameTime(path)) origin = std::min(origin, *first);
+  }
+  Globals target = g;
+  target.endpoint = args.Get("to");
+  auto channel = Connect(target);
+  if (!channel) return kExitUsage;
+
+  // One stream per file, all at once: several ranks' recordings interleave as
+  // they did live (exactly so with --speed realtime).
+  std::vector<ReplayResult> results(args.positional.size());
+  std::vector<std::thread> threads;
+  const auto start = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < args.positional.size(); ++i) {
+    threads.emplace_back([&, i] {
+      results[i] = ReplayFile(channel, args.positional[i], speed, origin, start);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+
+  bool all_ok = true;
+  if (g.json) std::cout << "[";
+  for (size_t i = 0; i < results.size(); ++i) {
+    all_ok = all_ok && results[i].ok();
+    if (g.json) {
+      std::cout << (i ? ",\n " : "") << results[i].Json();
+    } else {
+      std::cout << results[i].Summary() << '\n';
+    }
+  }
+  if (g.json) std::cout << "]\n";
+  std::cout << std::flush;
+  return all_ok ? kExitOk : kExitFailed;
+}
+
+// ---------------------------------------------------------------- table
+
+std::vector<Command> Commands() {
+  std::vector<Command> commands;
+  commands.push_back(Command{
+      "runs",
+      "the runs the daemon knows (Query/ListRuns)",
+      "Lists every run the daemon's store holds, newest activity first: job name, step range,\n"
+      "number of series, alerts pending or firing now, and the wall time of its newest point.\n",
+      "foreshockctl runs [--endpoint HOST:PORT] [--json]",
+      {},
+      0,
+      0,
+      RunRuns});
+  commands.push_back(Command{
+      "alerts",
+      "alerts, active by default (Query/ListAlerts)",
+      "Lists alerts, one row per (alertname, run, layer) in its newest state: pending or firing\n"
+      "by default, also resolved ones with --all. PROBABLE_CAUSE says \"(provisional)\" while the\n"
+      "run's cause may still change.\n\n"
+      "Options:\n"
+      "  --run RUN  only this run\n"
+      "  --all      include resolved alerts\n",
+      "foreshockctl alerts [--run RUN] [--all] [--json]",
+      {{"run", true}, {"all", false}},
+      0,
+      0,
+      RunAlerts});
+  commands.push_back(Command{
+      "watch",
+      "follow alert transitions until Ctrl-C (Query/WatchAlerts)",
+      "Prints the alerts active now, then one line per alert transition as it happens:\n"
+      "  <time>  step <step>  <alertname> run=<run> layer=<layer>  <from> -> <to>  value=...\n"
+      "With --json, one AlertEvent per line (JSON lines). Ctrl-C (SIGINT) or SIGTERM ends it\n"
+      "with status 0; if the daemon ends the stream, status is 1 (2 if it went away).\n\n"
+      "Options:\n"
+      "  --run RUN  only this run\n",
+      "foreshockctl watch [--run RUN] [--json]",
+      {{"run", true}},
+      0,
+      0,
+      RunWatch});
+  commands.push_back(Command{
+      "series",
+      "the points of one series (Query/GetSeries)",
+      "Prints the points of one series in a step range. SIGNAL is the metric name without the\n"
+      "foreshock_ prefix: loss, grad_norm, lr, qk_increment_entropy, attention_max_logit,\n"
+      "router_flip_rate, curvature_eos_ratio, ... Run-level signals have no layer; per-layer\n"
+      "signals need --layer. Values aggregated over heads unless --head is given (per-head\n"
+      "series exist only with foreshockd --per_head_metrics).\n\n"
+      "Options:\n"
+      "  --layer L         layer index (default: run-level, -1)\n"
+      "  --head H          head index (default: the aggregate over heads, -1)\n"
+      "  --from S          first step, inclusive (default: the first point)\n"
+      "  --to S            last step, inclusive (default: the last point)\n"
+      "  --max_points N    at most N rows: above that the daemon returns buckets of\n"
+      "                    min/mean/max (default 0: every point)\n"
+      "  --csv             CSV on stdout, one header line then one row per point:\n"
+      "                      step,value,wall_time_unix_ms\n"
+      "                    or, when the daemon downsampled, one row per bucket:\n"
+      "                      step,value,min,max,count,first_step,last_step,last\n"
+      "                    where step is the bucket's last_step and value its mean (count\n"
+      "                    includes non-finite points, min/max/mean leave them out).\n"
+      "                    Numbers are printed exactly (shortest round-trip form; nan, inf).\n",
+      "foreshockctl series RUN SIGNAL [--layer L] [--head H] [--from S] [--to S] "
+      "[--max_points N] [--csv | --json]",
+      {{"layer", true}, {"head", true}, {"from", true}, {"to", true}, {"max_points", true},
+       {"csv", false}},
+      2,
+      2,
+      RunSeries});
+  commands.push_back(Command{
+      "replay",
+      "stream recordings (foreshockd --record_dir) into a daemon",
+      "Sends each recording's StreamRequests (the bytes the recording daemon received: its\n"
+      "Hello, then its Batches) to foreshock.v1.Ingest/Stream on the daemon at --to, one gRPC\n"
+      "stream per file, all files at once. Every response is read and checked: a HelloAck for\n"
+      "the Hello and one Ack per Batch, in order, with the Batch's seq. Prints per file the\n"
+      "messages sent, the records accepted and rejected (by reason code) and the stream's\n"
+      "status; --json prints a JSON array with one object per file. A recording that ends in\n"
+      "a torn frame (the daemon stopped mid-write) is replayed up to it. Status 1 when a\n"
+      "stream fails, an ack is missing or out of order, or a recording has a corrupt frame;\n"
+      "rejected records alone are not a failure (the daemon judges them as it did live).\n\n"
+      "Options:\n"
+      "  --to HOST:PORT           the daemon to replay into (required; --endpoint is not used)\n"
+      "  --speed max|realtime     max (default): as fast as the daemon acks; realtime: keep\n"
+      "                           the recorded gaps between messages, across all files\n",
+      "foreshockctl replay FILE... --to HOST:PORT [--speed max|realtime] [--json]",
+      {{"to", true}, {"speed", true}},
+      1,
+      SIZE_MAX,
+      RunReplay});
+  return commands;
+}
+
+void PrintUsage(std::FILE* out, const std::vector<Command>& commands) {
+  std::fprintf(out,
+               "foreshockctl: the command-line client of foreshockd.\n\n"
+               "Usage: foreshockctl [global options] COMMAND [args] [options]\n\nCommands:\n");
+  for (const Command& c : commands) {
+    std::fprintf(out, "  %-8s %s\n", c.name.c_str(), c.summary.c_str());
+  }
+  std::fprintf(out, "  %-8s %s\n\n", "help", "help [COMMAND]: this text, or a command's");
+  std::fprintf(out, "%s\n%s\nRun 'foreshockctl COMMAND --help' for a command's arguments.\n",
+               kGlobalHelp, kExitHelp);
+}
+
+void PrintCommandHelp(std::FILE* out, const Command& c) {
+  std::fprintf(out, "Usage: %s\n\n%s\n%s\n%s", c.usage.c_str(), c.help.c_str(), kGlobalHelp,
+               kExitHelp);
+}
+
+int Main(int argc, char** argv) {
+  const std::vector<Command> commands = Commands();
+  // The command is the first argument that is not a global option (or its value).
+  int command_at = -1;
+  bool help = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      help = true;
+      continue;
+    }
+    if (arg.substr(0, 2) == "--") {
+      const std::string_view name = arg.substr(2, arg.find('=') - 2);
+      if (arg.find('=') == std::string_view::npos && (name == "endpoint" || name == "timeout_s")) {
+        ++i;
+      }
+      continue;
+    }
+    command_at = i;
+    break;
+  }
+  if (command_at < 0) {
+    PrintUsage(help ? stdout : stderr, commands);
+    return help ? kExitOk : kExitUsage;
+  }
+  std::string name = argv[command_at];
+  if (name == "help") {
+    if (command_at + 1 < argc) {
+      for (const Command& c : commands) {
+        if (c.name == argv[command_at + 1]) {
+          PrintCommandHelp(stdout, c);
+          return kExitOk;
+        }
+      }
+      std::fprintf(stderr, "foreshockctl: unknown command '%s'\n\n", argv[command_at + 1]);
+      PrintUsage(stderr, commands);
+      return kExitUsage;
+    }
+    PrintUsage(stdout, commands);
+    return kExitOk;
+  }
+  const Command* command = nullptr;
+  for (const Command& c : commands) {
+    if (c.name == name) command = &c;
+  }
+  if (!command) {
+    std::fprintf(stderr, "foreshockctl: unknown command '%s'\n\n", name.c_str());
+    PrintUsage(stderr, commands);
+    return kExitUsage;
+  }
+  std::vector<OptionSpec> specs = kGlobalOptions;
+  specs.insert(specs.end(), command->options.begin(), command->options.end());
+  Args args;
+  std::string error;
+  std::vector<const char*> rest;  // argv without the command name
+  for (int i = 0; i < argc; ++i) {
+    if (i != command_at) rest.push_back(argv[i]);
+  }
+  if (!ParseArgs(static_cast<int>(rest.size()), rest.data(), 1, specs, &args, &error)) {
+    std::fprintf(stderr, "foreshockctl %s: %s\nUsage: %s\nRun 'foreshockctl %s --help' for more.\n",
+                 name.c_str(), error.c_str(), command->usage.c_str(), name.c_str());
+    return kExitUsage;
+  }
+  if (args.Flag("help")) {
+    PrintCommandHelp(stdout, *command);
+    return kExitOk;
+  }
+  if (args.positional.size() < command->min_positional ||
+      args.positional.size() > command->max_positional) {
+    std::fprintf(stderr, "foreshockctl %s: %s\nUsage: %s\nRun 'foreshockctl %s --help' for more.\n",
+                 name.c_str(),
+                 args.positional.size() < command->min_positional ? "missing arguments"
+                                                                  : "too many arguments",
+                 command->usage.c_str(), name.c_str());
+    return kExitUsage;
+  }
+  Globals globals;
+  globals.endpoint = args.Get("endpoint", kDefaultEndpoint);
+  globals.json = args.Flag("json");
+  if (args.Has("timeout_s")) {
+    const std::optional<int64_t> timeout = ParseInt(args.Get("timeout_s"));
+    if (!timeout || *timeout < 1 || *timeout > 86400) {
+      std::fprintf(stderr, "foreshockctl: --timeout_s wants whole seconds in [1, 86400], not '%s'\n",
+                   args.Get("timeout_s").c_str());
+      return kExitUsage;
+    }
+    globals.timeout_s = *timeout;
+  }
+  return command->run(args, globals);
+}
+
+}  // namespace
+}  // namespace foreshock::ctl
+
+int main(int argc, char** argv) { return foreshock::ctl::Main(argc, argv); }
