@@ -1,5 +1,9 @@
 #include "server/ingest_service.h"
 
+#include <grpcpp/support/proto_buffer_reader.h>
+#include <grpcpp/support/proto_buffer_writer.h>
+
+#include <chrono>
 #include <deque>
 #include <mutex>
 #include <optional>
@@ -12,18 +16,34 @@ namespace foreshock::server {
 
 namespace v1 = foreshock::v1;
 
+namespace {
+
+// A message that is not a parseable StreamRequest (with the typed API gRPC
+// would end such a stream itself). Counted like the codes in validation.h.
+constexpr char kMalformedRequest[] = "malformed_request";
+
+int64_t NowUnixMicros() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
 // One stream's state machine. Reads are issued one at a time; a Batch whose
 // samples do not fit the admission budget leaves the stream parked (no read
 // outstanding) until a worker frees room, which is what pushes back on the
 // client. Acks are written in order through a small queue, since gRPC allows
 // one outstanding write per stream.
-class IngestReactor final
-    : public grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse> {
+//
+// Messages travel as raw ByteBuffers: each one is recorded as received (with
+// --record_dir), then parsed here.
+class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   IngestReactor(IngestService& service, uint64_t session) : service_(service), session_(session) {
     service_.metrics_.ingest_streams_total.Add({}).Increment();
     service_.metrics_.ingest_active_streams.Add({}).Increment();
-    StartRead(&request_);
+    StartRead(&received_);
   }
 
   void OnReadDone(bool ok) override {
@@ -32,6 +52,22 @@ class IngestReactor final
       reads_done_ = true;
       if (!finish_status_) finish_status_ = grpc::Status::OK;
       MaybeFinishLocked();
+      return;
+    }
+    const int64_t recv_unix_us = NowUnixMicros();
+    // Shares the slices with what is parsed below; no bytes are copied.
+    std::optional<grpc::ByteBuffer> raw;
+    if (service_.recorder_) raw.emplace(received_);
+    grpc::Status parsed;
+    if (received_.Valid()) {
+      parsed = grpc::SerializationTraits<v1::StreamRequest>::Deserialize(&received_, &request_);
+    } else {
+      request_.Clear();  // a zero-length message: an empty StreamRequest
+    }
+    if (raw) RecordReceived(*raw, recv_unix_us, parsed.ok());
+    if (!parsed.ok()) {
+      FailStream(kMalformedRequest, absl::StrCat("the message is not a StreamRequest (",
+                                                  raw ? raw->Length() : 0, " bytes)"));
       return;
     }
     switch (request_.kind_case()) {
@@ -65,11 +101,32 @@ class IngestReactor final
   void OnCancel() override {}
 
   void OnDone() override {
+    if (recording_) service_.recorder_->Close(session_);
     service_.metrics_.ingest_active_streams.Add({}).Decrement();
     delete this;
   }
 
  private:
+  // The first message names the file: run and rank from its Hello (a stream
+  // that starts otherwise is recorded too, as run "unknown").
+  void RecordReceived(const grpc::ByteBuffer& raw, int64_t recv_unix_us, bool parsed) {
+    StreamRecorder& recorder = *service_.recorder_;
+    const bool first = !recording_;
+    if (first) {
+      const bool hello = parsed && request_.kind_case() == v1::StreamRequest::kHello;
+      recorder.Open(session_, StreamRecorder::FileName(
+                                  recv_unix_us, hello ? request_.hello().run_id() : "",
+                                  hello ? request_.hello().rank() : -1, session_));
+      recording_ = true;
+    }
+    if (!recorder.Record(session_, raw, recv_unix_us, /*force=*/first) && !drop_logged_) {
+      drop_logged_ = true;
+      spdlog::warn("stream {}: the recorder is behind (--record_dir on a slow disk?); dropping "
+                   "messages from the recording of this stream",
+                   session_);
+    }
+  }
+
   void HandleHello() {
     if (context_) {
       FailStream(reason::kDuplicateHello, "a stream sends exactly one Hello, first");
@@ -91,8 +148,8 @@ class IngestReactor final
 
     v1::StreamResponse response;
     response.mutable_hello_ack()->set_session_id(absl::StrCat("s", session_));
-    Write(std::move(response));
-    StartRead(&request_);
+    Write(response);
+    StartRead(&received_);
   }
 
   void HandleBatch() {
@@ -177,8 +234,8 @@ class IngestReactor final
         return;
       }
     }
-    Write(std::move(ack_));
-    StartRead(&request_);
+    Write(ack_);
+    StartRead(&received_);
   }
 
   // Ends the stream with INVALID_ARGUMENT once queued acks are written.
@@ -191,10 +248,13 @@ class IngestReactor final
     MaybeFinishLocked();
   }
 
-  void Write(v1::StreamResponse response) {
+  void Write(const v1::StreamResponse& response) {
+    grpc::ByteBuffer bytes;
+    bool own_buffer = false;
+    grpc::SerializationTraits<v1::StreamResponse>::Serialize(response, &bytes, &own_buffer);
     std::lock_guard<std::mutex> lock(mu_);
     if (finished_ || (finish_status_ && !finish_status_->ok())) return;
-    pending_writes_.push_back(std::move(response));
+    pending_writes_.push_back(std::move(bytes));
     if (pending_writes_.size() == 1) StartWrite(&pending_writes_.front());
   }
 
@@ -206,7 +266,10 @@ class IngestReactor final
 
   IngestService& service_;
   const uint64_t session_;
+  grpc::ByteBuffer received_;
   v1::StreamRequest request_;
+  bool recording_ = false;    // the recorder has a file for this stream
+  bool drop_logged_ = false;  // a dropped recording frame was logged
   std::optional<StreamContext> context_;
   std::optional<uint64_t> last_seq_;
 
@@ -216,7 +279,7 @@ class IngestReactor final
   v1::StreamResponse ack_;
 
   std::mutex mu_;  // guards what follows; reactor callbacks may run concurrently
-  std::deque<v1::StreamResponse> pending_writes_;
+  std::deque<grpc::ByteBuffer> pending_writes_;
   std::optional<grpc::Status> finish_status_;
   bool reads_done_ = false;
   bool parked_ = false;
@@ -230,10 +293,17 @@ IngestService::IngestService(const IngestLimits& limits, AdmissionGate& gate, Wo
       gate_(gate),
       pool_(pool),
       metrics_(metrics),
-      on_hello_(std::move(on_hello)),
-      record_dir_(std::move(record_dir)) {}
+      on_hello_(std::move(on_hello)) {
+  if (!record_dir.empty()) {
+    StreamRecorderOptions options;
+    options.dir = std::move(record_dir);
+    recorder_ = std::make_unique<StreamRecorder>(std::move(options), metrics_);
+  }
+}
 
-grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* IngestService::Stream(
+IngestService::~IngestService() = default;
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::Stream(
     grpc::CallbackServerContext* context) {
   return new IngestReactor(*this, next_session_.fetch_add(1));
 }

@@ -1,6 +1,10 @@
 // foreshock.v1.Ingest: one bidirectional stream per training rank, served
 // with gRPC's callback API. The service validates, admits and dispatches;
 // it computes nothing.
+//
+// The method is served raw (grpc::ByteBuffer in and out; the service parses
+// and serializes the messages itself, as gRPC would), so that --record_dir
+// can record every StreamRequest exactly as it arrived, without a copy.
 #pragma once
 
 #include <atomic>
@@ -11,6 +15,7 @@
 #include "foreshock/v1/ingest.grpc.pb.h"
 #include "server/admission.h"
 #include "server/metrics.h"
+#include "server/stream_recorder.h"
 #include "server/validation.h"
 #include "server/worker_pool.h"
 
@@ -19,13 +24,20 @@ namespace foreshock::server {
 // Called once per accepted Hello (run registry, run_info metric).
 using HelloObserver = std::function<void(const foreshock::v1::Hello&)>;
 
-class IngestService final : public foreshock::v1::Ingest::CallbackService {
+class IngestService final
+    : public foreshock::v1::Ingest::WithRawCallbackMethod_Stream<foreshock::v1::Ingest::Service> {
  public:
+  // With a non-empty `record_dir`, every stream is recorded there
+  // (server/stream_recorder.h).
   IngestService(const IngestLimits& limits, AdmissionGate& gate, WorkerPool& pool,
                 DaemonMetrics& metrics, HelloObserver on_hello, std::string record_dir = "");
+  ~IngestService() override;
 
-  grpc::ServerBidiReactor<foreshock::v1::StreamRequest, foreshock::v1::StreamResponse>* Stream(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Stream(
       grpc::CallbackServerContext* context) override;
+
+  // Null unless recording.
+  StreamRecorder* recorder() { return recorder_.get(); }
 
  private:
   friend class IngestReactor;
@@ -34,7 +46,7 @@ class IngestService final : public foreshock::v1::Ingest::CallbackService {
   WorkerPool& pool_;
   DaemonMetrics& metrics_;
   HelloObserver on_hello_;
-  const std::string record_dir_;  // empty: streams are not recorded
+  std::unique_ptr<StreamRecorder> recorder_;  // null: streams are not recorded
   std::atomic<uint64_t> next_session_{1};
 };
 

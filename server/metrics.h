@@ -45,7 +45,11 @@ namespace foreshock::server {
     "the series has seen, e.g. a run resumed from a checkpoint), duplicate (another rank's "  \
     "copy of a step), nonfinite.")                                                             \
   X(watch_events_dropped_total, "watch_events_dropped_total",                                 \
-    "WatchAlerts events dropped for a subscriber that did not keep up (its stream ends).")
+    "WatchAlerts events dropped for a subscriber that did not keep up (its stream ends).")     \
+  X(record_frames_total, "record_frames_total",                                               \
+    "Received StreamRequests recorded with --record_dir, by outcome: written (handed to the "  \
+    "kernel) or dropped (the recorder fell behind, or a file could not be created or "        \
+    "written; logged once per stream).")
 
 #define FORESHOCK_DAEMON_GAUGES(X)                                                              \
   X(ingest_active_streams, "ingest_active_streams", "Ingest streams open now.")                 \
