@@ -9,6 +9,7 @@ namespace foreshock::store {
 
 void PointBlockCodec::Reset() {
   series_.clear();
+  series_started_ = 0;
   wall_time_ms_ = 0;
 }
 
@@ -37,6 +38,7 @@ void PointBlockCodec::Encode(std::span<const LocalPoint> points, std::string* pa
       bits.WriteVarint(ZigZagEncode(p.step));
       bits.Write(value_bits, 64);
       s.started = true;
+      ++series_started_;
       s.step_delta = 0;
       s.window_meaningful = 0;
     } else {
@@ -57,12 +59,16 @@ void PointBlockCodec::Encode(std::span<const LocalPoint> points, std::string* pa
         bits.WriteBit(true);
         const int leading = std::countl_zero(x);
         const int trailing = std::countr_zero(x);
+        const int meaningful = 64 - leading - trailing;
         const int window_trailing = 64 - s.window_leading - s.window_meaningful;
-        if (s.window_meaningful > 0 && leading >= s.window_leading && trailing >= window_trailing) {
+        // Reuse the previous window when the XOR fits in it, unless a fresh,
+        // narrower window pays for its 12-bit description: Gorilla's window
+        // otherwise never shrinks after one large change.
+        if (s.window_meaningful > 0 && leading >= s.window_leading && trailing >= window_trailing &&
+            s.window_meaningful <= meaningful + 12) {
           bits.WriteBit(false);
           bits.Write(x >> window_trailing, s.window_meaningful);
         } else {
-          const int meaningful = 64 - leading - trailing;
           bits.WriteBit(true);
           bits.Write(static_cast<uint64_t>(leading), 6);
           bits.Write(static_cast<uint64_t>(meaningful - 1), 6);
@@ -120,6 +126,7 @@ bool PointBlockCodec::Decode(std::string_view payload, uint32_t series_defined,
       if (!bits.ReadVarint(&zigzag_step) || !bits.Read(64, &value_bits)) return false;
       p.step = ZigZagDecode(zigzag_step);
       s.started = true;
+      ++series_started_;
       s.step_delta = 0;
       s.window_meaningful = 0;
     } else {

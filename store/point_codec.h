@@ -12,7 +12,8 @@
 //            series' previous value: '0' = same value; '10' + the XOR's
 //            meaningful bits inside the previous leading/trailing-zero window;
 //            '11' + 6 bits leading zeros + 6 bits (meaningful length - 1) +
-//            the meaningful bits
+//            the meaningful bits (a new window; the encoder also picks this
+//            when it is shorter than reusing a much wider window)
 //   wall     '0' = same wall time as the block's previous point, else
 //            '1' + varint zigzag(difference)
 // The payload is varint(point count) followed by the bit stream, padded to a
@@ -49,6 +50,10 @@ class PointBlockCodec {
   // state is then unusable until Reset.
   bool Decode(std::string_view payload, uint32_t series_defined, std::vector<LocalPoint>* out);
 
+  // Series whose first point in this block has been coded: each cost a full
+  // step and value, which is what a block restart costs again.
+  size_t series_started() const { return series_started_; }
+
   // Heap bytes held, for memory accounting.
   size_t ApproxMemoryBytes() const { return series_.capacity() * sizeof(SeriesState); }
 
@@ -65,6 +70,7 @@ class PointBlockCodec {
   SeriesState& StateFor(uint32_t local_id);
 
   std::vector<SeriesState> series_;
+  size_t series_started_ = 0;
   int64_t wall_time_ms_ = 0;
 };
 
