@@ -109,6 +109,10 @@ absl::Status DurableSeriesStore::OpenImpl() {
 
   std::unique_lock lock(mu_);
   for (size_t i = 0; i < found.size(); ++i) {
+    if (i > 0 && found[i].first == found[i - 1].first) {  // "1.seg" next to "00000001.seg"
+      Report("ignoring " + found[i].second + ": same sequence number as " + found[i - 1].second);
+      continue;
+    }
     RecoverSegmentLocked(found[i].first, found[i].second, i + 1 == found.size());
     next_sequence_ = std::max(next_sequence_, found[i].first + 1);
   }
@@ -520,7 +524,10 @@ void DurableSeriesStore::AppendBatch(const std::vector<KeyedPoint>& batch) {
     points_scratch_.clear();
     new_series_scratch_.clear();
 
-    const bool new_block = segment.valid_bytes - active.block_offset >= options_.block_bytes;
+    const uint64_t block_size = segment.valid_bytes - active.block_offset;
+    const bool new_block =
+        block_size >= options_.block_bytes &&
+        block_size >= options_.block_bytes_per_series * active.codec.series_started();
     if (new_block) {
       AppendRecord(&scratch_, RecordType::kBlockStart, {});
       active.codec.Reset();

@@ -28,11 +28,13 @@
 //
 // Memory bound (what ApproxMemoryBytes adds up), with S series, G segments
 // retained, B blocks per segment, E bytes of retained events:
-//   S x (cache_points_per_series x 32 B + ~150 B + key strings)
-//   + (segments a series appears in) x 48 B per series   (index spans)
-//   + G x (B x 32 B + 4 B per series defined in it + ~200 B)
-//   + E (+ ~64 B per event)
-// The data on disk is not otherwise cached (the kernel's page cache aside).
+//   S x (cache_points_per_series x 32 B + ~300 B + twice the key's strings)
+//   + 48 B per (series, segment it appears in)            (index spans)
+//   + G x (B x 32 B + 4 B per series defined in it + ~250 B)
+//   + E + 32 B per retained event
+// With the default 2048-point cache that is ~66 KB per series, measured
+// (tests/bench/store_bench.cc, docs/PERFORMANCE.md). Segment data is not
+// otherwise held in memory (the kernel's page cache aside).
 //
 // Retention drops whole segments, oldest first, never the one being written:
 // while the total size is over retention_max_bytes, and while the oldest
@@ -78,10 +80,13 @@ std::string_view FsyncPolicyName(FsyncPolicy policy);
 struct DurableStoreOptions {
   std::string data_dir = "./foreshock-data";
   uint64_t segment_bytes = uint64_t{64} << 20;
-  // Point encoding restarts every block_bytes: smaller blocks make reads of
-  // old data cheaper (a read decodes whole blocks), larger ones compress a
-  // little better (each series' first point in a block is stored in full).
-  uint64_t block_bytes = uint64_t{256} << 10;
+  // Point encoding restarts every block_bytes, or every block_bytes_per_series
+  // times the number of series in the block if that is more. Smaller blocks
+  // make reads of old data cheaper (a read decodes whole blocks, all series
+  // in them); larger ones compress better (a restart codes each series' next
+  // point in full, ~12 bytes: 400 bytes per series keeps that near 3%).
+  uint64_t block_bytes = uint64_t{64} << 10;
+  uint64_t block_bytes_per_series = 400;
   FsyncPolicy fsync = FsyncPolicy::kInterval;
   std::chrono::milliseconds fsync_interval{1000};
   size_t cache_points_per_series = 2048;

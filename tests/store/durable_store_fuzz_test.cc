@@ -29,6 +29,7 @@ DurableStoreOptions FuzzOptions(const std::string& dir) {
   options.fsync = FsyncPolicy::kNone;
   options.segment_bytes = 1024;
   options.block_bytes = 256;
+  options.block_bytes_per_series = 0;
   options.cache_points_per_series = 4;
   return options;
 }

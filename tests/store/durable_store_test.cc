@@ -35,6 +35,7 @@ DurableStoreOptions SmallOptions(const std::string& dir) {
   options.fsync = FsyncPolicy::kNone;
   options.segment_bytes = 1 << 20;
   options.block_bytes = 2048;
+  options.block_bytes_per_series = 0;  // many small blocks: reads cross them
   options.cache_points_per_series = 32;
   return options;
 }
