@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "detectors/state_codec.h"
 #include "server/clock.h"
 
 namespace foreshock::server {
@@ -88,7 +89,7 @@ void AlertHub::DeliverLocked(const std::vector<alerts::AlertTransition>& transit
       notifier_->Notify(std::move(out));
     }
 
-    if (!watchers_.empty()) {
+    if (!watchers_.empty() || event_log_) {
       v1::AlertEvent event;
       *event.mutable_alert() = ToProtoLocked(alert);
       event.set_from_state(std::string(alerts::AlertStateName(t.from)));
@@ -97,6 +98,7 @@ void AlertHub::DeliverLocked(const std::vector<alerts::AlertTransition>& transit
       for (auto& [id, watcher] : watchers_) {
         if (watcher.run.empty() || watcher.run == alert.run) watcher.subscriber(event);
       }
+      if (event_log_) event_log_(event);
     }
   }
 }
@@ -177,6 +179,74 @@ uint64_t AlertHub::Subscribe(const std::string& run, bool send_active, Subscribe
   const uint64_t id = next_watcher_++;
   watchers_.emplace(id, Watcher{run, std::move(subscriber)});
   return id;
+}
+
+void AlertHub::SetEventLog(std::function<void(const v1::AlertEvent&)> log) {
+  std::lock_guard<std::mutex> lock(mu_);
+  event_log_ = std::move(log);
+}
+
+namespace {
+constexpr std::string_view kHubStateMagic = "FSHKHUB";
+constexpr uint32_t kHubStateVersion = 1;
+}  // namespace
+
+std::string AlertHub::SaveState() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  codec::StateWriter out;
+  out.PutHeader(kHubStateMagic, kHubStateVersion);
+  out.PutBytes(engine_.SaveState());
+  out.PutU64(times_.size());
+  for (const auto& [key, times] : times_) {
+    out.PutString(key);
+    out.PutI64(times.starts_ms);
+    out.PutI64(times.ends_ms);
+  }
+  out.PutU64(alerted_runs_.size());
+  for (const std::string& run : alerted_runs_) out.PutString(run);
+  return out.Take();
+}
+
+bool AlertHub::RestoreState(std::string_view bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  codec::StateReader in(bytes);
+  std::string engine_state;
+  uint64_t n = 0;
+  std::map<std::string, Times> times;
+  std::set<std::string> runs;
+  uint32_t version = 0;
+  bool ok = in.GetHeader(kHubStateMagic, kHubStateVersion, kHubStateVersion, version) &&
+            in.GetBytes(engine_state) && in.GetCount(n, 20);
+  for (uint64_t i = 0; ok && i < n; ++i) {
+    std::string key;
+    Times t;
+    ok = in.GetString(key) && in.GetI64(t.starts_ms) && in.GetI64(t.ends_ms);
+    if (ok) times.emplace(std::move(key), t);
+  }
+  ok = ok && in.GetCount(n, 4);
+  for (uint64_t i = 0; ok && i < n; ++i) {
+    std::string run;
+    ok = in.GetString(run);
+    if (ok) runs.insert(std::move(run));
+  }
+  if (!ok || !engine_.RestoreState(engine_state)) return false;
+  times_ = std::move(times);
+  alerted_runs_ = std::move(runs);
+  // Announce what is active again: the gauge, and Alertmanager (re-sent from now on).
+  for (const alerts::Alert& alert : engine_.ActiveAlerts()) {
+    metrics_.alert_active
+        .Add({{"alertname", alert.alertname}, {"run", alert.run}, {"layer", alert.layer},
+              {"severity", alert.severity}})
+        .Set(alert.state == alerts::AlertState::kFiring ? 1.0 : 0.0);
+    if (notifier_ && alert.state == alerts::AlertState::kFiring) {
+      AlertmanagerAlert out;
+      out.labels = alert.Labels();
+      out.annotations = alert.Annotations();
+      out.starts_at_ms = times_[AlertKey(alert)].starts_ms;
+      notifier_->Notify(std::move(out));
+    }
+  }
+  return true;
 }
 
 void AlertHub::Unsubscribe(uint64_t id) {

@@ -47,6 +47,18 @@ class AlertHub final : public ObservationSink {
 
   AlertmanagerNotifier* notifier() { return notifier_.get(); }
 
+  // Every transition, as its AlertEvent, also goes to `log` (the durable
+  // store's event log); called in order, under the hub's lock.
+  void SetEventLog(std::function<void(const foreshock::v1::AlertEvent&)> log);
+
+  // The engine's state (baselines, alert lifecycles, probable cause) and the
+  // alerts' wall times, for a checkpoint; RestoreState (before any
+  // observation) continues from it: firing alerts are re-announced to
+  // Alertmanager and the foreshock_alert_active gauge. False on a corrupt
+  // blob (the hub then starts empty).
+  std::string SaveState() const;
+  bool RestoreState(std::string_view bytes);
+
   // Brings foreshock_alert_points_total up to the engine's counters (called
   // before each scrape).
   void ExportCounters();
@@ -71,6 +83,7 @@ class AlertHub final : public ObservationSink {
   std::map<std::string, Times> times_;  // by alertname/run/layer
   std::set<std::string> alerted_runs_;  // runs with at least one transition
   std::map<uint64_t, Watcher> watchers_;
+  std::function<void(const foreshock::v1::AlertEvent&)> event_log_;
   uint64_t next_watcher_ = 1;
   alerts::AlertEngineCounters exported_;  // counter values already exported
 };

@@ -12,7 +12,9 @@
 #include "server/alert_hub.h"
 #include "server/query_service.h"
 #include "server/export_sink.h"
+#include "server/http_api.h"
 #include "server/http_server.h"
+#include "server/query_backend.h"
 #include "server/ingest_service.h"
 #include "server/metrics.h"
 #include "server/run_tracker.h"
@@ -21,13 +23,35 @@
 
 namespace foreshock::server {
 
+// The web UI (ui/index.html), embedded at build time (cmake/embed_file.cmake).
+extern const char kWebUiHtml[];
+extern const size_t kWebUiHtmlSize;
+
+namespace {
+constexpr std::string_view kHelloEvents = "hello";
+constexpr std::string_view kAlertEvents = "alert";
+constexpr std::string_view kDetectorCheckpoint = "detectors";
+constexpr std::string_view kAlertCheckpoint = "alerts";
+}  // namespace
+
 Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
   if (options_.workers <= 0) {
     options_.workers = std::max(1u, std::thread::hardware_concurrency());
   }
   registry_ = std::make_shared<prometheus::Registry>();
   metrics_ = std::make_unique<DaemonMetrics>(*registry_, options_.per_head_metrics);
-  store_ = std::make_unique<InMemorySeriesStore>(options_.series_capacity);
+  if (!options_.store_options.data_dir.empty()) {
+    store::DurableStoreOptions store_options = options_.store_options;
+    store_options.cache_points_per_series = options_.series_capacity;
+    auto durable = store::DurableSeriesStore::Open(store_options);
+    if (durable.ok()) {
+      durable_ = durable->get();
+      store_ = *std::move(durable);
+    } else {
+      init_status_ = durable.status();
+    }
+  }
+  if (!store_) store_ = std::make_unique<InMemorySeriesStore>(options_.series_capacity);
   runs_ = std::make_unique<RunTracker>(*metrics_);
   export_sink_ = std::make_unique<ExportSink>(*metrics_, *store_, *runs_);
   std::unique_ptr<AlertmanagerNotifier> notifier;
@@ -40,13 +64,17 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
   }
   alerts_ = std::make_unique<AlertHub>(options_.alert_config, *metrics_, std::move(notifier));
   sink_ = std::make_unique<FanoutSink>(std::vector<ObservationSink*>{export_sink_.get(), alerts_.get()});
-  query_ = std::make_unique<QueryService>(*alerts_, *metrics_);
+  backend_ = std::make_unique<QueryBackend>(*store_, *alerts_, *runs_);
+  query_ = std::make_unique<QueryService>(*alerts_, *metrics_, *backend_);
   gate_ = std::make_unique<AdmissionGate>(options_.max_queue_bytes);
   pool_ = std::make_unique<WorkerPool>(options_.workers, options_.detector_options, *sink_,
                                        [gate = gate_.get()](size_t bytes) { gate->Release(bytes); });
   ingest_ = std::make_unique<IngestService>(
       options_.limits, *gate_, *pool_, *metrics_,
-      [runs = runs_.get()](const foreshock::v1::Hello& hello) { runs->OnHello(hello); },
+      [runs = runs_.get(), store = store_.get()](const foreshock::v1::Hello& hello) {
+        runs->OnHello(hello);
+        store->AppendEvent(kHelloEvents, hello.SerializeAsString());
+      },
       options_.record_dir);
   http_ = std::make_unique<HttpServer>(registry_, [this] {
     metrics_->queue_bytes.Add({}).Set(static_cast<double>(gate_->in_flight_bytes()));
@@ -56,11 +84,79 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
           .Set(static_cast<double>(pool_->QueueDepth(i)));
     }
   });
+  AddApiRoutes(*http_, *backend_);
+  http_->AddRoute("/", [](const HttpRequest&) {
+    return HttpResponse{200, "text/html; charset=utf-8", std::string(kWebUiHtml, kWebUiHtmlSize)};
+  });
+  if (init_status_.ok()) RestoreFromStore();
+  alerts_->SetEventLog([store = store_.get()](const foreshock::v1::AlertEvent& event) {
+    store->AppendEvent(kAlertEvents, event.SerializeAsString());
+  });
+}
+
+void Daemon::RestoreFromStore() {
+  // Runs: their Hellos (job name, model shape) and how far they got.
+  for (const std::string& bytes : store_->Events(kHelloEvents)) {
+    foreshock::v1::Hello hello;
+    if (hello.ParseFromString(bytes)) runs_->OnHello(hello);
+  }
+  for (const store::RunInfo& run : store_->ListRuns()) runs_->OnStep(run.run, run.last_step);
+  // Detector and alert-engine state, so that detection continues where it was.
+  if (auto state = store_->ReadCheckpoint(kDetectorCheckpoint)) {
+    if (pool_->RestoreDetectorState(*state)) {
+      spdlog::info("restored detector state from the checkpoint ({} bytes)", state->size());
+    } else {
+      spdlog::warn("the detector checkpoint is unusable; detectors start empty");
+    }
+  }
+  if (auto state = store_->ReadCheckpoint(kAlertCheckpoint)) {
+    if (alerts_->RestoreState(*state)) {
+      spdlog::info("restored alert state from the checkpoint: {} active alert(s)",
+                   alerts_->Alerts("", false).size());
+    } else {
+      spdlog::warn("the alert checkpoint is unusable; the alert engine starts empty");
+    }
+  }
+  if (durable_) {
+    const store::DurableStoreStats stats = durable_->Stats();
+    spdlog::info("data directory {}: {} segment(s), {} series, {} points recovered",
+                 options_.store_options.data_dir, stats.segments, stats.series,
+                 stats.recovered_points);
+    for (const std::string& problem : durable_->Problems()) {
+      spdlog::warn("data directory {}: {}", options_.store_options.data_dir, problem);
+    }
+  }
+}
+
+bool Daemon::Checkpoint() {
+  // Detector state first: the alert state it is paired with may only be newer.
+  const bool detectors_ok =
+      store_->WriteCheckpoint(kDetectorCheckpoint, pool_->SaveDetectorState());
+  const bool alerts_ok = store_->WriteCheckpoint(kAlertCheckpoint, alerts_->SaveState());
+  if (!detectors_ok || !alerts_ok) spdlog::warn("writing the state checkpoints failed");
+  return detectors_ok && alerts_ok;
+}
+
+void Daemon::CheckpointLoop() {
+  std::unique_lock<std::mutex> lock(checkpoint_mu_);
+  while (!stop_checkpoints_) {
+    checkpoint_cv_.wait_for(lock, options_.checkpoint_interval);
+    if (stop_checkpoints_) break;
+    lock.unlock();
+    Checkpoint();
+    lock.lock();
+  }
 }
 
 Daemon::~Daemon() { Shutdown(std::chrono::milliseconds(0)); }
 
 absl::Status Daemon::Start() {
+  if (!init_status_.ok()) {
+    return absl::Status(init_status_.code(),
+                        absl::StrCat("cannot open the data directory '",
+                                     options_.store_options.data_dir,
+                                     "': ", init_status_.message()));
+  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -80,9 +176,14 @@ absl::Status Daemon::Start() {
     grpc_server_.reset();
     return status;
   }
-  spdlog::info("foreshockd serving gRPC on {} (port {}), metrics on {} (port {}), {} workers",
+  spdlog::info("foreshockd serving gRPC on {} (port {}), metrics, API and UI on {} (port {}), "
+               "{} workers, data in {}",
                options_.listen, grpc_port_, options_.metrics_listen, http_->port(),
-               pool_->size());
+               pool_->size(),
+               durable_ ? options_.store_options.data_dir : std::string("memory only"));
+  if (durable_ && options_.checkpoint_interval.count() > 0) {
+    checkpoint_thread_ = std::thread([this] { CheckpointLoop(); });
+  }
   return absl::OkStatus();
 }
 
@@ -97,6 +198,19 @@ void Daemon::Shutdown(std::chrono::milliseconds grace) {
   pool_->DrainAndStop();
   if (grpc_server_) grpc_server_->Wait();
   http_->Stop();
+  if (checkpoint_thread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(checkpoint_mu_);
+      stop_checkpoints_ = true;
+    }
+    checkpoint_cv_.notify_all();
+    checkpoint_thread_.join();
+  }
+  // Everything accepted is processed: the final state goes with the data.
+  if (durable_) {
+    Checkpoint();
+    durable_->Sync();
+  }
   spdlog::info("foreshockd stopped: {} samples processed", export_sink_->samples_processed());
 }
 

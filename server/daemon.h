@@ -4,14 +4,18 @@
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "alerts/config.h"
 #include "detectors/detector.h"
 #include "server/series_store.h"
 #include "server/validation.h"
+#include "store/durable_store.h"
 
 namespace grpc {
 class Server;
@@ -25,6 +29,7 @@ namespace foreshock::server {
 class AdmissionGate;
 class AlertHub;
 class FanoutSink;
+class QueryBackend;
 class QueryService;
 class DaemonMetrics;
 class ExportSink;
@@ -49,6 +54,13 @@ struct DaemonOptions {
   // Directory for recordings of the raw ingest streams (record/recording.h),
   // one file per stream. Empty: nothing is recorded.
   std::string record_dir;
+  // The durable series store (store/durable_store.h): data_dir and its
+  // fsync/retention/segment settings. An empty data_dir keeps everything in
+  // memory (series_capacity points per series) and nothing survives a restart.
+  store::DurableStoreOptions store_options{.data_dir = ""};
+  // How often detector and alert-engine state is checkpointed into the store
+  // (also at a clean shutdown); a restarted daemon continues from it.
+  std::chrono::milliseconds checkpoint_interval{30000};
 };
 
 class Daemon {
@@ -56,7 +68,8 @@ class Daemon {
   explicit Daemon(DaemonOptions options);
   ~Daemon();
 
-  // Binds both ports and starts serving.
+  // Binds both ports and starts serving. Fails when the data directory could
+  // not be opened (e.g. another daemon holds it).
   absl::Status Start();
   // Stops accepting streams (cancelling those still open after `grace`),
   // processes everything already accepted, then stops the HTTP port.
@@ -70,16 +83,22 @@ class Daemon {
   SeriesStore& store() { return *store_; }
   RunTracker& runs() { return *runs_; }
   AlertHub& alerts() { return *alerts_; }
+  // Writes the detector and alert-engine checkpoints now (the daemon also
+  // does so every checkpoint_interval and at Shutdown). False on failure.
+  bool Checkpoint();
 
  private:
   DaemonOptions options_;
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<DaemonMetrics> metrics_;
   std::unique_ptr<SeriesStore> store_;
+  store::DurableSeriesStore* durable_ = nullptr;  // store_, when it is durable
+  absl::Status init_status_;
   std::unique_ptr<RunTracker> runs_;
   std::unique_ptr<ExportSink> export_sink_;
   std::unique_ptr<AlertHub> alerts_;
   std::unique_ptr<FanoutSink> sink_;
+  std::unique_ptr<QueryBackend> backend_;
   std::unique_ptr<QueryService> query_;
   std::unique_ptr<AdmissionGate> gate_;
   std::unique_ptr<WorkerPool> pool_;
@@ -88,6 +107,13 @@ class Daemon {
   std::unique_ptr<HttpServer> http_;
   int grpc_port_ = 0;
   bool shut_down_ = false;
+
+  void RestoreFromStore();
+  void CheckpointLoop();
+  std::thread checkpoint_thread_;
+  std::mutex checkpoint_mu_;
+  std::condition_variable checkpoint_cv_;
+  bool stop_checkpoints_ = false;
 };
 
 }  // namespace foreshock::server

@@ -6,12 +6,18 @@
 
 namespace foreshock::server {
 
+namespace {
+// The points of the sample the calling worker is processing: a worker handles
+// one sample at a time, and the store writes each sample as one record.
+thread_local std::vector<KeyedPoint> pending_points;
+}  // namespace
+
 void ExportSink::OnObservation(const detectors::Sample& sample,
                                const detectors::Observation& observation) {
   metrics_.ExportObservation(sample.run, observation);
-  store_.Append(SeriesKey{sample.run, std::string(observation.signal), observation.layer,
-                          observation.head},
-                Point{sample.step, observation.value, NowUnixMillis()});
+  pending_points.emplace_back(
+      SeriesKey{sample.run, std::string(observation.signal), observation.layer, observation.head},
+      Point{sample.step, observation.value, NowUnixMillis()});
 }
 
 void ExportSink::OnNonFinite(const detectors::Sample& sample, detectors::SampleKind kind,
@@ -22,6 +28,10 @@ void ExportSink::OnNonFinite(const detectors::Sample& sample, detectors::SampleK
 }
 
 void ExportSink::OnSampleDone(const detectors::Sample& sample) {
+  if (!pending_points.empty()) {
+    store_.AppendBatch(pending_points);
+    pending_points.clear();
+  }
   metrics_.samples_processed(sample.kind()).Increment();
   runs_.OnStep(sample.run, sample.step);
   samples_processed_.fetch_add(1);

@@ -27,8 +27,9 @@ ABSL_FLAG(bool, per_head_metrics, false,
           "heads: min for entropies, max for logits and shares) are always exported. Per-head "
           "series multiply Prometheus cardinality by the head count.");
 ABSL_FLAG(int64_t, series_capacity, 4096,
-          "Points kept per (run, signal, layer, head) series in memory; older points are "
-          "overwritten.");
+          "Points kept in memory per (run, signal, layer, head) series: with --data_dir, the "
+          "cache of each series' newest points (older ones are read back from disk); without "
+          "one, all there is (older points are overwritten).");
 ABSL_FLAG(int64_t, max_tokens, 4096,
           "Largest probe token count accepted in a QK or router sample; larger samples are "
           "rejected with reason shape_over_limit.");
@@ -71,6 +72,30 @@ ABSL_FLAG(std::string, record_dir, "",
           "the disk cannot keep up or a write fails, frames are dropped, logged once per stream "
           "and counted in foreshock_record_frames_total{outcome=\"dropped\"}. Empty: no "
           "recording.");
+ABSL_FLAG(std::string, data_dir, "./foreshock-data",
+          "Directory of the durable series store: every signal value of every step, alert "
+          "transitions, run Hellos and the detector/alert-engine checkpoints, in an append-only "
+          "log of checksummed segments. On start the daemon recovers it (a torn tail is cut, "
+          "corrupt records are reported and skipped) and continues detection from the last "
+          "checkpoint. One daemon per directory (it is locked). Empty: keep series in memory "
+          "only (--series_capacity points each), lost on restart.");
+ABSL_FLAG(std::string, fsync, "interval",
+          "When appended data is fsync'ed: 'every' (before each sample's points are "
+          "acknowledged as stored; safest, slowest), 'interval' (every --fsync_interval_ms; a "
+          "machine crash loses at most that much), 'none' (only when a segment is sealed and "
+          "at shutdown; a daemon crash alone loses nothing, the kernel still has the data).");
+ABSL_FLAG(int64_t, fsync_interval_ms, 1000, "Milliseconds between fsyncs with --fsync=interval.");
+ABSL_FLAG(int64_t, segment_mb, 64, "Size in MiB at which the store starts a new segment file.");
+ABSL_FLAG(double, retention_max_age_h, 720,
+          "Delete whole segments whose newest point is older than this many hours (the segment "
+          "being written is never deleted). 0: no age limit.");
+ABSL_FLAG(double, retention_max_gb, 10,
+          "Delete the oldest segments while the store holds more than this many GiB. 0: no "
+          "size limit.");
+ABSL_FLAG(int64_t, checkpoint_interval_s, 30,
+          "Seconds between checkpoints of the detector and alert-engine state (previous probe "
+          "samples, baselines, alert lifecycles) into the data directory; also written at a "
+          "clean shutdown. 0: only at shutdown.");
 ABSL_FLAG(std::string, log_level, "info", "Log level: trace, debug, info, warn, error, off.");
 
 int main(int argc, char** argv) {
@@ -105,6 +130,23 @@ int main(int argc, char** argv) {
   options.max_message_bytes = static_cast<int>(std::clamp<int64_t>(absl::GetFlag(FLAGS_max_message_mb), 1, 2047)) << 20;
 
   options.record_dir = absl::GetFlag(FLAGS_record_dir);
+  options.store_options.data_dir = absl::GetFlag(FLAGS_data_dir);
+  if (auto policy = foreshock::store::ParseFsyncPolicy(absl::GetFlag(FLAGS_fsync))) {
+    options.store_options.fsync = *policy;
+  } else {
+    spdlog::critical("--fsync={}: must be every, interval or none", absl::GetFlag(FLAGS_fsync));
+    return 2;
+  }
+  options.store_options.fsync_interval =
+      std::chrono::milliseconds(std::max<int64_t>(1, absl::GetFlag(FLAGS_fsync_interval_ms)));
+  options.store_options.segment_bytes =
+      static_cast<uint64_t>(std::clamp<int64_t>(absl::GetFlag(FLAGS_segment_mb), 1, 1 << 20)) << 20;
+  options.store_options.retention_max_age = std::chrono::milliseconds(
+      static_cast<int64_t>(std::max(0.0, absl::GetFlag(FLAGS_retention_max_age_h)) * 3600e3));
+  options.store_options.retention_max_bytes = static_cast<uint64_t>(
+      std::max(0.0, absl::GetFlag(FLAGS_retention_max_gb)) * double(uint64_t{1} << 30));
+  options.checkpoint_interval =
+      std::chrono::seconds(std::max<int64_t>(0, absl::GetFlag(FLAGS_checkpoint_interval_s)));
   options.alertmanager_url = absl::GetFlag(FLAGS_alertmanager_url);
   options.alertmanager_resend_interval =
       std::chrono::seconds(std::max<int64_t>(1, absl::GetFlag(FLAGS_alertmanager_resend_s)));

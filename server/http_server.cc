@@ -16,8 +16,34 @@ void Reply(mg_connection* conn, int status, const char* content_type, const std:
   mg_printf(conn,
             "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n"
             "Cache-Control: no-store\r\nConnection: close\r\n\r\n",
-            status, status == 200 ? "OK" : "Error", content_type, body.size());
+            status, mg_get_response_code_text(conn, status), content_type, body.size());
   mg_write(conn, body.data(), body.size());
+}
+
+// "a=1&b=x%20y" -> {a: 1, b: "x y"}.
+std::map<std::string, std::string> ParseQuery(const char* query) {
+  std::map<std::string, std::string> out;
+  if (query == nullptr) return out;
+  const std::string text(query);
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    size_t end = text.find('&', pos);
+    if (end == std::string::npos) end = text.size();
+    const std::string pair = text.substr(pos, end - pos);
+    if (!pair.empty()) {
+      const size_t eq = pair.find('=');
+      auto decode = [](const std::string& in) {
+        std::string buffer(in.size() + 1, '\0');
+        const int n = mg_url_decode(in.c_str(), static_cast<int>(in.size()), buffer.data(),
+                                    static_cast<int>(buffer.size()), /*is_form_url_encoded=*/1);
+        buffer.resize(n < 0 ? 0 : static_cast<size_t>(n));
+        return buffer;
+      };
+      out[decode(pair.substr(0, eq))] = eq == std::string::npos ? "" : decode(pair.substr(eq + 1));
+    }
+    pos = end + 1;
+  }
+  return out;
 }
 
 }  // namespace
@@ -53,11 +79,37 @@ class HttpServer::TextHandler final : public CivetHandler {
   std::string body_;
 };
 
+class HttpServer::RouteHandler final : public CivetHandler {
+ public:
+  explicit RouteHandler(HttpHandler handler) : handler_(std::move(handler)) {}
+  bool handleGet(CivetServer*, mg_connection* conn) override {
+    const mg_request_info* info = mg_get_request_info(conn);
+    HttpRequest request;
+    request.path = info->local_uri ? info->local_uri : "";
+    request.query = ParseQuery(info->query_string);
+    HttpResponse response;
+    try {
+      response = handler_(request);
+    } catch (const std::exception& e) {
+      response = HttpResponse{500, "text/plain", std::string("internal error: ") + e.what()};
+    }
+    Reply(conn, response.status, response.content_type.c_str(), response.body);
+    return true;
+  }
+
+ private:
+  HttpHandler handler_;
+};
+
 HttpServer::HttpServer(std::shared_ptr<prometheus::Registry> registry,
                        std::function<void()> before_scrape)
     : registry_(std::move(registry)), before_scrape_(std::move(before_scrape)) {}
 
 HttpServer::~HttpServer() { Stop(); }
+
+void HttpServer::AddRoute(std::string path, HttpHandler handler) {
+  routes_.emplace_back(std::move(path), std::move(handler));
+}
 
 absl::Status HttpServer::Start(const std::string& listen) {
   std::vector<std::string> options = {"listening_ports", listen, "num_threads", "4",
@@ -75,7 +127,14 @@ absl::Status HttpServer::Start(const std::string& listen) {
   healthy_handler_ = std::make_unique<TextHandler>("text/plain", "ok\n");
   server_->addHandler("/metrics", *metrics_handler_);
   server_->addHandler("/-/healthy", *healthy_handler_);
-  server_->addHandler("/$", *index_handler_);
+  bool has_index = false;
+  for (const auto& [path, handler] : routes_) {
+    route_handlers_.push_back(std::make_unique<RouteHandler>(handler));
+    // civetweb matches prefixes; "$" anchors the exact path.
+    server_->addHandler(path + "$", *route_handlers_.back());
+    has_index |= path == "/";
+  }
+  if (!has_index) server_->addHandler("/$", *index_handler_);
   const std::vector<int> ports = server_->getListeningPorts();
   port_ = ports.empty() ? 0 : ports.front();
   return absl::OkStatus();

@@ -1,10 +1,13 @@
 // The daemon's HTTP port: Prometheus exposition at /metrics, a liveness
-// probe at /-/healthy, and an index page at /.
+// probe at /-/healthy, and whatever routes the daemon adds (the JSON API under
+// /api/v1/ and the web UI at /). Knows HTTP, not what the routes mean.
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "prometheus/registry.h"
@@ -13,11 +16,26 @@ class CivetServer;
 
 namespace foreshock::server {
 
+struct HttpRequest {
+  std::string path;
+  std::map<std::string, std::string> query;  // decoded; the last of repeated keys wins
+};
+
+struct HttpResponse {
+  int status = 200;
+  std::string content_type = "application/json";
+  std::string body;
+};
+
+using HttpHandler = std::function<HttpResponse(const HttpRequest&)>;
+
 class HttpServer {
  public:
   // `before_scrape` refreshes gauges that are cheaper to read than to track.
   HttpServer(std::shared_ptr<prometheus::Registry> registry, std::function<void()> before_scrape);
   ~HttpServer();
+  // GET `path` (exact match) answers with `handler`; call before Start.
+  void AddRoute(std::string path, HttpHandler handler);
   // `listen` is HOST:PORT; port 0 picks a free port.
   absl::Status Start(const std::string& listen);
   void Stop();
@@ -26,12 +44,15 @@ class HttpServer {
  private:
   class MetricsHandler;
   class TextHandler;
+  class RouteHandler;
   std::shared_ptr<prometheus::Registry> registry_;
   std::function<void()> before_scrape_;
   std::unique_ptr<CivetServer> server_;
   std::unique_ptr<MetricsHandler> metrics_handler_;
   std::unique_ptr<TextHandler> index_handler_;
   std::unique_ptr<TextHandler> healthy_handler_;
+  std::vector<std::pair<std::string, HttpHandler>> routes_;
+  std::vector<std::unique_ptr<RouteHandler>> route_handlers_;
   int port_ = 0;
 };
 

@@ -8,15 +8,47 @@ namespace foreshock::server {
 
 namespace v1 = foreshock::v1;
 
+namespace {
+
+grpc::Status ToGrpc(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+template <typename Response>
+grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context,
+                                 absl::StatusOr<Response> result, Response* response) {
+  auto* reactor = context->DefaultReactor();
+  if (result.ok()) *response = std::move(*result);
+  reactor->Finish(ToGrpc(result.status()));
+  return reactor;
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* QueryService::ListAlerts(grpc::CallbackServerContext* context,
                                                    const v1::ListAlertsRequest* request,
                                                    v1::ListAlertsResponse* response) {
-  for (v1::Alert& alert : alerts_.Alerts(request->run(), request->include_resolved())) {
-    *response->add_alerts() = std::move(alert);
-  }
-  auto* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return Answer(context, absl::StatusOr<v1::ListAlertsResponse>(backend_.ListAlerts(*request)),
+                response);
+}
+
+grpc::ServerUnaryReactor* QueryService::ListRuns(grpc::CallbackServerContext* context,
+                                                 const v1::ListRunsRequest*,
+                                                 v1::ListRunsResponse* response) {
+  return Answer(context, absl::StatusOr<v1::ListRunsResponse>(backend_.ListRuns()), response);
+}
+
+grpc::ServerUnaryReactor* QueryService::ListSeries(grpc::CallbackServerContext* context,
+                                                   const v1::ListSeriesRequest* request,
+                                                   v1::ListSeriesResponse* response) {
+  return Answer(context, backend_.ListSeries(*request), response);
+}
+
+grpc::ServerUnaryReactor* QueryService::GetSeries(grpc::CallbackServerContext* context,
+                                                  const v1::GetSeriesRequest* request,
+                                                  v1::GetSeriesResponse* response) {
+  return Answer(context, backend_.GetSeries(*request), response);
 }
 
 namespace {

@@ -1,5 +1,6 @@
 // foreshock.v1.Query: what users, dashboards and training loops read back.
-// ListAlerts answers from the alert hub; WatchAlerts streams every transition
+// ListRuns, ListSeries, GetSeries and ListAlerts answer from the QueryBackend
+// (the same answers the HTTP JSON API gives); WatchAlerts streams every transition
 // to the caller, with a bounded per-stream queue so that a slow reader can
 // never hold up the workers that produce alerts.
 #pragma once
@@ -7,6 +8,7 @@
 #include "foreshock/v1/query.grpc.pb.h"
 #include "server/alert_hub.h"
 #include "server/metrics.h"
+#include "server/query_backend.h"
 
 namespace foreshock::server {
 
@@ -15,7 +17,8 @@ class QueryService final : public foreshock::v1::Query::CallbackService {
   // A watcher more than this many events behind is disconnected (RESOURCE_EXHAUSTED).
   static constexpr size_t kMaxWatchBacklog = 4096;
 
-  QueryService(AlertHub& alerts, DaemonMetrics& metrics) : alerts_(alerts), metrics_(metrics) {}
+  QueryService(AlertHub& alerts, DaemonMetrics& metrics, const QueryBackend& backend)
+      : alerts_(alerts), metrics_(metrics), backend_(backend) {}
 
   grpc::ServerUnaryReactor* ListAlerts(grpc::CallbackServerContext* context,
                                        const foreshock::v1::ListAlertsRequest* request,
@@ -23,10 +26,20 @@ class QueryService final : public foreshock::v1::Query::CallbackService {
   grpc::ServerWriteReactor<foreshock::v1::AlertEvent>* WatchAlerts(
       grpc::CallbackServerContext* context,
       const foreshock::v1::WatchAlertsRequest* request) override;
+  grpc::ServerUnaryReactor* ListRuns(grpc::CallbackServerContext* context,
+                                     const foreshock::v1::ListRunsRequest* request,
+                                     foreshock::v1::ListRunsResponse* response) override;
+  grpc::ServerUnaryReactor* ListSeries(grpc::CallbackServerContext* context,
+                                       const foreshock::v1::ListSeriesRequest* request,
+                                       foreshock::v1::ListSeriesResponse* response) override;
+  grpc::ServerUnaryReactor* GetSeries(grpc::CallbackServerContext* context,
+                                      const foreshock::v1::GetSeriesRequest* request,
+                                      foreshock::v1::GetSeriesResponse* response) override;
 
  private:
   AlertHub& alerts_;
   DaemonMetrics& metrics_;
+  const QueryBackend& backend_;
 };
 
 }  // namespace foreshock::server

@@ -1,0 +1,126 @@
+#include "server/http_api.h"
+
+#include <google/protobuf/util/json_util.h>
+
+#include <optional>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace foreshock::server {
+namespace {
+
+namespace v1 = foreshock::v1;
+
+std::string JsonString(const std::string& text) {
+  std::string out = "\"";
+  for (const char c : text) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char buffer[8];
+          std::snprintf(buffer, sizeof buffer, "\\u%04x", c);
+          out += buffer;
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out + "\"";
+}
+
+HttpResponse Error(const absl::Status& status) {
+  int http = 500;
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument: http = 400; break;
+    case absl::StatusCode::kNotFound: http = 404; break;
+    case absl::StatusCode::kResourceExhausted: http = 413; break;
+    default: break;
+  }
+  return HttpResponse{http, "application/json",
+                      absl::StrCat("{\"code\": ", JsonString(absl::StatusCodeToString(status.code())),
+                                   ", \"error\": ", JsonString(std::string(status.message())),
+                                   "}\n")};
+}
+
+HttpResponse Json(const google::protobuf::Message& message) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;
+  std::string body;
+  const auto status = google::protobuf::util::MessageToJsonString(message, &body, options);
+  if (!status.ok()) {
+    return Error(absl::InternalError(absl::StrCat("cannot encode JSON: ", status.ToString())));
+  }
+  return HttpResponse{200, "application/json", body + "\n"};
+}
+
+template <typename T>
+HttpResponse JsonOr(const absl::StatusOr<T>& result) {
+  return result.ok() ? Json(*result) : Error(result.status());
+}
+
+// An optional integer query parameter: nullopt when absent, an error when malformed.
+template <typename Int>
+absl::StatusOr<std::optional<Int>> IntParam(const HttpRequest& request, const std::string& name) {
+  auto it = request.query.find(name);
+  if (it == request.query.end() || it->second.empty()) return std::optional<Int>();
+  Int value;
+  if (!absl::SimpleAtoi(it->second, &value)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("query parameter ", name, "='", it->second, "' is not an integer"));
+  }
+  return std::optional<Int>(value);
+}
+
+std::string Param(const HttpRequest& request, const std::string& name) {
+  auto it = request.query.find(name);
+  return it == request.query.end() ? std::string() : it->second;
+}
+
+}  // namespace
+
+void AddApiRoutes(HttpServer& http, const QueryBackend& backend) {
+  http.AddRoute("/api/v1/runs", [&backend](const HttpRequest&) { return Json(backend.ListRuns()); });
+
+  http.AddRoute("/api/v1/series", [&backend](const HttpRequest& request) {
+    v1::ListSeriesRequest query;
+    query.set_run(Param(request, "run"));
+    return JsonOr(backend.ListSeries(query));
+  });
+
+  http.AddRoute("/api/v1/points", [&backend](const HttpRequest& request) {
+    v1::GetSeriesRequest query;
+    query.set_run(Param(request, "run"));
+    query.set_signal(Param(request, "signal"));
+    auto layer = IntParam<int32_t>(request, "layer");
+    auto head = IntParam<int32_t>(request, "head");
+    auto from = IntParam<int64_t>(request, "from");
+    auto to = IntParam<int64_t>(request, "to");
+    auto max_points = IntParam<uint32_t>(request, "max_points");
+    for (const absl::Status& s :
+         {layer.status(), head.status(), from.status(), to.status(), max_points.status()}) {
+      if (!s.ok()) return Error(s);
+    }
+    if (*layer) query.set_layer(**layer);
+    if (*head) query.set_head(**head);
+    if (*from) query.set_from_step(**from);
+    if (*to) query.set_to_step(**to);
+    if (*max_points) query.set_max_points(**max_points);
+    return JsonOr(backend.GetSeries(query));
+  });
+
+  http.AddRoute("/api/v1/alerts", [&backend](const HttpRequest& request) {
+    v1::ListAlertsRequest query;
+    query.set_run(Param(request, "run"));
+    const std::string resolved = Param(request, "include_resolved");
+    query.set_include_resolved(resolved == "true" || resolved == "1");
+    return Json(backend.ListAlerts(query));
+  });
+}
+
+}  // namespace foreshock::server

@@ -1,0 +1,22 @@
+// The HTTP JSON API on the metrics port, for the web UI and for scripts:
+//
+//   GET /api/v1/runs                                   ListRuns
+//   GET /api/v1/series?run=R                           ListSeries
+//   GET /api/v1/points?run=R&signal=S[&layer=L][&head=H][&from=A][&to=B][&max_points=N]
+//                                                      GetSeries
+//   GET /api/v1/alerts[?run=R][&include_resolved=true] ListAlerts
+//
+// Answers are the foreshock.v1.Query response messages in protobuf's JSON
+// mapping with the proto field names (int64 values are JSON strings, as that
+// mapping says). Errors: {"code": "NOT_FOUND", "error": "..."} with HTTP 400,
+// 404 or 413.
+#pragma once
+
+#include "server/http_server.h"
+#include "server/query_backend.h"
+
+namespace foreshock::server {
+
+void AddApiRoutes(HttpServer& http, const QueryBackend& backend);
+
+}  // namespace foreshock::server
