@@ -86,6 +86,10 @@ class Daemon:
         self.binary = binary
         self.log_dir = log_dir
         self.extra_args = list(extra_args)
+        # Each daemon keeps its durable store under its own log dir (the binary's
+        # default, ./foreshock-data, would be shared by every test).
+        if not any(a.startswith("--data_dir") for a in self.extra_args):
+            self.extra_args.append(f"--data_dir={os.path.join(log_dir, 'data')}")
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = metrics_port or free_port()
         self.process = None
