@@ -33,8 +33,11 @@ int64_t NowUnixMicros() {
 // One stream's state machine. Reads are issued one at a time; a Batch whose
 // samples do not fit the admission budget leaves the stream parked (no read
 // outstanding) until a worker frees room, which is what pushes back on the
-// client. Acks are written in order through a small queue, since gRPC allows
-// one outstanding write per stream.
+// client. A batch is acknowledged only once every accepted sample in it has
+// been processed and its points appended to the store (durable as --fsync
+// says): an Ack means the data is safe. Acks go out in seq order through a
+// small queue, since gRPC allows one outstanding write per stream; the stream
+// does not finish while a batch of it is still being processed.
 //
 // Messages travel as raw ByteBuffers: each one is recorded as received (with
 // --record_dir), then parsed here.
@@ -88,6 +91,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     pending_writes_.pop_front();
     if (!ok) {  // the client is gone; nothing more will be delivered
       pending_writes_.clear();
+      client_gone_ = true;
       if (!finish_status_) finish_status_ = grpc::Status::CANCELLED;
       reads_done_ = true;
     }
@@ -222,20 +226,68 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   void Admitted() {
+    const uint64_t ticket = QueueAck(std::move(ack_), /*done=*/items_.empty());
     if (!items_.empty()) {
+      // The last worker to finish one of the batch's samples releases its ack.
+      auto completion = std::make_shared<BatchCompletion>(
+          static_cast<int>(items_.size()), [this, ticket] { AckDone(ticket); });
+      for (WorkItem& item : items_) item.completion = completion;
       service_.pool_.Dispatch(std::move(items_));
       items_.clear();
     }
+    bool client_left = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       parked_ = false;
-      if (finish_status_) {  // the client went away while this stream was parked
-        MaybeFinishLocked();
-        return;
-      }
+      client_left = finish_status_.has_value();
     }
-    Write(ack_);
+    if (client_left) {  // the client went away while this stream was parked
+      FinishIfReady();
+      return;
+    }
     StartRead(&received_);
+  }
+
+  // MaybeFinishLocked for code on worker threads: Finish is called after the
+  // lock is released, since OnDone (which deletes this reactor) may run on
+  // another thread as soon as Finish is called.
+  void FinishIfReady() {
+    std::optional<grpc::Status> status;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!ReadyToFinishLocked()) return;
+      finished_ = true;
+      status = *finish_status_;
+    }
+    Finish(*status);
+  }
+
+  // Acks wait here, in the order of their batches, until they are done.
+  uint64_t QueueAck(v1::StreamResponse ack, bool done) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const uint64_t ticket = next_ticket_++;
+    unacked_.push_back(PendingAck{ticket, std::move(ack), done});
+    if (done) FlushAcksLocked();
+    return ticket;
+  }
+
+  // Called on a worker thread when the batch's last sample is stored.
+  void AckDone(uint64_t ticket) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (PendingAck& pending : unacked_) {
+        if (pending.ticket == ticket) pending.done = true;
+      }
+      FlushAcksLocked();
+    }
+    FinishIfReady();
+  }
+
+  void FlushAcksLocked() {
+    while (!unacked_.empty() && unacked_.front().done) {
+      WriteLocked(unacked_.front().response);
+      unacked_.pop_front();
+    }
   }
 
   // Ends the stream with INVALID_ARGUMENT once queued acks are written.
@@ -249,17 +301,30 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   void Write(const v1::StreamResponse& response) {
+    std::lock_guard<std::mutex> lock(mu_);
+    WriteLocked(response);
+  }
+
+  void WriteLocked(const v1::StreamResponse& response) {
+    // Acks of accepted batches still go out after a rejection ends the stream
+    // (the client learns what was stored); nothing does once the client is gone.
+    if (finished_ || client_gone_) return;
     grpc::ByteBuffer bytes;
     bool own_buffer = false;
     grpc::SerializationTraits<v1::StreamResponse>::Serialize(response, &bytes, &own_buffer);
-    std::lock_guard<std::mutex> lock(mu_);
-    if (finished_ || (finish_status_ && !finish_status_->ok())) return;
     pending_writes_.push_back(std::move(bytes));
     if (pending_writes_.size() == 1) StartWrite(&pending_writes_.front());
   }
 
+  bool ReadyToFinishLocked() const {
+    return !finished_ && reads_done_ && !parked_ && unacked_.empty() && pending_writes_.empty() &&
+           finish_status_.has_value();
+  }
+
+  // Only from gRPC reactions (OnReadDone, OnWriteDone): OnDone cannot run
+  // before they return.
   void MaybeFinishLocked() {
-    if (finished_ || !reads_done_ || parked_ || !pending_writes_.empty() || !finish_status_) return;
+    if (!ReadyToFinishLocked()) return;
     finished_ = true;
     Finish(*finish_status_);
   }
@@ -280,6 +345,14 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   std::mutex mu_;  // guards what follows; reactor callbacks may run concurrently
   std::deque<grpc::ByteBuffer> pending_writes_;
+  struct PendingAck {
+    uint64_t ticket;
+    v1::StreamResponse response;
+    bool done;
+  };
+  std::deque<PendingAck> unacked_;  // acks of batches still being processed, in order
+  uint64_t next_ticket_ = 0;
+  bool client_gone_ = false;
   std::optional<grpc::Status> finish_status_;
   bool reads_done_ = false;
   bool parked_ = false;

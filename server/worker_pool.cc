@@ -100,6 +100,7 @@ void WorkerPool::Run(Worker& worker) {
       Process(worker, item.sample);
     }
     on_done_(item.bytes);
+    if (item.completion && item.completion->remaining.fetch_sub(1) == 1) item.completion->done();
   }
 }
 

@@ -3,6 +3,7 @@
 // detector instances: detector state needs no locks.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -62,9 +63,19 @@ class FanoutSink final : public ObservationSink {
   std::vector<ObservationSink*> sinks_;
 };
 
+// Runs `done` once every item of a batch has been processed (and so stored):
+// the ingest stream acknowledges the batch only then.
+struct BatchCompletion {
+  BatchCompletion(int items, std::function<void()> on_all_done)
+      : remaining(items), done(std::move(on_all_done)) {}
+  std::atomic<int> remaining;
+  std::function<void()> done;
+};
+
 struct WorkItem {
   detectors::Sample sample;
   size_t bytes = 0;  // admission budget to release once processed
+  std::shared_ptr<BatchCompletion> completion;  // may be null
 };
 
 class WorkerPool {
