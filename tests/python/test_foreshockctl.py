@@ -1,0 +1,253 @@
+"""foreshockctl against a real foreshockd: usage and exit codes, the
+unreachable-daemon error, `alerts --json`, `watch` until SIGINT, `runs`, and
+`series --csv` rows against the points sent."""
+import json
+import math
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import free_port, foreshockd_binary, wait_until
+from foreshock.v1 import ingest_pb2, ingest_pb2_grpc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def foreshockctl_binary():
+    """$FORESHOCKCTL, else next to the daemon under test (build/ctl/foreshockctl)."""
+    path = os.environ.get("FORESHOCKCTL")
+    if not path:
+        build = os.path.dirname(os.path.dirname(foreshockd_binary()))
+        path = os.path.join(build, "ctl", "foreshockctl")
+    if not os.access(path, os.X_OK):
+        pytest.fail(f"no foreshockctl at {path} (build the foreshockctl target)")
+    return path
+
+
+def ctl(*args, timeout=30):
+    return subprocess.run([foreshockctl_binary(), *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def stream(endpoint, run, batches):
+    """One Ingest stream: Hello, then the batches; returns the acks."""
+    hello = ingest_pb2.Hello(run_id=run, job="ctl-test",
+                             model=ingest_pb2.ModelInfo(n_layers=2, n_heads=2, head_dim=4))
+    requests = [ingest_pb2.StreamRequest(hello=hello)] + [
+        ingest_pb2.StreamRequest(batch=b) for b in batches]
+    with grpc.insecure_channel(endpoint) as channel:
+        responses = list(ingest_pb2_grpc.IngestStub(channel).Stream(iter(requests), timeout=30))
+    return [r.ack for r in responses if r.HasField("ack")]
+
+
+def nan_qk_batch(seq, step):
+    values = np.random.default_rng(step).normal(size=(2, 8, 4))
+    values[1, 3, 2] = np.nan
+    batch = ingest_pb2.Batch(seq=seq)
+    record = batch.records.add(step=step)
+    record.qk.layer = 0
+    record.qk.causal = True
+    for tensor in (record.qk.q, record.qk.k):
+        tensor.dtype = ingest_pb2.FLOAT32
+        tensor.shape.extend(values.shape)
+        tensor.data = values.astype("<f4").tobytes()
+    return batch
+
+
+# ---------------------------------------------------------------- no daemon
+
+@pytest.mark.parametrize("command", [
+    ["runs"], ["alerts"], ["alerts", "--all", "--json"], ["series", "r", "loss", "--csv"],
+    ["watch"]])
+def test_unreachable_daemon_is_one_line_and_exit_2(command):
+    endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    out = ctl(*command, "--endpoint", endpoint, "--timeout_s", "1")
+    assert out.returncode == 2, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert endpoint in lines[0] and "cannot reach foreshockd" in lines[0], lines[0]
+    assert out.stdout == ""
+    assert time.monotonic() - started < 10
+
+
+def test_replay_into_an_unreachable_daemon_exits_2(tmp_path):
+    # A valid, empty recording: header only.
+    path = tmp_path / "empty.fsrec"
+    path.write_bytes(b"FSHKREC1" + (1).to_bytes(4, "little") + bytes(4))
+    endpoint = f"127.0.0.1:{free_port()}"
+    out = ctl("replay", path, "--to", endpoint, "--timeout_s", "1")
+    assert out.returncode == 2, out
+    assert endpoint in out.stderr
+
+
+def test_usage_errors_exit_2_and_help_exits_0(tmp_path):
+    for args in (["bogus"], ["alerts", "--bogus"], ["series", "only-run"], ["runs", "extra"],
+                 ["alerts", "--run"], ["series", "r", "s", "--layer", "x"],
+                 ["replay", "file.fsrec"], ["replay", "--to", "127.0.0.1:1"],
+                 ["replay", "f", "--to", "127.0.0.1:1", "--speed", "warp"],
+                 ["--timeout_s", "0", "runs"], []):
+        out = ctl(*args)
+        assert out.returncode == 2, (args, out)
+        assert out.stderr, args
+    out = ctl("replay", tmp_path / "missing.fsrec", "--to", "127.0.0.1:1")
+    assert out.returncode == 2 and "missing.fsrec" in out.stderr, out
+
+    top = ctl("--help")
+    assert top.returncode == 0
+    for command in ("runs", "alerts", "watch", "series", "replay", "--endpoint", "--json",
+                    "--timeout_s", "127.0.0.1:50051"):
+        assert command in top.stdout, command
+    for command, words in {"runs": ["ListRuns"], "alerts": ["--run", "--all"],
+                           "watch": ["--run", "SIGINT"],
+                           "series": ["--layer", "--head", "--from", "--to", "--max_points",
+                                      "--csv", "step,value,min,max,count,first_step,last_step"],
+                           "replay": ["--to", "--speed", "max", "realtime"]}.items():
+        for form in ([command, "--help"], ["help", command]):
+            out = ctl(*form)
+            assert out.returncode == 0, form
+            assert out.stdout.startswith(f"Usage: foreshockctl {command}"), out.stdout
+            for word in words:
+                assert word in out.stdout, (command, word)
+
+
+def test_foreshockd_help_documents_record_dir():
+    out = subprocess.run([foreshockd_binary(), "--help"], capture_output=True, text=True,
+                         timeout=30)
+    text = out.stdout + out.stderr
+    assert "--record_dir" in text and "foreshockctl replay" in text and ".fsrec" in text
+
+
+# ---------------------------------------------------------------- with a daemon
+
+def test_alerts_json_table_and_watch(foreshockd):
+    endpoint = foreshockd.endpoint
+    out = ctl("alerts", "--endpoint", endpoint)
+    assert out.returncode == 0 and out.stdout == "no active alerts\n", out
+
+    watch = subprocess.Popen([foreshockctl_binary(), "watch", "--json", "--run", "ctl-alert",
+                              "--endpoint", endpoint], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(watch.stdout), daemon=True)
+    reader.start()
+    try:
+        time.sleep(0.5)  # subscribed before the alert happens
+        stream(endpoint, "other-run", [nan_qk_batch(1, 3)])
+        assert all(a.accepted == 1 for a in stream(endpoint, "ctl-alert", [nan_qk_batch(1, 7)]))
+        assert wait_until(lambda: any('"to_state":"firing"' in l for l in lines), 20), lines
+    finally:
+        watch.send_signal(signal.SIGINT)
+        watch.wait(10)
+        reader.join(5)
+    assert watch.returncode == 0, watch.stderr.read()
+    events = [json.loads(l) for l in lines]
+    assert all(e["alert"]["run"] == "ctl-alert" for e in events)
+    firing = [e for e in events if e["to_state"] == "firing"][0]
+    assert firing["alert"]["alertname"] == "ForeshockNonFinite" and firing["step"] == "7"
+
+    out = ctl("alerts", "--json", "--endpoint", endpoint)
+    assert out.returncode == 0, out
+    alerts = json.loads(out.stdout)["alerts"]
+    assert {a["run"] for a in alerts} == {"ctl-alert", "other-run"}
+    (alert,) = [a for a in alerts if a["run"] == "ctl-alert"]
+    assert alert["alertname"] == "ForeshockNonFinite" and alert["state"] == "firing"
+    assert alert["first_step"] == "7" and alert["labels"]["alertname"] == "ForeshockNonFinite"
+    for key in ("summary", "description", "probable_cause", "suggested_action"):
+        assert alert[key], key
+
+    out = ctl("alerts", "--run", "ctl-alert", "--all", "--endpoint", endpoint)
+    assert out.returncode == 0
+    header, *rows = out.stdout.splitlines()
+    assert header.split()[:4] == ["STATE", "ALERTNAME", "RUN", "LAYER"]
+    assert len(rows) == 1 and rows[0].split()[:3] == ["firing", "ForeshockNonFinite", "ctl-alert"]
+    # Columns line up: every row starts each column where the header does.
+    assert rows[0].index("ForeshockNonFinite") == header.index("ALERTNAME")
+
+    out = ctl("alerts", "--json", "--run", "no-such-run", "--endpoint", endpoint)
+    assert json.loads(out.stdout) == {"alerts": []}
+
+    # A watch that the daemon ends (it shuts down) exits non-zero.
+    watch = subprocess.Popen([foreshockctl_binary(), "watch", "--endpoint", endpoint],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    foreshockd.stop()
+    watch.wait(20)
+    assert watch.returncode in (1, 2), (watch.returncode, watch.stderr.read())
+
+
+def scalars_batch(seq, steps, loss):
+    batch = ingest_pb2.Batch(seq=seq)
+    for step in steps:
+        record = batch.records.add(step=step)
+        record.scalars.loss = loss(step)
+        record.scalars.grad_norm = 1.0 + step / 7.0
+    return batch
+
+
+def test_runs_and_series_csv_match_the_points_sent(foreshockd):
+    endpoint = foreshockd.endpoint
+    loss = lambda step: 3.0 / (1.0 + step) + math.sin(step) / 3.0  # noqa: E731
+    steps = list(range(60))
+    acks = stream(endpoint, "ctl-series", [scalars_batch(i + 1, steps[i * 10:(i + 1) * 10], loss)
+                                           for i in range(6)])
+    assert sum(a.accepted for a in acks) == 60
+
+    def csv_rows(*extra):
+        out = ctl("series", "ctl-series", "loss", "--csv", *extra, "--endpoint", endpoint)
+        assert out.returncode == 0, out
+        header, *rows = out.stdout.splitlines()
+        return header.split(","), [row.split(",") for row in rows]
+
+    assert wait_until(lambda: len(csv_rows()[1]) == 60, 20), csv_rows()
+    header, rows = csv_rows()
+    assert header == ["step", "value", "wall_time_unix_ms"]
+    assert [int(r[0]) for r in rows] == steps
+    # Exact: the value printed reads back as the double the trainer sent.
+    assert [float(r[1]) for r in rows] == [loss(s) for s in steps]
+    assert all(int(r[2]) > 0 for r in rows)
+
+    header, rows = csv_rows("--from", "10", "--to", "19")
+    assert [int(r[0]) for r in rows] == list(range(10, 20))
+
+    header, rows = csv_rows("--max_points", "6")
+    assert header == ["step", "value", "min", "max", "count", "first_step", "last_step", "last"]
+    assert sum(int(r[4]) for r in rows) == 60 and 1 < len(rows) <= 6
+    for r in rows:
+        first, last = int(r[5]), int(r[6])
+        inside = [loss(s) for s in steps if first <= s <= last]
+        assert int(r[0]) == last and int(r[4]) == len(inside)
+        assert float(r[2]) == min(inside) and float(r[3]) == max(inside)
+        assert float(r[1]) == pytest.approx(sum(inside) / len(inside), rel=1e-12)
+        assert float(r[7]) == loss(last)
+
+    out = ctl("series", "ctl-series", "loss", "--json", "--to", "2", "--endpoint", endpoint)
+    response = json.loads(out.stdout)
+    assert response["total_points"] == "3" and [p["value"] for p in response["points"]] == \
+        [loss(0), loss(1), loss(2)]
+
+    out = ctl("series", "ctl-series", "loss", "--to", "4", "--endpoint", endpoint)
+    assert out.returncode == 0
+    lines = out.stdout.splitlines()
+    assert "5 points" in lines[0] and lines[1].split() == ["STEP", "VALUE", "WALL_TIME"]
+    assert len(lines) == 2 + 5
+
+    out = ctl("series", "ctl-series", "no_such_signal", "--endpoint", endpoint)
+    assert out.returncode == 1 and "NOT_FOUND" in out.stderr, out
+    out = ctl("series", "no-such-run", "loss", "--endpoint", endpoint)
+    assert out.returncode == 1 and "NOT_FOUND" in out.stderr, out
+
+    out = ctl("runs", "--json", "--endpoint", endpoint)
+    assert out.returncode == 0, out
+    (run,) = [r for r in json.loads(out.stdout)["runs"] if r["run"] == "ctl-series"]
+    assert run["job_name"] == "ctl-test" and run["first_step"] == "0" and run["last_step"] == "59"
+    out = ctl("runs", "--endpoint", endpoint)
+    header, *rows = out.stdout.splitlines()
+    assert header.split()[:4] == ["RUN", "JOB", "FIRST_STEP", "LAST_STEP"]
+    assert any(r.split()[:4] == ["ctl-series", "ctl-test", "0", "59"] for r in rows), rows
