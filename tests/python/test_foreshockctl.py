@@ -251,3 +251,74 @@ def test_runs_and_series_csv_match_the_points_sent(foreshockd):
     header, *rows = out.stdout.splitlines()
     assert header.split()[:4] == ["RUN", "JOB", "FIRST_STEP", "LAST_STEP"]
     assert any(r.split()[:4] == ["ctl-series", "ctl-test", "0", "59"] for r in rows), rows
+
+
+def test_replay_realtime_keeps_the_recorded_gaps_and_max_does_not(tmp_path):
+    """A stream recorded with pauses, replayed both ways; also a torn tail."""
+    from conftest import Daemon
+    record_dir = tmp_path / "recordings"
+    recorder = Daemon(foreshockd_binary(), str(tmp_path / "rec"),
+                      [f"--record_dir={record_dir}", f"--data_dir={tmp_path / 'rec-data'}"])
+    os.makedirs(recorder.log_dir)
+    recorder.start()
+    try:
+        hello = ingest_pb2.Hello(run_id="gaps", job="ctl-test")
+
+        def slow_requests():
+            yield ingest_pb2.StreamRequest(hello=hello)
+            for i in range(3):
+                time.sleep(0.6)
+                yield ingest_pb2.StreamRequest(
+                    batch=scalars_batch(i + 1, [i], lambda s: 1.0 + s))
+
+        with grpc.insecure_channel(recorder.endpoint) as channel:
+            responses = list(ingest_pb2_grpc.IngestStub(channel).Stream(slow_requests(), timeout=30))
+        assert len(responses) == 4
+        assert wait_until(lambda: len(list(record_dir.glob("*.fsrec"))) == 1, 10)
+    finally:
+        recorder.stop()
+    (recording,) = record_dir.glob("*.fsrec")
+
+    target = Daemon(foreshockd_binary(), str(tmp_path / "target"),
+                    [f"--data_dir={tmp_path / 'target-data'}"])
+    os.makedirs(target.log_dir)
+    target.start()
+    try:
+        started = time.monotonic()
+        out = ctl("replay", recording, "--to", target.endpoint, "--speed", "realtime")
+        took = time.monotonic() - started
+        assert out.returncode == 0, out
+        assert "sent 4 messages (1 hello, 3 batches, 3 records)" in out.stdout, out.stdout
+        assert "accepted 3, rejected 0" in out.stdout and "stream OK" in out.stdout
+        assert took >= 1.7, f"realtime replay took {took:.2f}s; the recording spans 1.8s"
+
+        started = time.monotonic()
+        out = ctl("replay", recording, "--to", target.endpoint, "--speed", "max", "--json")
+        assert time.monotonic() - started < 1.5
+        (result,) = json.loads(out.stdout)
+        assert result["ok"] and result["accepted"] == 3
+
+        # A torn last frame: the whole frames are replayed, and it says so.
+        torn = tmp_path / "torn.fsrec"
+        torn.write_bytes(recording.read_bytes()[:-5])
+        out = ctl("replay", torn, "--to", target.endpoint)
+        assert out.returncode == 0, out
+        assert "3 records" not in out.stdout and "2 records" in out.stdout, out.stdout
+        assert "torn frame" in out.stdout and "truncated tail" in out.stdout, out.stdout
+
+        # A corrupt frame: replay stops there and fails.
+        data = bytearray(recording.read_bytes())
+        data[-3] ^= 0xFF
+        corrupt = tmp_path / "corrupt.fsrec"
+        corrupt.write_bytes(bytes(data))
+        out = ctl("replay", corrupt, "--to", target.endpoint)
+        assert out.returncode == 1, out
+        assert "CRC-32C" in out.stdout, out.stdout
+
+        # Not a recording at all: nothing is sent, usage error.
+        bogus = tmp_path / "bogus.fsrec"
+        bogus.write_bytes(b"hello world, no magic here")
+        out = ctl("replay", recording, bogus, "--to", target.endpoint)
+        assert out.returncode == 2 and "not a Foreshock recording" in out.stderr, out
+    finally:
+        target.stop()
