@@ -414,7 +414,8 @@ std::vector<Command> Commands() {
       "runs",
       "the runs the daemon knows (Query/ListRuns)",
       "Lists every run the daemon's store holds, newest activity first: job name, step range,\n"
-      "number of series, alerts pending or firing now, and the wall time of its newest point.\n",
+      "number of series, alerts pending or firing now, and the wall time of its newest point\n"
+      "(foreshock.v1.Query/ListRuns).\n",
       "foreshockctl runs [--endpoint HOST:PORT] [--json]",
       {},
       0,
@@ -425,7 +426,7 @@ std::vector<Command> Commands() {
       "alerts, active by default (Query/ListAlerts)",
       "Lists alerts, one row per (alertname, run, layer) in its newest state: pending or firing\n"
       "by default, also resolved ones with --all. PROBABLE_CAUSE says \"(provisional)\" while the\n"
-      "run's cause may still change.\n\n"
+      "run's cause may still change (foreshock.v1.Query/ListAlerts).\n\n"
       "Options:\n"
       "  --run RUN  only this run\n"
       "  --all      include resolved alerts\n",
@@ -440,7 +441,8 @@ std::vector<Command> Commands() {
       "Prints the alerts active now, then one line per alert transition as it happens:\n"
       "  <time>  step <step>  <alertname> run=<run> layer=<layer>  <from> -> <to>  value=...\n"
       "With --json, one AlertEvent per line (JSON lines). Ctrl-C (SIGINT) or SIGTERM ends it\n"
-      "with status 0; if the daemon ends the stream, status is 1 (2 if it went away).\n\n"
+      "with status 0; if the daemon ends the stream, status is 1 (2 if it went away)\n"
+      "(foreshock.v1.Query/WatchAlerts with send_active).\n\n"
       "Options:\n"
       "  --run RUN  only this run\n",
       "foreshockctl watch [--run RUN] [--json]",
@@ -455,7 +457,7 @@ std::vector<Command> Commands() {
       "foreshock_ prefix: loss, grad_norm, lr, qk_increment_entropy, attention_max_logit,\n"
       "router_flip_rate, curvature_eos_ratio, ... Run-level signals have no layer; per-layer\n"
       "signals need --layer. Values aggregated over heads unless --head is given (per-head\n"
-      "series exist only with foreshockd --per_head_metrics).\n\n"
+      "series exist only with foreshockd --per_head_metrics). foreshock.v1.Query/GetSeries.\n\n"
       "Options:\n"
       "  --layer L         layer index (default: run-level, -1)\n"
       "  --head H          head index (default: the aggregate over heads, -1)\n"
