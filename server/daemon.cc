@@ -41,9 +41,7 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
   registry_ = std::make_shared<prometheus::Registry>();
   metrics_ = std::make_unique<DaemonMetrics>(*registry_, options_.per_head_metrics);
   if (!options_.store_options.data_dir.empty()) {
-    store::DurableStoreOptions store_options = options_.store_options;
-    store_options.cache_points_per_series = options_.series_capacity;
-    auto durable = store::DurableSeriesStore::Open(store_options);
+    auto durable = store::DurableSeriesStore::Open(options_.store_options);
     if (durable.ok()) {
       durable_ = durable->get();
       store_ = *std::move(durable);

@@ -57,6 +57,7 @@ struct DaemonOptions {
   // The durable series store (store/durable_store.h): data_dir and its
   // fsync/retention/segment settings. An empty data_dir keeps everything in
   // memory (series_capacity points per series) and nothing survives a restart.
+  // store_options.cache_points_per_series bounds the memory of a durable store.
   store::DurableStoreOptions store_options{.data_dir = ""};
   // How often detector and alert-engine state is checkpointed into the store
   // (also at a clean shutdown); a restarted daemon continues from it.

@@ -27,9 +27,11 @@ ABSL_FLAG(bool, per_head_metrics, false,
           "heads: min for entropies, max for logits and shares) are always exported. Per-head "
           "series multiply Prometheus cardinality by the head count.");
 ABSL_FLAG(int64_t, series_capacity, 4096,
-          "Points kept in memory per (run, signal, layer, head) series: with --data_dir, the "
-          "cache of each series' newest points (older ones are read back from disk); without "
-          "one, all there is (older points are overwritten).");
+          "Without --data_dir: the points kept in memory per (run, signal, layer, head) series "
+          "(older points are overwritten).");
+ABSL_FLAG(int64_t, series_cache_points, 256,
+          "With --data_dir: the newest points of each series kept in memory for fast reads "
+          "(about 32 bytes each); older points are read back from the segment files.");
 ABSL_FLAG(int64_t, max_tokens, 4096,
           "Largest probe token count accepted in a QK or router sample; larger samples are "
           "rejected with reason shape_over_limit.");
@@ -131,6 +133,8 @@ int main(int argc, char** argv) {
 
   options.record_dir = absl::GetFlag(FLAGS_record_dir);
   options.store_options.data_dir = absl::GetFlag(FLAGS_data_dir);
+  options.store_options.cache_points_per_series =
+      static_cast<size_t>(std::max<int64_t>(1, absl::GetFlag(FLAGS_series_cache_points)));
   if (auto policy = foreshock::store::ParseFsyncPolicy(absl::GetFlag(FLAGS_fsync))) {
     options.store_options.fsync = *policy;
   } else {

@@ -16,7 +16,7 @@ FLAGS = ["listen", "metrics_listen", "workers", "per_head_metrics", "series_capa
          "max_tokens", "max_head_dim", "max_heads", "max_layers", "max_experts",
          "max_queue_mb", "max_message_mb", "shutdown_grace_ms", "log_level", "data_dir", "fsync",
          "fsync_interval_ms", "segment_mb", "retention_max_age_h", "retention_max_gb",
-         "checkpoint_interval_s", "record_dir"]
+         "checkpoint_interval_s", "record_dir", "series_cache_points"]
 
 
 def test_help_documents_every_flag():
