@@ -126,7 +126,12 @@ Scenario MakeScenario(int a_steps = 30, int b_steps = 12) {
 
 std::vector<WorkItem> Items(const std::vector<Sample>& samples) {
   std::vector<WorkItem> items;
-  for (const Sample& s : samples) items.push_back(WorkItem{s, 1});
+  for (const Sample& s : samples) {
+    WorkItem item;
+    item.sample = s;
+    item.bytes = 1;
+    items.push_back(std::move(item));
+  }
   return items;
 }
 
