@@ -1,6 +1,8 @@
 // CPU workers that run the detectors. Samples are sharded by (run, layer) so
 // that each series is processed in order by one worker, which owns its own
-// detector instances: detector state needs no locks.
+// detector instances: detectors need no locks of their own. (A per-worker,
+// uncontended lock around each item lets checkpoints read detector state
+// between items; see SaveDetectorState.)
 #pragma once
 
 #include <atomic>
