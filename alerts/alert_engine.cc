@@ -96,6 +96,7 @@ struct AlertEngine::RunState {
 
   // Probable cause: per family, the first_step of its first firing episode (-1: never fired).
   std::array<int64_t, kFamilyCount> family_onset;
+  std::array<int64_t, kFamilyCount> family_fired_step;  // when that episode fired
   ProbableCause cause = ProbableCause::kUnknown;
   int64_t mechanism_onset = -1;  // earliest onset among the evidence families
   bool cause_settled = false;
@@ -112,7 +113,15 @@ struct AlertEngine::RunState {
   int64_t last_clean_step = -1;
   int clean_steps = 0;  // distinct steps with finite values after the last non-finite one
 
-  RunState() { family_onset.fill(-1); }
+  // The highest step processed per layer (-1: run level). Workers process
+  // layers independently, so the slowest of them says up to which step the
+  // engine has seen everything (the settle watermark).
+  std::map<int, int64_t> layer_steps;
+
+  RunState() {
+    family_onset.fill(-1);
+    family_fired_step.fill(-1);
+  }
 };
 
 AlertEngine::AlertEngine(AlertConfig config) : config_(std::move(config)) {}
@@ -167,6 +176,8 @@ std::vector<AlertTransition> AlertEngine::Observe(const SignalPoint& point) {
   }
   RunState& run = GetRun(point.run);
   run.latest_step = std::max(run.latest_step, point.step);
+  int64_t& layer_step = run.layer_steps[point.layer];
+  layer_step = std::max(layer_step, point.step);
   // Any finite value is evidence that the run computes finite numbers again.
   AdvanceCleanSteps(run, point.step, out);
   if (point.signal == kLearningRateSignal && point.layer == detectors::kNoLayer) {
@@ -344,6 +355,7 @@ void AlertEngine::OnFired(RunState& run, AlertRecord& fired, int64_t step,
   int64_t& family_onset = run.family_onset[static_cast<size_t>(family)];
   if (family == AlertFamily::kConsequence || (family_onset >= 0 && family_onset <= onset)) return;
   family_onset = onset;
+  run.family_fired_step[static_cast<size_t>(family)] = step;
 
   if (run.cause_settled) {
     // The diagnosis was delivered as final; an earlier onset (layers arrive
@@ -361,11 +373,17 @@ void AlertEngine::OnFired(RunState& run, AlertRecord& fired, int64_t step,
   }
 }
 
-void AlertEngine::DeriveCause(RunState& run) const {
+void AlertEngine::DeriveCause(RunState& run, int64_t fired_by) const {
   const ProbableCauseConfig& cfg = config_.probable_cause;
+  // A family's onset, when its episode fired by `fired_by` (else -1): the
+  // settled cause counts only what every layer had reached, whatever order
+  // the workers delivered it in.
+  auto onset_of = [&](size_t f) {
+    return run.family_fired_step[f] <= fired_by ? run.family_onset[f] : int64_t{-1};
+  };
   int64_t mechanism_onset = -1;
   for (size_t f = 0; f < kFamilyCount; ++f) {
-    const int64_t onset_f = run.family_onset[f];
+    const int64_t onset_f = onset_of(f);
     if (static_cast<AlertFamily>(f) == AlertFamily::kConsequence || onset_f < 0) continue;
     if (mechanism_onset < 0 || onset_f < mechanism_onset) mechanism_onset = onset_f;
   }
@@ -373,7 +391,7 @@ void AlertEngine::DeriveCause(RunState& run) const {
   if (mechanism_onset < 0) return;
   std::vector<std::string> because;
   auto within = [&](AlertFamily f, std::string_view what) {
-    const int64_t o = run.family_onset[static_cast<size_t>(f)];
+    const int64_t o = onset_of(static_cast<size_t>(f));
     const bool in = o >= 0 && o - mechanism_onset <= cfg.onset_window_steps;
     if (in) because.push_back(internal::Cat(what, " from step ", o));
     return in;
@@ -416,11 +434,11 @@ void AlertEngine::DeriveCause(RunState& run) const {
   // Did the attention logits move before anything pointed at the learning rate?
   int64_t learning_rate_onset = lr_rise_step;
   for (AlertFamily f : {AlertFamily::kCurvature, AlertFamily::kRouterCollapse}) {
-    const int64_t o = run.family_onset[static_cast<size_t>(f)];
+    const int64_t o = onset_of(static_cast<size_t>(f));
     const bool in = o >= 0 && o - mechanism_onset <= cfg.onset_window_steps;
     if (in && (learning_rate_onset < 0 || o < learning_rate_onset)) learning_rate_onset = o;
   }
-  const int64_t logits_onset = run.family_onset[static_cast<size_t>(AlertFamily::kAttentionLogits)];
+  const int64_t logits_onset = onset_of(static_cast<size_t>(AlertFamily::kAttentionLogits));
   evidence.attention_before_learning_rate =
       evidence.attention_logits && (learning_rate_onset < 0 || logits_onset < learning_rate_onset);
   run.cause = ClassifyProbableCause(evidence);
@@ -429,11 +447,18 @@ void AlertEngine::DeriveCause(RunState& run) const {
 
 void AlertEngine::MaybeSettleCause(RunState& run, int64_t step,
                                    std::vector<AlertTransition>& out) {
-  if (run.cause_settled || run.mechanism_onset < 0 ||
-      run.latest_step < run.mechanism_onset + config_.probable_cause.settle_steps) {
-    return;
+  if (run.cause_settled || run.mechanism_onset < 0) return;
+  const int64_t settle_step = run.mechanism_onset + config_.probable_cause.settle_steps;
+  // The watermark: the slowest layer's progress, so that every transition up
+  // to settle_step has been seen. A layer that stopped reporting long ago
+  // (stalled, or not probed any more) does not hold it back.
+  const int64_t stall_horizon = std::max<int64_t>(1000, 10 * config_.probable_cause.settle_steps);
+  int64_t watermark = run.latest_step;
+  for (const auto& [layer, layer_step] : run.layer_steps) {
+    if (layer_step >= run.latest_step - stall_horizon) watermark = std::min(watermark, layer_step);
   }
-  DeriveCause(run);
+  if (watermark < settle_step) return;
+  DeriveCause(run, settle_step);
   run.cause_settled = true;
   for (auto& [key, record] : run.alerts) {
     const bool changed = RefreshCause(run, record);
@@ -602,7 +627,9 @@ std::vector<AlertTransition> AlertEngine::ForgetRun(std::string_view run) {
 // U64 x 4 counters: scored, stale, duplicate, nonfinite
 // U64     runs, then per run (by name):
 //   String name, I64 latest_step
-//   U32 family count (must be kFamilyCount), I64 onset per family
+//   U32 family count (must be kFamilyCount), I64 onset per family,
+//     I64 fired step per family (v2)
+//   U64 layers, each I32 layer, I64 highest step processed (v2)
 //   U8 cause, I64 mechanism_onset, Bool cause_settled, String cause_evidence
 //   U64 learning-rate points, each I64 step, Double lr
 //   Bool has first firing [String alertname, I32 layer, String signal,
@@ -616,7 +643,7 @@ std::vector<AlertTransition> AlertEngine::ForgetRun(std::string_view run) {
 namespace {
 
 constexpr std::string_view kEngineStateMagic = "FSAE";
-constexpr uint32_t kEngineStateVersion = 1;
+constexpr uint32_t kEngineStateVersion = 2;
 
 // Every configuration value the engine's behaviour depends on.
 std::string ConfigFingerprint(const AlertConfig& config) {
@@ -710,6 +737,12 @@ std::string AlertEngine::SaveState() const {
     w.PutI64(run.latest_step);
     w.PutU32(static_cast<uint32_t>(run.family_onset.size()));
     for (int64_t onset : run.family_onset) w.PutI64(onset);
+    for (int64_t fired : run.family_fired_step) w.PutI64(fired);
+    w.PutU64(run.layer_steps.size());
+    for (const auto& [layer, layer_step] : run.layer_steps) {
+      w.PutI32(layer);
+      w.PutI64(layer_step);
+    }
     w.PutU8(static_cast<uint8_t>(run.cause));
     w.PutI64(run.mechanism_onset);
     w.PutBool(run.cause_settled);
@@ -764,6 +797,17 @@ bool AlertEngine::RestoreState(std::string_view bytes, std::string* error) {
     if (families != kFamilyCount) return r.Fail("alert family count differs");
     for (int64_t& onset : run.family_onset) {
       if (!r.GetI64(onset)) return false;
+    }
+    for (int64_t& fired : run.family_fired_step) {
+      if (!r.GetI64(fired)) return false;
+    }
+    uint64_t layers = 0;
+    if (!r.GetCount(layers, 12)) return false;
+    for (uint64_t i = 0; i < layers; ++i) {
+      int32_t layer = 0;
+      int64_t layer_step = 0;
+      if (!r.GetI32(layer) || !r.GetI64(layer_step)) return false;
+      run.layer_steps[layer] = layer_step;
     }
     uint8_t cause = 0;
     uint64_t lr_points = 0;

@@ -49,8 +49,11 @@
 // and over the learning rate the run streams (signal "lr"). When new evidence
 // changes a run's cause, every firing alert of the run is re-annotated and
 // reported as a firing -> firing transition. The cause stays "provisional"
-// until probable_cause.settle_steps after the onset; it then becomes
-// "settled" (every firing alert is re-sent once more) and no longer changes.
+// until every layer of the run has been processed to settle_steps past the
+// onset; it then becomes "settled" (every firing alert is re-sent once more)
+// and no longer changes. The settled cause counts only the alerts that fired
+// by that step, so it does not depend on the order in which worker threads
+// deliver the layers (the provisional one may).
 //
 // ## Threading
 //
@@ -242,8 +245,10 @@ class AlertEngine {
   // annotations changed are appended to `out` as firing -> firing.
   void OnFired(RunState& run, AlertRecord& fired, int64_t step, std::vector<AlertTransition>& out);
   bool RefreshCause(const RunState& run, AlertRecord& record) const;
-  // Re-derives the run's cause from its family onsets and LR history.
-  void DeriveCause(RunState& run) const;
+  // Re-derives the run's cause from its family onsets and LR history,
+  // counting only the families whose episode fired by step `fired_by`.
+  void DeriveCause(RunState& run,
+                   int64_t fired_by = std::numeric_limits<int64_t>::max()) const;
   // Settles the run's cause once its latest step is settle_steps past the
   // onset; firing alerts are re-sent (firing -> firing) with the final cause.
   void MaybeSettleCause(RunState& run, int64_t step, std::vector<AlertTransition>& out);

@@ -341,7 +341,7 @@ TEST(AlertEngineTest, RemembersWhichLayerFiredFirstByStep) {
   EXPECT_EQ(driver.engine.FirstFiringLayer("r1")->signal, "attention_entropy");
   // The later layer's description names the first one at the time it fired.
   const auto layer2 = driver.Transitions(kQKIncrementCollapse, "2");
-  ASSERT_EQ(layer2.size(), 3u);
+  ASSERT_EQ(layer2.size(), 4u);
   EXPECT_EQ(layer2[1].to, AlertState::kFiring);
   EXPECT_NE(layer2[1].alert.description.find("First layer to fire in this run: layer 5"),
             std::string::npos);
@@ -349,6 +349,12 @@ TEST(AlertEngineTest, RemembersWhichLayerFiredFirstByStep) {
   EXPECT_EQ(layer2[2].from, AlertState::kFiring);
   EXPECT_EQ(layer2[2].to, AlertState::kFiring);
   EXPECT_NE(layer2[2].alert.suggested_action.find("before step 1500"), std::string::npos);
+  // Layer 7 lags the others by over the stall horizon (1000 steps), so it
+  // does not hold the settle watermark back: the cause settles at 1600 on
+  // what had fired by then (only layer 7's episode).
+  EXPECT_EQ(layer2[3].step, 1530);
+  EXPECT_TRUE(layer2[3].alert.probable_cause_settled);
+  EXPECT_EQ(layer2[3].alert.probable_cause_evidence, "attention logit growth from step 1500");
   EXPECT_FALSE(driver.engine.FirstFiringLayer("other"));
 }
 
@@ -422,9 +428,7 @@ TEST(AlertEngineTest, NewEvidenceReannotatesFiringAlerts) {
   driver.Fault("r1", "curvature_eos_ratio", kNoLayer, 1040, 0.5, 1.5);
   // The curvature alert fires as combined, and the attention alert is re-sent.
   const auto qk = driver.Transitions(kQKIncrementCollapse, "3");
-  ASSERT_EQ(qk.size(), 2u);  // re-annotated at 1060, re-sent as settled at 1100
-  EXPECT_EQ(Annotation(qk[1].alert, "probable_cause_status"), "settled");
-  EXPECT_EQ(qk[1].alert.probable_cause, "combined");
+  ASSERT_EQ(qk.size(), 1u);  // re-annotated at 1060
   EXPECT_EQ(qk[0].from, AlertState::kFiring);
   EXPECT_EQ(qk[0].to, AlertState::kFiring);
   EXPECT_EQ(qk[0].alert.probable_cause, "combined");
@@ -435,6 +439,17 @@ TEST(AlertEngineTest, NewEvidenceReannotatesFiringAlerts) {
   ASSERT_FALSE(curvature.empty());
   EXPECT_EQ(curvature.back().alert.probable_cause, "combined");
   EXPECT_NE(curvature.back().alert.suggested_action.find("before step 1000"), std::string::npos);
+  EXPECT_FALSE(curvature.back().alert.probable_cause_settled);
+  // Layer 3 last reported step 1090: the cause settles only once it passes
+  // onset + settle_steps (1100) too, and both alerts are re-sent, settled.
+  driver.transitions.clear();
+  driver.Point("r1", 1100, "qk_increment_entropy", 3, 0.4);
+  ASSERT_EQ(driver.transitions.size(), 2u);
+  for (const AlertTransition& t : driver.transitions) {
+    EXPECT_EQ(t.from, AlertState::kFiring);
+    EXPECT_EQ(Annotation(t.alert, "probable_cause_status"), "settled");
+    EXPECT_EQ(t.alert.probable_cause, "combined");
+  }
 }
 
 TEST(AlertEngineTest, EvidenceAfterTheOnsetWindowDoesNotChangeTheCause) {
@@ -530,7 +545,7 @@ TEST(AlertEngineTest, LogitGrowthBeforeTheLRRiseIsAPrecisionFaultToo) {
   // The logits grow from step 900, before the LR passes 3x at 974.
   StreamLearningRate(driver, "r1", 0, 1099, Ramp);
   driver.Fault("r1", "attention_max_logit", 1, 900, 10, 20);
-  // The LR points reach step 1099, past onset + settle_steps: settled at once.
+  driver.Point("r1", 1000, "attention_max_logit", 1, 20);  // layer 1 reaches onset + 100 too
   EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kCombined);
   EXPECT_EQ(driver.engine.ActiveAlerts().at(0).probable_cause, "combined");
   EXPECT_TRUE(driver.engine.ActiveAlerts().at(0).probable_cause_settled);
@@ -570,6 +585,15 @@ TEST(AlertEngineTest, TheCauseIsProvisionalUntilItSettles) {
   }
   driver.transitions.clear();
   StreamLearningRate(driver, "r1", 1041, 1200, Ramp);  // step 1200 = onset + settle_steps
+  // Not settled yet: layers 0 and 1 (processed by other workers) are behind.
+  EXPECT_TRUE(driver.transitions.empty());
+  for (int64_t step = 1100; step <= 1200; step += 10) {
+    driver.Point("r1", step, "attention_max_logit", 1, 20);
+  }
+  EXPECT_TRUE(driver.transitions.empty());
+  for (int64_t step = 1130; step <= 1200; step += 10) {
+    driver.Point("r1", step, "qk_increment_entropy", 0, 0.4);
+  }
   // Both firing alerts are re-sent once, settled, at the step that settled them.
   ASSERT_EQ(driver.transitions.size(), 2u);
   for (const AlertTransition& t : driver.transitions) {

@@ -420,9 +420,12 @@ TEST(AlertEngineStateTest, RefusesOtherBlobsAndVersions) {
   EXPECT_FALSE(engine.RestoreState("FSDP\x01\0\0\0", &error));
   EXPECT_NE(error.find("not a FSAE blob"), std::string::npos) << error;
   std::string state = AlertEngine().SaveState();
-  state[4] = 2;  // the version after the magic
+  state[4] = 3;  // the version after the magic: one this build does not know
   EXPECT_FALSE(engine.RestoreState(state, &error));
-  EXPECT_NE(error.find("version 2"), std::string::npos) << error;
+  EXPECT_NE(error.find("version 3"), std::string::npos) << error;
+  state[4] = 1;  // the first version, without the settle watermark: refused too
+  EXPECT_FALSE(engine.RestoreState(state, &error));
+  EXPECT_NE(error.find("version 1"), std::string::npos) << error;
   EXPECT_TRUE(engine.RestoreState(AlertEngine().SaveState(), &error)) << error;
 }
 
