@@ -232,6 +232,8 @@ bool AlertHub::RestoreState(std::string_view bytes) {
   if (!ok || !engine_.RestoreState(engine_state)) return false;
   times_ = std::move(times);
   alerted_runs_ = std::move(runs);
+  // The point counters are this process's (Prometheus counters restart at 0).
+  exported_ = engine_.counters();
   // Announce what is active again: the gauge, and Alertmanager (re-sent from now on).
   for (const alerts::Alert& alert : engine_.ActiveAlerts()) {
     metrics_.alert_active
