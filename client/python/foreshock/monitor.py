@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from foreshock import capture, encoding
+from foreshock import capture, encoding, sharding
 from foreshock.alerts import AlertWatcher
 from foreshock.sender import RecordQueue, Sender
 from foreshock.v1 import ingest_pb2 as pb
@@ -29,7 +29,13 @@ class Monitor:
     """Samples a model's internals on a fixed probe batch and streams them to foreshockd.
 
     Args:
-      endpoint: foreshockd's gRPC address, "host:port".
+      endpoint: foreshockd's gRPC address, "host:port"; or several daemons to
+        shard runs over: "a:1,b:2,c:3", a list of them (or `endpoints=`), or
+        "dns:///name:port" for every address a name resolves to (a Kubernetes
+        headless Service). The run's daemon is picked by rendezvous hashing of
+        run_id (foreshock.sharding), so every rank of a run, and on_alert, use
+        the same daemon; `monitor.endpoint` says which.
+      endpoints: the daemon list as a keyword (instead of endpoint).
       run_id, job, rank, labels: identify the stream (sent in Hello).
       probe_all_ranks: by default only rank 0 probes Q/K, routers and curvature
         (data-parallel ranks hold the same weights, and the daemon pairs
@@ -57,12 +63,17 @@ class Monitor:
         runs it when it is due (its own `every`) and sends a CurvatureSample.
     """
 
-    def __init__(self, endpoint, run_id, job, model=None, probe_batch=None, every=100, rank=0,
+    def __init__(self, endpoint=None, run_id=None, job=None, model=None, probe_batch=None,
+                 every=100, rank=0,
                  labels=None, model_info=None, dtype="bf16", queue_size=1024, tap=None, *,
                  probe_id="default", causal=True, discover=True, discover_routers=True,
                  router_dtype="fp32", queue_bytes=256 << 20, max_batch_bytes=1 << 20,
                  backoff_initial_s=0.1, backoff_max_s=5.0, channel_options=(), curvature=None,
-                 probe_all_ranks=False):
+                 probe_all_ranks=False, endpoints=None):
+        if run_id is None or job is None:
+            raise TypeError("Monitor() needs run_id and job")
+        if (endpoint is None) == (endpoints is None):
+            raise TypeError("Monitor() needs one of endpoint and endpoints")
         if every < 1:
             raise ValueError("every must be >= 1")
         self.model = model
@@ -75,7 +86,13 @@ class Monitor:
         self.tap = tap
         self.curvature = curvature
         self.probes_here = probe_all_ranks or rank == 0
-        self._endpoint, self._run_id = endpoint, run_id
+        # Resolved once: a run keeps its daemon for the life of the process.
+        self.endpoints = sharding.resolve(endpoint if endpoints is None else endpoints)
+        self.endpoint = sharding.pick(run_id, self.endpoints)
+        if len(self.endpoints) > 1:
+            log.info("foreshock: run %s goes to %s (one of %d daemons)", run_id, self.endpoint,
+                     len(self.endpoints))
+        self._run_id = run_id
         self._channel_options = channel_options
         self._alerts = None  # an AlertWatcher once on_alert is used
 
@@ -101,7 +118,7 @@ class Monitor:
         self._queue = RecordQueue(queue_size, queue_bytes)
         hello = pb.Hello(run_id=run_id, job=job, rank=rank,
                          model=self.model_info.to_proto(), labels=dict(labels or {}))
-        self._sender = Sender(endpoint, hello, self._queue, max_batch_bytes=max_batch_bytes,
+        self._sender = Sender(self.endpoint, hello, self._queue, max_batch_bytes=max_batch_bytes,
                               backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
                               channel_options=channel_options)
         self._closed = False
@@ -242,7 +259,7 @@ class Monitor:
         or "resolved"). It runs on a background thread, never the training
         thread: set a flag there and act on it in the training loop."""
         if self._alerts is None:
-            self._alerts = AlertWatcher(self._endpoint, self._run_id,
+            self._alerts = AlertWatcher(self.endpoint, self._run_id,
                                         channel_options=self._channel_options)
         self._alerts.add_callback(callback)
 
