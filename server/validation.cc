@@ -60,6 +60,20 @@ std::optional<Rejection> CheckByteLength(const v1::Tensor& t, const char* name) 
   return std::nullopt;
 }
 
+// After the shape limits, so that the product of the dims cannot overflow.
+std::optional<Rejection> CheckElements(const v1::Tensor& t, const char* name,
+                                       const IngestLimits& limits) {
+  int64_t elements = 1;
+  for (int64_t d : t.shape()) elements *= d;
+  if (elements > limits.max_tensor_elements) {
+    return Reject(reason::kTensorTooLarge,
+                  absl::StrCat(name, " has ", elements, " elements (shape ", ShapeString(t),
+                               "); the limit is ", limits.max_tensor_elements,
+                               " (--max_tensor_elements)"));
+  }
+  return std::nullopt;
+}
+
 detectors::RawTensor TakeTensor(v1::Tensor& t) {
   detectors::RawTensor raw;
   raw.dtype = *ToDType(t.dtype());
@@ -115,6 +129,7 @@ std::optional<Rejection> ValidateQK(v1::QKSample& qk, const StreamContext& conte
     return Reject(reason::kBadSeqLen, absl::StrCat("seq_len ", qk.seq_len(),
                                                    " does not divide ", tokens, " tokens"));
   }
+  if (auto r = CheckElements(qk.q(), "q", limits)) return r;
   if (auto r = CheckByteLength(qk.q(), "q")) return r;
   if (auto r = CheckByteLength(qk.k(), "k")) return r;
 
@@ -155,6 +170,7 @@ std::optional<Rejection> ValidateRouter(v1::RouterSample& router, const StreamCo
     return Reject(reason::kBadTopK, absl::StrCat("top_k ", router.top_k(), " must be in [1, ",
                                                  experts, ") for ", experts, " experts"));
   }
+  if (auto r = CheckElements(router.logits(), "logits", limits)) return r;
   if (auto r = CheckByteLength(router.logits(), "logits")) return r;
 
   detectors::RouterSample sample;
@@ -223,6 +239,12 @@ std::optional<Rejection> ValidateRecord(v1::Record& record, const StreamContext&
       return ValidateRouter(*record.mutable_router(), context, limits, out);
     case v1::Record::kCurvature: {
       const v1::CurvatureSample& c = record.curvature();
+      if (c.layer_rayleigh_size() > limits.max_tensor_elements) {
+        return Reject(reason::kTensorTooLarge,
+                      absl::StrCat("layer_rayleigh has ", c.layer_rayleigh_size(),
+                                   " values; the limit is ", limits.max_tensor_elements,
+                                   " (--max_tensor_elements)"));
+      }
       detectors::CurvatureSample sample;
       sample.lambda_max = c.lambda_max();
       sample.residual = c.residual();

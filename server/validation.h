@@ -19,6 +19,15 @@ struct IngestLimits {
   int64_t max_layers = 1024;
   int64_t max_experts = 1024;
   size_t max_id_bytes = 256;  // run_id, job, probe_id
+  // Elements of one tensor (q, k, router logits; curvature layer_rayleigh):
+  // reason tensor_too_large above it (--max_tensor_elements).
+  int64_t max_tensor_elements = int64_t{1} << 24;
+  // Ingest streams open at once; the one beyond ends with RESOURCE_EXHAUSTED
+  // (--max_streams). 0: no limit.
+  int64_t max_streams = 1024;
+  // Distinct runs the daemon accepts Hellos for; a Hello for a new run beyond
+  // it ends its stream with RESOURCE_EXHAUSTED (--max_runs). 0: no limit.
+  int64_t max_runs = 1000;
 };
 
 // A rejection: `code` is a stable snake_case identifier (the label of
@@ -46,11 +55,15 @@ inline constexpr char kNotMoeLayer[] = "not_moe_layer";
 inline constexpr char kBadId[] = "bad_id";
 inline constexpr char kNonIncreasingSeq[] = "non_increasing_seq";
 inline constexpr char kNegativeStep[] = "negative_step";
+inline constexpr char kTensorTooLarge[] = "tensor_too_large";
 // Stream-level (the stream ends with INVALID_ARGUMENT).
 inline constexpr char kBatchBeforeHello[] = "batch_before_hello";
 inline constexpr char kDuplicateHello[] = "duplicate_hello";
 inline constexpr char kBadHello[] = "bad_hello";
 inline constexpr char kEmptyRequest[] = "empty_request";
+// Stream-level, RESOURCE_EXHAUSTED (the client may retry later).
+inline constexpr char kTooManyStreams[] = "too_many_streams";
+inline constexpr char kTooManyRuns[] = "too_many_runs";
 }  // namespace reason
 
 // What a stream's Hello established; records are checked against it.

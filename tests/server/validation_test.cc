@@ -97,6 +97,32 @@ TEST_F(ValidationTest, RejectsShapesOverLimits) {
   EXPECT_EQ(Validate(QK({2, 16, 33}, {2, 16, 33}))->code, reason::kShapeOverLimit);
 }
 
+TEST_F(ValidationTest, RejectsTensorsOverTheElementLimit) {
+  limits_.max_tensor_elements = 2 * 16 * 8 - 1;
+  auto rejection = Validate(QK({2, 16, 8}, {2, 16, 8}));
+  ASSERT_TRUE(rejection.has_value());
+  EXPECT_EQ(rejection->code, reason::kTensorTooLarge);
+  EXPECT_NE(rejection->detail.find("--max_tensor_elements"), std::string::npos);
+  limits_.max_tensor_elements = 2 * 16 * 8;
+  EXPECT_FALSE(Validate(QK({2, 16, 8}, {2, 16, 8})).has_value());
+
+  v1::Record router;
+  router.set_step(1);
+  router.mutable_router()->set_layer(1);
+  router.mutable_router()->set_top_k(2);
+  *router.mutable_router()->mutable_logits() = Tensor(v1::FLOAT32, {32, 8}, 32 * 8 * 4);
+  limits_.max_tensor_elements = 32 * 8 - 1;
+  EXPECT_EQ(Validate(router)->code, reason::kTensorTooLarge);
+
+  v1::Record curvature;
+  curvature.set_step(1);
+  for (int i = 0; i < 4; ++i) curvature.mutable_curvature()->add_layer_rayleigh(1.0);
+  limits_.max_tensor_elements = 3;
+  EXPECT_EQ(Validate(curvature)->code, reason::kTensorTooLarge);
+  limits_.max_tensor_elements = 4;
+  EXPECT_FALSE(Validate(curvature).has_value());
+}
+
 TEST_F(ValidationTest, RejectsBadRankAndNonPositiveDims) {
   EXPECT_EQ(Validate(QK({2, 16}, {2, 16}))->code, reason::kBadShape);
   EXPECT_EQ(Validate(QK({2, 0, 8}, {2, 0, 8}))->code, reason::kBadShape);
