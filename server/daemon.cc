@@ -18,6 +18,7 @@
 #include "server/ingest_service.h"
 #include "server/metrics.h"
 #include "server/run_tracker.h"
+#include "server/series_limit.h"
 #include "server/series_store.h"
 #include "server/worker_pool.h"
 
@@ -65,7 +66,9 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
   backend_ = std::make_unique<QueryBackend>(*store_, *alerts_, *runs_);
   query_ = std::make_unique<QueryService>(*alerts_, *metrics_, *backend_);
   gate_ = std::make_unique<AdmissionGate>(options_.max_queue_bytes);
-  pool_ = std::make_unique<WorkerPool>(options_.workers, options_.detector_options, *sink_,
+  series_limit_ =
+      std::make_unique<SeriesLimitSink>(*sink_, options_.max_series_per_run, *metrics_);
+  pool_ = std::make_unique<WorkerPool>(options_.workers, options_.detector_options, *series_limit_,
                                        [gate = gate_.get()](size_t bytes) { gate->Release(bytes); });
   ingest_ = std::make_unique<IngestService>(
       options_.limits, *gate_, *pool_, *metrics_,
@@ -87,6 +90,8 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
     return HttpResponse{200, "text/html; charset=utf-8", std::string(kWebUiHtml, kWebUiHtmlSize)};
   });
   if (init_status_.ok()) RestoreFromStore();
+  // Recovered runs count toward --max_runs.
+  for (const RunTracker::RunSummary& run : runs_->Runs()) ingest_->NoteKnownRun(run.run);
   alerts_->SetEventLog([store = store_.get()](const foreshock::v1::AlertEvent& event) {
     store->AppendEvent(kAlertEvents, event.SerializeAsString());
   });

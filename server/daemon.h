@@ -29,6 +29,7 @@ namespace foreshock::server {
 class AdmissionGate;
 class AlertHub;
 class FanoutSink;
+class SeriesLimitSink;
 class QueryBackend;
 class QueryService;
 class DaemonMetrics;
@@ -47,6 +48,10 @@ struct DaemonOptions {
   size_t max_queue_bytes = size_t{256} << 20;
   int max_message_bytes = 64 << 20;
   IngestLimits limits;
+  // Distinct (signal, layer, head) series a run may create; observations
+  // of further new series are dropped and counted (server/series_limit.h).
+  // 0: no limit.
+  int64_t max_series_per_run = 100000;
   detectors::DetectorOptions detector_options;
   alerts::AlertConfig alert_config = alerts::DefaultAlertConfig();
   std::string alertmanager_url;  // empty: no Alertmanager delivery
@@ -99,6 +104,7 @@ class Daemon {
   std::unique_ptr<ExportSink> export_sink_;
   std::unique_ptr<AlertHub> alerts_;
   std::unique_ptr<FanoutSink> sink_;
+  std::unique_ptr<SeriesLimitSink> series_limit_;  // in front of sink_
   std::unique_ptr<QueryBackend> backend_;
   std::unique_ptr<QueryService> query_;
   std::unique_ptr<AdmissionGate> gate_;

@@ -48,6 +48,26 @@ ABSL_FLAG(int64_t, max_experts, 1024,
 ABSL_FLAG(int64_t, max_queue_mb, 256,
           "Memory bound, in MiB, for accepted samples waiting for a worker. At the bound, "
           "streams stop reading and gRPC flow control slows the senders.");
+ABSL_FLAG(int64_t, max_tensor_elements, int64_t{1} << 24,
+          "Largest element count of one tensor in a record (q, k, router logits; the "
+          "values of a curvature sample's layer_rayleigh); larger records are rejected with "
+          "reason tensor_too_large. Together with the shape limits it bounds what one record "
+          "costs to process.");
+ABSL_FLAG(int64_t, max_streams, 1024,
+          "Ingest streams open at once. A stream beyond it ends at once with "
+          "RESOURCE_EXHAUSTED (\"too_many_streams: ... retry after 1000 ms\", trailing "
+          "metadata retry-after-ms) and counts in "
+          "foreshock_ingest_rejected_total{reason=\"too_many_streams\"}. 0: no limit.");
+ABSL_FLAG(int64_t, max_runs, 1000,
+          "Distinct runs (Hello run_id) the daemon serves, counting those recovered from "
+          "--data_dir. A Hello for a new run beyond it ends its stream with "
+          "RESOURCE_EXHAUSTED (reason too_many_runs, counted); Hellos for known runs are "
+          "always admitted. 0: no limit.");
+ABSL_FLAG(int64_t, max_series_per_run, 100000,
+          "Distinct (signal, layer, head) series one run may create, the cardinality guard "
+          "for Prometheus, the store and the alert engine. Observations that would open a "
+          "further series are dropped (not exported, stored or alerted on), counted in "
+          "foreshock_series_limited_total and logged once per run. 0: no limit.");
 ABSL_FLAG(int64_t, max_message_mb, 64,
           "Largest gRPC message accepted, in MiB; larger messages fail with "
           "RESOURCE_EXHAUSTED.");
@@ -128,6 +148,10 @@ int main(int argc, char** argv) {
   options.limits.max_heads = absl::GetFlag(FLAGS_max_heads);
   options.limits.max_layers = absl::GetFlag(FLAGS_max_layers);
   options.limits.max_experts = absl::GetFlag(FLAGS_max_experts);
+  options.limits.max_tensor_elements = std::max<int64_t>(1, absl::GetFlag(FLAGS_max_tensor_elements));
+  options.limits.max_streams = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_streams));
+  options.limits.max_runs = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_runs));
+  options.max_series_per_run = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_series_per_run));
   options.max_queue_bytes = static_cast<size_t>(std::max<int64_t>(1, absl::GetFlag(FLAGS_max_queue_mb))) << 20;
   options.max_message_bytes = static_cast<int>(std::clamp<int64_t>(absl::GetFlag(FLAGS_max_message_mb), 1, 2047)) << 20;
 

@@ -61,6 +61,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     // Shares the slices with what is parsed below; no bytes are copied.
     std::optional<grpc::ByteBuffer> raw;
     if (service_.recorder_) raw.emplace(received_);
+    const size_t received_bytes = received_.Valid() ? received_.Length() : 0;
     grpc::Status parsed;
     if (received_.Valid()) {
       parsed = grpc::SerializationTraits<v1::StreamRequest>::Deserialize(&received_, &request_);
@@ -69,8 +70,10 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     }
     if (raw) RecordReceived(*raw, recv_unix_us, parsed.ok());
     if (!parsed.ok()) {
-      FailStream(kMalformedRequest, absl::StrCat("the message is not a StreamRequest (",
-                                                  raw ? raw->Length() : 0, " bytes)"));
+      FailStream(kMalformedRequest,
+                 absl::StrCat("the message is not a StreamRequest (", received_bytes,
+                              " bytes): not protobuf, or a string field (run_id, job, a "
+                              "label, probe_id) that is not valid UTF-8"));
       return;
     }
     switch (request_.kind_case()) {
@@ -107,6 +110,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void OnDone() override {
     if (recording_) service_.recorder_->Close(session_);
     service_.metrics_.ingest_active_streams.Add({}).Decrement();
+    service_.open_streams_.fetch_sub(1);
     delete this;
   }
 
@@ -138,6 +142,13 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     }
     if (auto rejection = ValidateHello(request_.hello(), service_.limits_)) {
       FailStream(rejection->code, rejection->detail);
+      return;
+    }
+    if (!service_.AdmitRun(request_.hello().run_id())) {
+      RefuseStream(reason::kTooManyRuns,
+                   absl::StrCat("the daemon already serves ", service_.limits_.max_runs,
+                                " runs (--max_runs); run '", request_.hello().run_id(),
+                                "' is refused"));
       return;
     }
     const v1::Hello& hello = request_.hello();
@@ -300,6 +311,17 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     MaybeFinishLocked();
   }
 
+  // Ends the stream with RESOURCE_EXHAUSTED (a limit, not a bad client).
+  void RefuseStream(std::string_view code, const std::string& detail) {
+    service_.metrics_.CountRejection(code);
+    spdlog::warn("stream {} refused: {}: {}", session_, code, detail);
+    std::lock_guard<std::mutex> lock(mu_);
+    reads_done_ = true;
+    finish_status_ =
+        grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, std::string(code) + ": " + detail);
+    MaybeFinishLocked();
+  }
+
   void Write(const v1::StreamResponse& response) {
     std::lock_guard<std::mutex> lock(mu_);
     WriteLocked(response);
@@ -376,8 +398,53 @@ IngestService::IngestService(const IngestLimits& limits, AdmissionGate& gate, Wo
 
 IngestService::~IngestService() = default;
 
+namespace {
+// A stream refused before it starts: it only finishes.
+class RefusedReactor final
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  explicit RefusedReactor(grpc::Status status) { Finish(std::move(status)); }
+  void OnDone() override { delete this; }
+};
+}  // namespace
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::RefuseStream(
+    grpc::CallbackServerContext* context) {
+  constexpr int kRetryAfterMs = 1000;
+  metrics_.CountRejection(reason::kTooManyStreams);
+  const uint64_t refused = refused_streams_.fetch_add(1) + 1;
+  if (refused == 1 || refused % 1000 == 0) {  // a flood of them must not flood the log
+    spdlog::warn("{} ingest stream(s) refused so far: --max_streams={} are open", refused,
+                 limits_.max_streams);
+  }
+  context->AddTrailingMetadata("retry-after-ms", std::to_string(kRetryAfterMs));
+  return new RefusedReactor(grpc::Status(
+      grpc::StatusCode::RESOURCE_EXHAUSTED,
+      absl::StrCat(reason::kTooManyStreams, ": ", limits_.max_streams,
+                   " ingest streams are open (--max_streams); retry after ", kRetryAfterMs,
+                   " ms (trailing metadata retry-after-ms)")));
+}
+
+bool IngestService::AdmitRun(const std::string& run_id) {
+  std::lock_guard<std::mutex> lock(runs_mu_);
+  if (runs_.contains(run_id)) return true;
+  if (limits_.max_runs > 0 && static_cast<int64_t>(runs_.size()) >= limits_.max_runs) return false;
+  runs_.insert(run_id);
+  return true;
+}
+
+void IngestService::NoteKnownRun(const std::string& run_id) {
+  std::lock_guard<std::mutex> lock(runs_mu_);
+  runs_.insert(run_id);
+}
+
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::Stream(
     grpc::CallbackServerContext* context) {
+  if (const int64_t open = open_streams_.fetch_add(1);
+      limits_.max_streams > 0 && open >= limits_.max_streams) {
+    open_streams_.fetch_sub(1);
+    return RefuseStream(context);
+  }
   return new IngestReactor(*this, next_session_.fetch_add(1));
 }
 

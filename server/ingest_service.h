@@ -10,7 +10,9 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_set>
 
 #include "foreshock/v1/ingest.grpc.pb.h"
 #include "server/admission.h"
@@ -36,6 +38,10 @@ class IngestService final
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Stream(
       grpc::CallbackServerContext* context) override;
 
+  // A run the daemon already has (recovered from its data directory): it
+  // counts toward --max_runs, and its Hellos are always admitted.
+  void NoteKnownRun(const std::string& run_id);
+
   // Null unless recording.
   StreamRecorder* recorder() { return recorder_.get(); }
 
@@ -48,6 +54,14 @@ class IngestService final
   HelloObserver on_hello_;
   std::unique_ptr<StreamRecorder> recorder_;  // null: streams are not recorded
   std::atomic<uint64_t> next_session_{1};
+  // --max_streams and --max_runs (limits_).
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* RefuseStream(
+      grpc::CallbackServerContext* context);
+  bool AdmitRun(const std::string& run_id);  // false: a new run beyond --max_runs
+  std::atomic<int64_t> open_streams_{0};
+  std::atomic<uint64_t> refused_streams_{0};
+  std::mutex runs_mu_;
+  std::unordered_set<std::string> runs_;  // runs with an admitted Hello, or known
 };
 
 }  // namespace foreshock::server

@@ -49,7 +49,10 @@ namespace foreshock::server {
   X(record_frames_total, "record_frames_total",                                               \
     "Received StreamRequests recorded with --record_dir, by outcome: written (handed to the "  \
     "kernel) or dropped (the recorder fell behind, or a file could not be created or "        \
-    "written; logged once per stream).")
+    "written; logged once per stream).")                                                   \
+  X(series_limited_total, "series_limited_total",                                           \
+    "Detector observations dropped (not exported, stored or alerted on) because they would " \
+    "open a new series for a run that already has --max_series_per_run series.")
 
 #define FORESHOCK_DAEMON_GAUGES(X)                                                              \
   X(ingest_active_streams, "ingest_active_streams", "Ingest streams open now.")                 \

@@ -1,0 +1,294 @@
+"""Bad input against the real foreshockd: every rejection path yields its gRPC
+status (or Ack rejection) and its counter, and a well-behaved client streaming
+at the same time keeps getting acks throughout.
+
+Streams here are raw (bytes in, bytes out) so that the tests can send what the
+Python stubs would refuse to serialize: invalid UTF-8, garbage, truncation.
+"""
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import wait_until
+from foreshock import prometheus
+from foreshock.sender import RecordQueue, Sender
+from foreshock.v1 import ingest_pb2 as pb
+
+METHOD = "/foreshock.v1.Ingest/Stream"
+LIMIT_FLAGS = ("--max_message_mb=1", "--max_tensor_elements=4096", "--max_runs=50",
+               "--max_streams=16", "--workers=2")
+
+
+def hello_bytes(run_id="bad", **kwargs):
+    return pb.StreamRequest(hello=pb.Hello(run_id=run_id, job="matrix", **kwargs)).SerializeToString()
+
+
+def batch_bytes(seq, records):
+    return pb.StreamRequest(batch=pb.Batch(seq=seq, records=records)).SerializeToString()
+
+
+def qk_record(shape=(2, 8, 4), step=1, layer=0, short=0):
+    data = np.zeros(shape, dtype=np.float32).tobytes()
+    q = pb.Tensor(dtype=pb.FLOAT32, shape=list(shape), data=data)
+    k = pb.Tensor(dtype=pb.FLOAT32, shape=list(shape), data=data[:len(data) - short])
+    return pb.Record(step=step, qk=pb.QKSample(layer=layer, probe_id="p", q=q, k=k, causal=True))
+
+
+class RawStream:
+    """One raw ingest stream: messages are bytes; responses parsed."""
+
+    def __init__(self, endpoint):
+        self.channel = grpc.insecure_channel(endpoint)
+        self.call_fn = self.channel.stream_stream(METHOD, request_serializer=None,
+                                                  response_deserializer=pb.StreamResponse.FromString)
+
+    def run(self, messages, timeout=10):
+        """Sends `messages`, half-closes; returns (responses, code, details, trailing)."""
+        responses = []
+        call = self.call_fn(iter(messages), timeout=timeout)
+        try:
+            for response in call:
+                responses.append(response)
+            return responses, grpc.StatusCode.OK, "", ()
+        except grpc.RpcError as e:
+            return responses, e.code(), e.details(), e.trailing_metadata() or ()
+        finally:
+            self.channel.close()
+
+
+def run_stream(endpoint, messages, timeout=10):
+    return RawStream(endpoint).run(messages, timeout)
+
+
+class GoodClient:
+    """A well-behaved sender streaming one scalars record every 20 ms."""
+
+    def __init__(self, endpoint, run_id="good"):
+        self.queue = RecordQueue(10000, 1 << 24)
+        self.sender = Sender(endpoint, pb.Hello(run_id=run_id, job="matrix"), self.queue,
+                             backoff_initial_s=0.05, backoff_max_s=0.2)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._feed, daemon=True)
+        self.step = 0
+
+    def _feed(self):
+        while not self.stop.is_set():
+            record = pb.Record(step=self.step, scalars=pb.StepScalars(loss=1.0))
+            self.queue.put_nowait(record, record.ByteSize())
+            self.step += 1
+            time.sleep(0.02)
+
+    def __enter__(self):
+        self.sender.start()
+        self.thread.start()
+        assert wait_until(lambda: self.acked() >= 3, timeout_s=10), self.sender.stats()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        self.sender.close(timeout=10)
+
+    def acked(self):
+        return self.sender.stats()["acked_records"]
+
+    def assert_flowing(self):
+        """Acks still arrive: at least 5 more within 10 s."""
+        start = self.acked()
+        assert wait_until(lambda: self.acked() >= start + 5, timeout_s=10), (
+            f"the good client's acks stopped at {self.acked()}: {self.sender.stats()}")
+
+
+def rejected(daemon):
+    return {labels["reason"]: value for name, labels, value in daemon.scrape()
+            if name == "foreshock_ingest_rejected_total"}
+
+
+def wait_counter(daemon, reason, at_least):
+    samples, ok = daemon.wait_for(
+        lambda s: (prometheus.value(s, "foreshock_ingest_rejected_total", reason=reason) or 0)
+        >= at_least, timeout_s=10)
+    assert ok, f"{reason}: {rejected(daemon)}"
+
+
+@pytest.fixture
+def daemon(start_foreshockd):
+    return start_foreshockd(*LIMIT_FLAGS)
+
+
+STREAM_CASES = {
+    # name: (messages, status, reason)
+    "batch_before_hello": ([batch_bytes(1, [qk_record()])], grpc.StatusCode.INVALID_ARGUMENT,
+                           "batch_before_hello"),
+    "duplicate_hello": ([hello_bytes(), hello_bytes()], grpc.StatusCode.INVALID_ARGUMENT,
+                        "duplicate_hello"),
+    "empty_run_id": ([hello_bytes(run_id="")], grpc.StatusCode.INVALID_ARGUMENT, "bad_hello"),
+    "id_too_long": ([hello_bytes(run_id="r" * 300)], grpc.StatusCode.INVALID_ARGUMENT, "bad_hello"),
+    "empty_request": ([b""], grpc.StatusCode.INVALID_ARGUMENT, "empty_request"),
+    "garbage": ([b"\xff\xff\xff\xff"], grpc.StatusCode.INVALID_ARGUMENT, "malformed_request"),
+    "truncated_message": ([batch_bytes(1, [qk_record()])[:-9]], grpc.StatusCode.INVALID_ARGUMENT,
+                          "malformed_request"),
+    "utf8_run_id": ([hello_bytes(run_id="RUNID").replace(b"RUNID", b"RU\xff\xfeD")],
+                    grpc.StatusCode.INVALID_ARGUMENT, "malformed_request"),
+    "utf8_label": ([hello_bytes(labels={"team": "LABEL"}).replace(b"LABEL", b"LA\xc3\x28L")],
+                   grpc.StatusCode.INVALID_ARGUMENT, "malformed_request"),
+    "utf8_probe_id": ([hello_bytes(), batch_bytes(1, [qk_record()]).replace(b"\x12\x01p",
+                                                                            b"\x12\x01\xff")],
+                      grpc.StatusCode.INVALID_ARGUMENT, "malformed_request"),
+}
+
+
+def test_stream_level_rejections_each_give_their_status_and_counter(daemon):
+    with GoodClient(daemon.endpoint) as good:
+        for name, (messages, status, reason) in STREAM_CASES.items():
+            before = rejected(daemon).get(reason, 0)
+            _, code, details, _ = run_stream(daemon.endpoint, messages)
+            assert code == status, f"{name}: {code} {details}"
+            assert details.startswith(reason + ":"), f"{name}: {details}"
+            if name.startswith("utf8"):
+                assert "UTF-8" in details, details
+            wait_counter(daemon, reason, before + 1)
+        good.assert_flowing()
+
+
+def test_record_rejections_come_back_in_the_ack_with_their_counter(daemon):
+    cases = [
+        ("byte_length_mismatch", qk_record(short=4)),
+        ("tensor_too_large", qk_record(shape=(4, 64, 32))),  # 8192 elements > 4096
+        ("shape_over_limit", qk_record(shape=(2, 5000, 4))),
+        ("negative_step", pb.Record(step=-1, scalars=pb.StepScalars(loss=1.0))),
+        ("missing_payload", pb.Record(step=1)),
+        ("layer_out_of_range", qk_record(layer=5000)),
+    ]
+    with GoodClient(daemon.endpoint) as good:
+        messages = [hello_bytes("records"), batch_bytes(1, [r for _, r in cases] + [qk_record()]),
+                    batch_bytes(1, [qk_record()])]  # seq not above the previous one
+        responses, code, details, _ = run_stream(daemon.endpoint, messages)
+        assert code == grpc.StatusCode.OK, details
+        acks = [r.ack for r in responses if r.WhichOneof("kind") == "ack"]
+        assert len(acks) == 2
+        assert acks[0].accepted == 1
+        got = {r.index: r.reason.split(":")[0] for r in acks[0].rejections}
+        assert got == {i: reason for i, (reason, _) in enumerate(cases)}
+        assert acks[1].accepted == 0
+        assert acks[1].rejections[0].reason.startswith("non_increasing_seq:")
+        for reason, _ in cases + [("non_increasing_seq", None)]:
+            wait_counter(daemon, reason, 1)
+        good.assert_flowing()
+
+
+def test_oversized_message_is_refused_and_the_daemon_keeps_serving(daemon):
+    with GoodClient(daemon.endpoint) as good:
+        big = pb.Record(step=1, qk=pb.QKSample(layer=0, q=pb.Tensor(data=b"\0" * (2 << 20))))
+        _, code, details, _ = run_stream(daemon.endpoint, [hello_bytes("big"), batch_bytes(1, [big])])
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        good.assert_flowing()
+
+
+def test_client_cancelling_mid_batch_and_stalled_clients_do_not_block_others(daemon):
+    with GoodClient(daemon.endpoint) as good:
+        # Truncated streams: the client cancels while a batch is in flight.
+        for _ in range(5):
+            channel = grpc.insecure_channel(daemon.endpoint)
+            fn = channel.stream_stream(METHOD, request_serializer=None,
+                                       response_deserializer=pb.StreamResponse.FromString)
+            call = fn(iter([hello_bytes("cancel"), batch_bytes(1, [qk_record()] * 50)]))
+            next(call)  # the HelloAck
+            call.cancel()
+            channel.close()
+        # Stalled clients: a Hello, then nothing, while the good client streams.
+        release = threading.Event()
+
+        def stalled_messages():
+            yield hello_bytes("stalled")
+            release.wait(30)
+
+        channels, calls = [], []
+        for _ in range(5):
+            channel = grpc.insecure_channel(daemon.endpoint)
+            fn = channel.stream_stream(METHOD, request_serializer=None,
+                                       response_deserializer=pb.StreamResponse.FromString)
+            call = fn(stalled_messages())
+            assert next(call).WhichOneof("kind") == "hello_ack"
+            channels.append(channel)
+            calls.append(call)
+        good.assert_flowing()
+        # A fresh well-behaved stream also gets through.
+        responses, code, details, _ = run_stream(
+            daemon.endpoint, [hello_bytes("fresh"), batch_bytes(1, [qk_record()])])
+        assert code == grpc.StatusCode.OK and responses[-1].ack.accepted == 1, details
+        release.set()
+        for call in calls:
+            list(call)
+        for channel in channels:
+            channel.close()
+        # Every stream is gone again: only the good client's remains.
+        _, ok = daemon.wait_for(
+            lambda s: prometheus.value(s, "foreshock_ingest_active_streams") == 1)
+        assert ok, daemon.scrape()
+        good.assert_flowing()
+
+
+def test_streams_beyond_max_streams_are_refused_with_a_retry_hint(daemon):
+    with GoodClient(daemon.endpoint) as good:
+        release = threading.Event()
+
+        def stalled_messages():
+            yield hello_bytes("hold")
+            release.wait(30)
+
+        channels, calls = [], []
+        for _ in range(15):  # with the good client's: 16 = --max_streams
+            channel = grpc.insecure_channel(daemon.endpoint)
+            fn = channel.stream_stream(METHOD, request_serializer=None,
+                                       response_deserializer=pb.StreamResponse.FromString)
+            call = fn(stalled_messages())
+            next(call)
+            channels.append(channel)
+            calls.append(call)
+        _, code, details, trailing = run_stream(daemon.endpoint, [hello_bytes("one-too-many")])
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        assert details.startswith("too_many_streams:") and "retry" in details, details
+        assert ("retry-after-ms", "1000") in tuple(trailing), trailing
+        wait_counter(daemon, "too_many_streams", 1)
+        good.assert_flowing()
+        release.set()
+        for call in calls:
+            list(call)
+        for channel in channels:
+            channel.close()
+        # Room again: a new stream is served.
+        assert wait_until(lambda: run_stream(daemon.endpoint, [hello_bytes("after")])[1]
+                          == grpc.StatusCode.OK, timeout_s=10)
+
+
+def test_ten_thousand_run_ids_beyond_max_runs_are_refused(daemon):
+    with GoodClient(daemon.endpoint) as good:  # run "good" is one of the 50
+        channel = grpc.insecure_channel(daemon.endpoint)
+        fn = channel.stream_stream(METHOD, request_serializer=None,
+                                   response_deserializer=pb.StreamResponse.FromString)
+
+        def hello(i):
+            try:
+                responses = list(fn(iter([hello_bytes(f"run-{i}")]), timeout=30))
+                return grpc.StatusCode.OK if responses else None, "", i
+            except grpc.RpcError as e:
+                return e.code(), e.details(), i
+
+        with futures.ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(hello, range(10000)))
+        channel.close()
+        admitted = [r for r in results if r[0] == grpc.StatusCode.OK]
+        refused = [r for r in results if r[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
+        assert len(admitted) == 49 and len(refused) == 10000 - 49, (
+            len(admitted), len(refused), set(r[0] for r in results))
+        assert all(d.startswith("too_many_runs:") for _, d, _ in refused)
+        wait_counter(daemon, "too_many_runs", 10000 - 49)
+        # Known runs keep being admitted.
+        _, code, details, _ = run_stream(daemon.endpoint, [hello_bytes(f"run-{admitted[0][2]}")])
+        assert code == grpc.StatusCode.OK, details
+        good.assert_flowing()
