@@ -510,13 +510,31 @@ bool DurableSeriesStore::WriteLocked(const std::string& bytes) {
 
 void DurableSeriesStore::AppendBatch(const std::vector<KeyedPoint>& batch) {
   if (batch.empty()) return;
+  AppendInternal(batch, std::nullopt);
+}
+
+void DurableSeriesStore::AppendBatchWithEvent(const std::vector<KeyedPoint>& points,
+                                              std::string_view kind, std::string_view bytes) {
+  if (kind.size() + bytes.size() + 32 > kMaxRecordPayloadBytes) {
+    AppendBatch(points);
+    AppendEvent(kind, bytes);  // reports and drops it
+    return;
+  }
+  AppendInternal(points, std::make_pair(kind, bytes));
+}
+
+void DurableSeriesStore::AppendInternal(
+    const std::vector<KeyedPoint>& batch,
+    const std::optional<std::pair<std::string_view, std::string_view>>& event) {
   uint64_t written = 0;
   {
     std::unique_lock lock(mu_);
     if (!EnsureWritableLocked()) {
       stats_.points_dropped += batch.size();
+      if (event) ++stats_.events_dropped;
       return;
     }
+    const int64_t now = Now();
     ActiveSegment& active = *active_;
     Segment& segment = *active.segment;
     scratch_.clear();
@@ -526,7 +544,7 @@ void DurableSeriesStore::AppendBatch(const std::vector<KeyedPoint>& batch) {
 
     const uint64_t block_size = segment.valid_bytes - active.block_offset;
     const bool new_block =
-        block_size >= options_.block_bytes &&
+        !batch.empty() && block_size >= options_.block_bytes &&
         block_size >= options_.block_bytes_per_series * active.codec.series_started();
     if (new_block) {
       AppendRecord(&scratch_, RecordType::kBlockStart, {});
@@ -551,11 +569,21 @@ void DurableSeriesStore::AppendBatch(const std::vector<KeyedPoint>& batch) {
                           &payload_scratch_);
       AppendRecord(&scratch_, RecordType::kPoints, payload_scratch_);
     }
+    if (event) {
+      AppendRecord(&scratch_, RecordType::kEvent,
+                   EncodeEvent(EventRecord{event->first, now, event->second}));
+    }
 
     const uint64_t block_offset = segment.valid_bytes;
     if (!WriteLocked(scratch_)) {
       stats_.points_dropped += batch.size();
+      if (event) ++stats_.events_dropped;
       return;
+    }
+    if (event) {
+      IndexEventLocked(event->first, event->second);
+      segment.newest_wall_time_ms = std::max(segment.newest_wall_time_ms, now);
+      ++stats_.events_appended;
     }
     // The write succeeded: now the index may refer to it.
     if (new_block) {
@@ -569,7 +597,7 @@ void DurableSeriesStore::AppendBatch(const std::vector<KeyedPoint>& batch) {
                        points_scratch_[i].point);
     }
     stats_.points_appended += batch.size();
-    ++stats_.batches_appended;
+    if (!batch.empty()) ++stats_.batches_appended;
     written = stats_.bytes_written;
   }
   if (options_.fsync == FsyncPolicy::kEvery) SyncTo(written);

@@ -146,6 +146,9 @@ class DurableSeriesStore final : public SeriesStore {
   std::vector<RunInfo> ListRuns() const override;
   std::vector<SeriesInfo> ListSeries(const std::string& run) const override;
   void AppendEvent(std::string_view kind, std::string_view bytes) override;
+  // One write holds the points' records and the event record.
+  void AppendBatchWithEvent(const std::vector<KeyedPoint>& points, std::string_view kind,
+                            std::string_view bytes) override;
   std::vector<std::string> Events(std::string_view kind) const override;
   bool WriteCheckpoint(std::string_view name, std::string_view bytes) override;
   std::optional<std::string> ReadCheckpoint(std::string_view name) const override;
@@ -248,6 +251,9 @@ class DurableSeriesStore final : public SeriesStore {
   uint32_t InternSeriesLocked(const SeriesKey& key);
   void IndexPointLocked(Segment& segment, uint32_t series, uint32_t local_id, const Point& point);
   void IndexEventLocked(std::string_view kind, std::string_view bytes);
+  // AppendBatch, with an event record in the same write when `kind` is set.
+  void AppendInternal(const std::vector<KeyedPoint>& batch,
+                      const std::optional<std::pair<std::string_view, std::string_view>>& event);
   bool EnsureWritableLocked();
   bool RollSegmentLocked();
   void SealActiveLocked();

@@ -111,6 +111,15 @@ class SeriesStore {
   virtual void AppendEvent(std::string_view kind, std::string_view bytes) = 0;
   virtual std::vector<std::string> Events(std::string_view kind) const = 0;
 
+  // AppendBatch and AppendEvent together. A durable store writes both in one
+  // log write, so that after a crash both are there or neither (the ingest
+  // service's dedup marks rely on it). The default appends one after the other.
+  virtual void AppendBatchWithEvent(const std::vector<KeyedPoint>& points, std::string_view kind,
+                                    std::string_view bytes) {
+    if (!points.empty()) AppendBatch(points);
+    AppendEvent(kind, bytes);
+  }
+
   // Named blobs that replace each other whole (e.g. alert engine state).
   // Names: 1-128 characters of [A-Za-z0-9._-], not starting with '.'.
   // WriteCheckpoint returns false when the name is invalid or the write failed;
