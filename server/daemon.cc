@@ -77,6 +77,8 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
         store->AppendEvent(kHelloEvents, hello.SerializeAsString());
       },
       options_.record_dir);
+  delivery_ = std::make_unique<DeliveryTracker>(*store_);
+  ingest_->SetDeliveryTracker(delivery_.get());
   http_ = std::make_unique<HttpServer>(registry_, [this] {
     metrics_->queue_bytes.Add({}).Set(static_cast<double>(gate_->in_flight_bytes()));
     alerts_->ExportCounters();
@@ -90,6 +92,7 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
     return HttpResponse{200, "text/html; charset=utf-8", std::string(kWebUiHtml, kWebUiHtmlSize)};
   });
   if (init_status_.ok()) RestoreFromStore();
+  if (init_status_.ok()) delivery_->Restore();
   // Recovered runs count toward --max_runs.
   for (const RunTracker::RunSummary& run : runs_->Runs()) ingest_->NoteKnownRun(run.run);
   alerts_->SetEventLog([store = store_.get()](const foreshock::v1::AlertEvent& event) {
@@ -136,6 +139,7 @@ bool Daemon::Checkpoint() {
   const bool detectors_ok =
       store_->WriteCheckpoint(kDetectorCheckpoint, pool_->SaveDetectorState());
   const bool alerts_ok = store_->WriteCheckpoint(kAlertCheckpoint, alerts_->SaveState());
+  delivery_->Checkpoint();
   if (!detectors_ok || !alerts_ok) spdlog::warn("writing the state checkpoints failed");
   return detectors_ok && alerts_ok;
 }

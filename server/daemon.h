@@ -33,6 +33,7 @@ class SeriesLimitSink;
 class QueryBackend;
 class QueryService;
 class DaemonMetrics;
+class DeliveryTracker;
 class ExportSink;
 class HttpServer;
 class IngestService;
@@ -109,6 +110,7 @@ class Daemon {
   std::unique_ptr<QueryService> query_;
   std::unique_ptr<AdmissionGate> gate_;
   std::unique_ptr<WorkerPool> pool_;
+  std::unique_ptr<DeliveryTracker> delivery_;  // dedup marks of resent batches
   std::unique_ptr<IngestService> ingest_;
   std::unique_ptr<grpc::Server> grpc_server_;
   std::unique_ptr<HttpServer> http_;

@@ -29,7 +29,13 @@ void ExportSink::OnNonFinite(const detectors::Sample& sample, detectors::SampleK
 
 void ExportSink::OnSampleDone(const detectors::Sample& sample) {
   if (!pending_points.empty()) {
-    store_.AppendBatch(pending_points);
+    BatchCompletion* batch = CurrentBatchCompletion();
+    if (batch != nullptr && batch->collect_points) {
+      std::lock_guard<std::mutex> lock(batch->points_mu);
+      batch->points.insert(batch->points.end(), pending_points.begin(), pending_points.end());
+    } else {
+      store_.AppendBatch(pending_points);
+    }
     pending_points.clear();
   }
   metrics_.samples_processed(sample.kind()).Increment();

@@ -158,6 +158,9 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     context_->rank = hello.rank();
     context_->model = hello.model();
     service_.on_hello_(hello);
+    // Hello.first_seq: seqs are per sender and resends are deduplicated.
+    dedup_ = service_.delivery_ != nullptr && hello.first_seq() > 0;
+    if (dedup_) service_.delivery_->OnHello(hello.run_id(), hello.rank(), hello.first_seq());
     spdlog::info("stream {} opened: run={} job={} rank={}", session_, context_->run_id,
                  context_->job, context_->rank);
 
@@ -191,8 +194,9 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         rejection->set_reason(absl::StrCat(reason::kNonIncreasingSeq, ": ", detail));
       }
       metrics.CountRejection(reason::kNonIncreasingSeq, std::max(1, batch.records_size()));
+    } else if (last_seq_ = batch.seq(); dedup_ && BeginDedup(batch)) {
+      // A resend of a batch already stored (or being stored): acked, not stored again.
     } else {
-      last_seq_ = batch.seq();
       for (int i = 0; i < batch.records_size(); ++i) {
         WorkItem item;
         if (auto rejection = ValidateRecord(*batch.mutable_records(i), *context_,
@@ -236,7 +240,74 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     Admitted();
   }
 
+  // For a dedup stream: true when the batch is a resend (Admitted queues its
+  // ack, done once the batch is stored), false when it is new.
+  bool BeginDedup(const v1::Batch& batch) {
+    auto wait = std::make_shared<DuplicateWait>();
+    const auto admission = service_.delivery_->Begin(
+        context_->run_id, context_->rank, batch.seq(), [this, wait](bool) {
+          std::optional<uint64_t> ticket;
+          {
+            std::lock_guard<std::mutex> lock(wait->mu);
+            wait->settled = true;
+            ticket = wait->ticket;
+          }
+          if (ticket) AckDone(*ticket);
+        });
+    if (admission == DeliveryTracker::Admission::kNew) {
+      dedup_seq_ = batch.seq();
+      return false;
+    }
+    service_.metrics_.ingest_duplicate_batches_total.Add({}).Increment();
+    if (admission == DeliveryTracker::Admission::kDuplicate) wait->settled = true;
+    duplicate_ = wait;
+    duplicate_records_ = static_cast<uint32_t>(batch.records_size());
+    return true;
+  }
+
   void Admitted() {
+    if (duplicate_) {  // a resend: acked once the first copy is stored
+      std::shared_ptr<DuplicateWait> wait = std::exchange(duplicate_, nullptr);
+      ack_.mutable_ack()->set_duplicates(duplicate_records_);
+      const uint64_t ticket = QueueAck(std::move(ack_), /*done=*/false);
+      bool settled = false;
+      {
+        std::lock_guard<std::mutex> lock(wait->mu);
+        wait->ticket = ticket;
+        settled = wait->settled;
+      }
+      if (settled) AckDone(ticket);
+      FinishAdmission();
+      return;
+    }
+    if (dedup_ && dedup_seq_) {
+      // Dedup: the batch's points and its mark are stored together, then acked.
+      const uint64_t seq = *std::exchange(dedup_seq_, std::nullopt);
+      const uint64_t ticket = QueueAck(std::move(ack_), /*done=*/false);
+      DeliveryTracker* delivery = service_.delivery_;
+      if (items_.empty()) {
+        delivery->Commit(context_->run_id, context_->rank, seq, {});
+        AckDone(ticket);
+      } else {
+        auto completion = std::make_shared<BatchCompletion>(static_cast<int>(items_.size()),
+                                                            std::function<void()>());
+        completion->collect_points = true;
+        completion->done = [this, ticket, seq, delivery, c = completion.get()] {
+          std::vector<KeyedPoint> points;
+          {
+            std::lock_guard<std::mutex> lock(c->points_mu);
+            points.swap(c->points);
+          }
+          delivery->Commit(context_->run_id, context_->rank, seq, points);
+          AckDone(ticket);
+        };
+        for (WorkItem& item : items_) item.completion = completion;
+        service_.pool_.Dispatch(std::move(items_));
+        items_.clear();
+      }
+      FinishAdmission();
+      return;
+    }
     const uint64_t ticket = QueueAck(std::move(ack_), /*done=*/items_.empty());
     if (!items_.empty()) {
       // The last worker to finish one of the batch's samples releases its ack.
@@ -246,6 +317,10 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       service_.pool_.Dispatch(std::move(items_));
       items_.clear();
     }
+    FinishAdmission();
+  }
+
+  void FinishAdmission() {
     bool client_left = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -359,6 +434,15 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool drop_logged_ = false;  // a dropped recording frame was logged
   std::optional<StreamContext> context_;
   std::optional<uint64_t> last_seq_;
+  bool dedup_ = false;                 // Hello.first_seq: resends are deduplicated
+  std::optional<uint64_t> dedup_seq_;  // the new batch in progress of a dedup stream
+  struct DuplicateWait {
+    std::mutex mu;
+    bool settled = false;             // the first copy is stored
+    std::optional<uint64_t> ticket;   // the resend's queued ack
+  };
+  std::shared_ptr<DuplicateWait> duplicate_;  // the batch in progress is a resend
+  uint32_t duplicate_records_ = 0;
 
   // The batch in progress (only one: the next read starts after admission).
   std::vector<WorkItem> items_;

@@ -16,6 +16,7 @@
 
 #include "foreshock/v1/ingest.grpc.pb.h"
 #include "server/admission.h"
+#include "server/delivery.h"
 #include "server/metrics.h"
 #include "server/stream_recorder.h"
 #include "server/validation.h"
@@ -45,6 +46,10 @@ class IngestService final
   // Null unless recording.
   StreamRecorder* recorder() { return recorder_.get(); }
 
+  // Deduplication of resent batches (server/delivery.h) for streams whose
+  // Hello has first_seq. Call before the server starts. Null: none.
+  void SetDeliveryTracker(DeliveryTracker* delivery) { delivery_ = delivery; }
+
  private:
   friend class IngestReactor;
   const IngestLimits limits_;
@@ -54,6 +59,7 @@ class IngestService final
   HelloObserver on_hello_;
   std::unique_ptr<StreamRecorder> recorder_;  // null: streams are not recorded
   std::atomic<uint64_t> next_session_{1};
+  DeliveryTracker* delivery_ = nullptr;
   // --max_streams and --max_runs (limits_).
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* RefuseStream(
       grpc::CallbackServerContext* context);

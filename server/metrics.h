@@ -26,6 +26,8 @@ namespace foreshock::server {
     "Records and streams rejected, by reason code (label reason). The Ack or gRPC status "    \
     "carries the same code with a detail.")                                                   \
   X(ingest_bytes_total, "ingest_bytes_total", "Bytes of Batch messages received.")            \
+  X(ingest_duplicate_batches_total, "ingest_duplicate_batches_total",                         \
+    "Resent batches (Hello.first_seq streams) already stored: acked again, not reprocessed.") \
   X(nonfinite_values_total, "nonfinite_values_total",                                         \
     "Non-finite values (NaN, +-Inf) found in samples, by run and sample kind. Such a sample " \
     "is counted and not used for computation.")                                               \

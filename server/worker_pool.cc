@@ -85,6 +85,12 @@ size_t WorkerPool::QueueDepth(int worker) const {
   return workers_[worker]->queue.size();
 }
 
+namespace {
+thread_local BatchCompletion* current_batch = nullptr;
+}  // namespace
+
+BatchCompletion* CurrentBatchCompletion() { return current_batch; }
+
 void WorkerPool::Run(Worker& worker) {
   for (;;) {
     WorkItem item;
@@ -97,7 +103,9 @@ void WorkerPool::Run(Worker& worker) {
     }
     {
       std::lock_guard<std::mutex> lock(worker.detectors_mu);
+      current_batch = item.completion.get();
       Process(worker, item.sample);
+      current_batch = nullptr;
     }
     on_done_(item.bytes);
     if (item.completion && item.completion->remaining.fetch_sub(1) == 1) item.completion->done();

@@ -16,6 +16,8 @@
 #include <thread>
 #include <vector>
 
+#include "store/series_store.h"
+
 #include "detectors/detector.h"
 
 namespace foreshock::server {
@@ -72,7 +74,17 @@ struct BatchCompletion {
       : remaining(items), done(std::move(on_all_done)) {}
   std::atomic<int> remaining;
   std::function<void()> done;
+  // With collect_points, the store sink hands each sample's points to
+  // `points` instead of appending them, and `done` stores the whole batch at
+  // once (server/delivery.h: points and dedup mark in one write).
+  bool collect_points = false;
+  std::mutex points_mu;
+  std::vector<store::KeyedPoint> points;
 };
+
+// The batch of the sample the calling worker thread is processing (null
+// outside WorkerPool::Run or for a sample without one).
+BatchCompletion* CurrentBatchCompletion();
 
 struct WorkItem {
   detectors::Sample sample;

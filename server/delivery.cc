@@ -1,0 +1,186 @@
+#include "server/delivery.h"
+
+#include <spdlog/spdlog.h>
+
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+
+namespace foreshock::server {
+
+namespace {
+
+// Event: "<rank> <seq> <run>" (the run is the rest of the string).
+std::string EncodeMark(const std::string& run, int rank, uint64_t seq) {
+  return absl::StrCat(rank, " ", seq, " ", run);
+}
+
+bool DecodeMark(std::string_view bytes, std::string* run, int* rank, uint64_t* seq) {
+  std::istringstream in{std::string(bytes)};
+  if (!(in >> *rank >> *seq) || in.get() != ' ') return false;
+  std::getline(in, *run, '\0');
+  return true;
+}
+
+}  // namespace
+
+void DeliveryTracker::RaiseLocked(State& state, uint64_t high_water) {
+  if (high_water > state.high_water) state.high_water = high_water;
+  auto it = state.settled_above.begin();
+  while (it != state.settled_above.end() && *it <= state.high_water + 1) {
+    state.high_water = std::max(state.high_water, *it);
+    it = state.settled_above.erase(it);
+  }
+}
+
+void DeliveryTracker::SettleLocked(State& state, uint64_t seq) {
+  if (seq <= state.high_water) return;
+  state.settled_above.insert(seq);
+  RaiseLocked(state, state.high_water);
+}
+
+void DeliveryTracker::OnHello(const std::string& run, int rank, uint64_t first_seq) {
+  if (first_seq == 0) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  RaiseLocked(states_[Key{run, rank}], first_seq - 1);
+}
+
+DeliveryTracker::Admission DeliveryTracker::Begin(const std::string& run, int rank, uint64_t seq,
+                                                  std::function<void(bool)> on_settled) {
+  std::lock_guard<std::mutex> lock(mu_);
+  State& state = states_[Key{run, rank}];
+  if (seq <= state.high_water || state.settled_above.contains(seq)) return Admission::kDuplicate;
+  auto it = state.in_flight.find(seq);
+  if (it != state.in_flight.end()) {
+    it->second.push_back(std::move(on_settled));
+    return Admission::kInFlight;
+  }
+  state.in_flight.emplace(seq, std::vector<std::function<void(bool)>>());
+  return Admission::kNew;
+}
+
+void DeliveryTracker::Commit(const std::string& run, int rank, uint64_t seq,
+                             const std::vector<KeyedPoint>& points) {
+  // The points and the mark in one write: a crash keeps both or neither.
+  store_.AppendBatchWithEvent(points, kEventKind, EncodeMark(run, rank, seq));
+  std::vector<std::function<void(bool)>> waiters;
+  bool checkpoint = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    State& state = states_[Key{run, rank}];
+    auto it = state.in_flight.find(seq);
+    if (it != state.in_flight.end()) {
+      waiters = std::move(it->second);
+      state.in_flight.erase(it);
+    }
+    SettleLocked(state, seq);
+    if (++commits_since_checkpoint_ >= kCheckpointEvery && !checkpointing_) {
+      checkpointing_ = true;
+      checkpoint = true;
+    }
+  }
+  for (auto& waiter : waiters) waiter(true);
+  if (checkpoint) Checkpoint();
+}
+
+void DeliveryTracker::Abort(const std::string& run, int rank, uint64_t seq) {
+  std::vector<std::function<void(bool)>> waiters;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    State& state = states_[Key{run, rank}];
+    auto it = state.in_flight.find(seq);
+    if (it == state.in_flight.end()) return;
+    waiters = std::move(it->second);
+    state.in_flight.erase(it);
+  }
+  for (auto& waiter : waiters) waiter(false);
+}
+
+uint64_t DeliveryTracker::HighWater(const std::string& run, int rank) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = states_.find(Key{run, rank});
+  return it == states_.end() ? 0 : it->second.high_water;
+}
+
+// "<run length>:<run> <rank> <high water> <n> <seq>...\n" per (run, rank).
+std::string DeliveryTracker::Save() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string out;
+  for (const auto& [key, state] : states_) {
+    if (state.high_water == 0 && state.settled_above.empty()) continue;
+    absl::StrAppend(&out, key.run.size(), ":", key.run, " ", key.rank, " ", state.high_water, " ",
+                    state.settled_above.size());
+    for (uint64_t seq : state.settled_above) absl::StrAppend(&out, " ", seq);
+    out += '\n';
+  }
+  return out;
+}
+
+bool DeliveryTracker::Load(std::string_view bytes) {
+  std::istringstream in{std::string(bytes)};
+  std::map<Key, State> loaded;
+  size_t length = 0;
+  while (in >> length) {
+    if (in.get() != ':') return false;
+    std::string run(length, '\0');
+    if (!in.read(run.data(), static_cast<std::streamsize>(length))) return false;
+    int rank = 0;
+    uint64_t high_water = 0;
+    size_t n = 0;
+    if (!(in >> rank >> high_water >> n)) return false;
+    State& state = loaded[Key{run, rank}];
+    state.high_water = high_water;
+    for (size_t i = 0; i < n; ++i) {
+      uint64_t seq = 0;
+      if (!(in >> seq)) return false;
+      state.settled_above.insert(seq);
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [key, state] : loaded) {
+    State& into = states_[key];
+    for (uint64_t seq : state.settled_above) SettleLocked(into, seq);
+    RaiseLocked(into, state.high_water);
+  }
+  return true;
+}
+
+void DeliveryTracker::Restore() {
+  if (auto bytes = store_.ReadCheckpoint(kCheckpointName)) {
+    if (!Load(*bytes)) spdlog::warn("the ingest_seq checkpoint is unusable; ignoring it");
+  }
+  size_t marks = 0;
+  for (const std::string& bytes : store_.Events(kEventKind)) {
+    std::string run;
+    int rank = 0;
+    uint64_t seq = 0;
+    if (!DecodeMark(bytes, &run, &rank, &seq)) continue;
+    std::lock_guard<std::mutex> lock(mu_);
+    SettleLocked(states_[Key{run, rank}], seq);
+    ++marks;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!states_.empty()) {
+    spdlog::info("restored delivery marks of {} (run, rank) sender(s) ({} recent mark events)",
+                 states_.size(), marks);
+  }
+}
+
+bool DeliveryTracker::Checkpoint() {
+  std::lock_guard<std::mutex> write_lock(checkpoint_mu_);
+  std::string bytes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    commits_since_checkpoint_ = 0;
+  }
+  bytes = Save();
+  const bool ok = store_.WriteCheckpoint(kCheckpointName, bytes);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    checkpointing_ = false;
+  }
+  if (!ok) spdlog::warn("writing the ingest_seq checkpoint failed");
+  return ok;
+}
+
+}  // namespace foreshock::server
