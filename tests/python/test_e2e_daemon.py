@@ -46,7 +46,7 @@ def test_training_run_signals_match_numpy_from_the_sent_bytes(foreshockd):
     stats = result["stats"]
     assert stats["enqueued"] == len(sent) and stats["dropped_queue_full"] == 0
     assert stats["acked_records"] == stats["sent"] == len(sent), stats
-    assert stats["rejected"] == {} and stats["lost_in_flight"] == 0
+    assert stats["rejected"] == {} and stats["resent"] == 0
 
     by_layer = qk_samples_by_layer(sent)
     assert sorted(by_layer) == [0, 1, 2, 3]
@@ -108,7 +108,7 @@ def test_client_reconnects_after_the_daemon_is_killed_and_restarted(foreshockd):
         monitor.close(timeout=5)
     stats = monitor.stats()
     assert stats["reconnects"] >= 1 and stats["connected"] is False
-    assert stats["lost_in_flight"] == 0
+    assert stats["resent"] == 0
     assert stats["acked_records"] == stats["enqueued"] == 11
 
 

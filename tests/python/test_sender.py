@@ -1,7 +1,8 @@
 """The background sender against an in-process Ingest server, and against no server.
 
 Whatever the network does, monitor.step must return at once, and every record
-must be accounted for: sent = acked + rejected + lost in flight.
+must be accounted for: sent = acked + rejected + duplicates + still unacked
+(unacked batches are resent with their seqs on the next stream).
 """
 import time
 
@@ -29,7 +30,8 @@ def scalar_monitor(endpoint, **kwargs):
 
 
 def settled(stats):
-    return stats["acked_records"] + sum(stats["rejected"].values()) + stats["lost_in_flight"]
+    return (stats["acked_records"] + sum(stats["rejected"].values()) + stats["duplicates"]
+            + stats["unacked"])
 
 
 def test_hello_then_batches_with_increasing_seq_and_all_records_acked(server):
@@ -40,7 +42,8 @@ def test_hello_then_batches_with_increasing_seq_and_all_records_acked(server):
     monitor.close(timeout=10)
     stats = monitor.stats()
     assert stats["enqueued"] == stats["sent"] == stats["acked_records"] == n
-    assert stats["lost_in_flight"] == 0 and stats["rejected"] == {} and stats["unsent_at_close"] == 0
+    assert stats["resent"] == 0 and stats["rejected"] == {} and stats["unsent_at_close"] == 0
+    assert stats["dropped_unacked"] == 0 and stats["unacked"] == 0
 
     (stream,) = server.servicer.streams
     hello = stream["hello"]
@@ -48,7 +51,9 @@ def test_hello_then_batches_with_increasing_seq_and_all_records_acked(server):
                                                                          {"team": "x"})
     assert (hello.model.n_layers, hello.model.n_heads, hello.model.head_dim) == (2, 4, 8)
     seqs = [b.seq for b in stream["batches"]]
-    assert seqs == list(range(1, len(seqs) + 1))
+    # seq is per sender: it starts at the Unix time in microseconds.
+    assert hello.first_seq == seqs[0] and abs(seqs[0] / 1e6 - time.time()) < 60
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
     assert len(seqs) > 1  # the byte budget split the records into several batches
     for batch in stream["batches"]:
         assert len(batch.records) == 1 or sum(r.ByteSize() for r in batch.records) <= 400
@@ -89,9 +94,11 @@ def test_reconnects_after_the_server_restarts_and_sends_hello_again(server):
     streams = [s for s in server.servicer.streams if s["batches"]]
     assert len(streams) == 2
     assert all(s["hello"].run_id == "run-a" for s in server.servicer.streams)
-    assert [b.seq for b in streams[1]["batches"]][0] == 1  # seq restarts with the stream
+    # seq continues across streams; the new Hello names the next one.
+    assert streams[1]["batches"][0].seq == streams[0]["batches"][-1].seq + 1
+    assert streams[1]["hello"].first_seq == streams[1]["batches"][0].seq
     assert [r.step for r in server.servicer.records()] == list(range(10))
-    assert monitor.stats()["lost_in_flight"] == 0
+    assert monitor.stats()["resent"] == 0
 
 
 def test_records_wait_in_the_queue_until_a_stream_is_accepted(server):
@@ -106,24 +113,54 @@ def test_records_wait_in_the_queue_until_a_stream_is_accepted(server):
     finally:
         monitor.close(timeout=5)
     stats = monitor.stats()
-    assert stats["reconnects"] == 2 and stats["lost_in_flight"] == 0 and stats["sent"] == 5
+    assert stats["reconnects"] == 2 and stats["resent"] == 0 and stats["sent"] == 5
     assert [len(s["batches"]) > 0 for s in server.servicer.streams] == [False, False, True]
 
 
-def test_batches_unacked_when_the_stream_breaks_count_as_lost_in_flight(server):
+def test_batches_unacked_when_the_stream_breaks_are_resent_with_their_seqs(server):
     server.servicer.release_acks.clear()  # hold every ack
     monitor = scalar_monitor(server.endpoint)
     try:
         for step in range(4):
             monitor.step(step, loss=1.0)
         assert wait_until(lambda: len(server.servicer.records()) == 4)
-        assert monitor.stats()["acked_records"] == 0
+        assert monitor.stats()["acked_records"] == 0 and monitor.stats()["unacked"] == 4
         server.stop()
-        assert wait_until(lambda: monitor.stats()["lost_in_flight"] == 4)
+        assert wait_until(lambda: not monitor.stats()["connected"])
+        server.servicer.release_acks.set()
+        server.start()
+        assert wait_until(lambda: monitor.stats()["acked_records"] == 4)
     finally:
-        monitor.close(timeout=0.5)
+        monitor.close(timeout=5)
     stats = monitor.stats()
-    assert stats["sent"] == 4 and settled(stats) == 4 and stats["acked_records"] == 0
+    assert stats["sent"] == 4 and stats["resent"] == 4 and settled(stats) == 4
+    assert stats["unacked"] == 0 and stats["unsent_at_close"] == 0
+    first, second = [s for s in server.servicer.streams if s["batches"]]
+    assert [b.seq for b in second["batches"]] == [b.seq for b in first["batches"]]
+    assert second["hello"].first_seq == first["batches"][0].seq
+    assert [r.step for r in server.servicer.records()] == [0, 1, 2, 3] * 2
+
+
+def test_unacked_buffer_is_bounded_and_drops_the_oldest_without_blocking(server):
+    server.servicer.release_acks.clear()  # hold every ack
+    monitor = scalar_monitor(server.endpoint, max_batch_bytes=1, max_unacked_bytes=200)
+    try:
+        slowest = 0.0
+        for step in range(50):
+            start = time.perf_counter()
+            monitor.step(step, loss=1.0)
+            slowest = max(slowest, time.perf_counter() - start)
+        assert wait_until(lambda: monitor.stats()["sent"] == 50)
+        stats = monitor.stats()
+        assert stats["dropped_unacked"] > 0
+        assert stats["dropped_unacked"] + stats["unacked"] == 50
+        assert slowest < 0.05
+        server.servicer.release_acks.set()
+        assert wait_until(lambda: monitor.stats()["unacked"] == 0)
+        # Acks of dropped batches settle nothing; the newest are acked.
+        assert monitor.stats()["acked_records"] == 50 - stats["dropped_unacked"]
+    finally:
+        monitor.close(timeout=5)
 
 
 def test_no_daemon_never_blocks_training_and_close_is_bounded():

@@ -67,7 +67,8 @@ class Monitor:
                  every=100, rank=0,
                  labels=None, model_info=None, dtype="bf16", queue_size=1024, tap=None, *,
                  probe_id="default", causal=True, discover=True, discover_routers=True,
-                 router_dtype="fp32", queue_bytes=256 << 20, max_batch_bytes=1 << 20,
+                 router_dtype="fp32", queue_bytes=256 << 20, max_unacked_bytes=64 << 20,
+                 max_batch_bytes=1 << 20,
                  backoff_initial_s=0.1, backoff_max_s=5.0, channel_options=(), curvature=None,
                  probe_all_ranks=False, endpoints=None):
         if run_id is None or job is None:
@@ -118,7 +119,10 @@ class Monitor:
         self._queue = RecordQueue(queue_size, queue_bytes)
         hello = pb.Hello(run_id=run_id, job=job, rank=rank,
                          model=self.model_info.to_proto(), labels=dict(labels or {}))
-        self._sender = Sender(self.endpoint, hello, self._queue, max_batch_bytes=max_batch_bytes,
+        # Sent batches are kept (up to max_unacked_bytes) until acked, and
+        # resent after a reconnect (foreshock.sender).
+        self._sender = Sender(self.endpoint, hello, self._queue, max_unacked_bytes=max_unacked_bytes,
+                              max_batch_bytes=max_batch_bytes,
                               backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
                               channel_options=channel_options)
         self._closed = False

@@ -7,13 +7,19 @@ One sender thread owns the gRPC stream `foreshock.v1.Ingest/Stream`:
 - each stream starts with Hello and takes records from the queue only once the
   HelloAck came back, so records wait in the queue (not on a dead socket)
   while the daemon is down;
-- records go out in Batches of up to `max_batch_bytes`, with `seq` strictly
-  increasing per stream, starting at 1;
-- every Ack settles one batch: accepted records and rejections (by reason code);
-- when the stream breaks, batches sent but not acked are counted as
-  `lost_in_flight` (never resent: the daemon may have applied them), and the
-  thread reconnects with exponential backoff and jitter; the new stream sends
-  Hello again.
+- records go out in Batches of up to `max_batch_bytes`; `seq` is per sender,
+  not per stream: it starts at the current Unix time in microseconds (so a
+  restarted process numbers above its predecessor) and keeps increasing across
+  streams; Hello.first_seq says so, and the daemon deduplicates by
+  (run_id, rank, seq);
+- every batch stays in an unacked buffer (at most `max_unacked_bytes`; beyond
+  that the oldest batches are dropped and their records counted as
+  `dropped_unacked`) until its Ack settles it: accepted records, rejections (by
+  reason code) or `duplicates` (a resend the daemon had already stored);
+- when the stream breaks, the thread reconnects with exponential backoff and
+  jitter; the new stream sends Hello (first_seq: the oldest unacked seq), then
+  resends every unacked batch with its old seq (counted as `resent` records),
+  then new ones. The training thread never waits for any of this.
 """
 import collections
 import logging
@@ -88,13 +94,14 @@ class _Stream:
         self.lock = threading.Lock()
         self.hello_acked = threading.Event()
         self.closed = False
-        self.in_flight = {}  # seq -> number of records
+        self.in_flight = {}  # seq -> number of records, sent on this stream, not acked
 
 
 class Sender:
     """Owns the sender thread. Thread-safe: stats() and close() may be called from anywhere."""
 
-    def __init__(self, endpoint, hello, queue, *, max_batch_bytes=1 << 20,
+    def __init__(self, endpoint, hello, queue, *, max_unacked_bytes=64 << 20, on_settled=None,
+                 max_batch_bytes=1 << 20,
                  backoff_initial_s=0.1, backoff_max_s=5.0, channel_options=()):
         self._endpoint = endpoint
         self._hello = pb.StreamRequest(hello=hello)
@@ -107,8 +114,16 @@ class Sender:
         self._abort = threading.Event()    # stop now
         self._lock = threading.Lock()
         self._call = None
-        self._counts = dict(sent=0, batches_sent=0, acked_records=0, lost_in_flight=0,
-                            reconnects=0, unsent_at_close=0)
+        self._counts = dict(sent=0, batches_sent=0, acked_records=0, duplicates=0, resent=0,
+                            dropped_unacked=0, unacked=0, reconnects=0, unsent_at_close=0)
+        # Batches sent and not acked, oldest first: seq -> [(record, size)].
+        self._max_unacked_bytes = max_unacked_bytes
+        self._unacked = collections.OrderedDict()
+        self._unacked_bytes = 0
+        self._next_seq = time.time_ns() // 1000
+        # Called on the sender's response thread as on_settled(records, ack)
+        # for every batch an Ack settles (accepted, rejected or duplicate).
+        self._on_settled = on_settled
         self._rejected = collections.Counter()
         self._connected = False
         self._thread = threading.Thread(target=self._run, name="foreshock-sender", daemon=True)
@@ -118,7 +133,12 @@ class Sender:
 
     def stats(self):
         with self._lock:
-            return dict(self._counts, rejected=dict(self._rejected), connected=self._connected)
+            return dict(self._counts, unacked=sum(len(b) for b in self._unacked.values()),
+                        rejected=dict(self._rejected), connected=self._connected)
+
+    def _settled(self):
+        with self._lock:
+            return not self._unacked
 
     def close(self, timeout):
         """Sends what is queued and waits for its acks, for at most `timeout` seconds."""
@@ -132,7 +152,8 @@ class Sender:
                 call.cancel()
             self._thread.join(1.0)
         with self._lock:
-            self._counts["unsent_at_close"] = len(self._queue)
+            self._counts["unsent_at_close"] = len(self._queue) + sum(
+                len(b) for b in self._unacked.values())
 
     # -- sender thread -------------------------------------------------------
 
@@ -141,7 +162,7 @@ class Sender:
         first = True
         failures = 0  # consecutive streams without a HelloAck: log only the first
         while not self._abort.is_set():
-            if self._closing.is_set() and len(self._queue) == 0:
+            if self._closing.is_set() and len(self._queue) == 0 and self._settled():
                 return  # nothing left to deliver
             if not first:
                 with self._lock:
@@ -191,10 +212,8 @@ class Sender:
         finally:
             with stream.lock:
                 stream.closed = True
-                lost = sum(stream.in_flight.values())
-                stream.in_flight.clear()
+                stream.in_flight.clear()  # still unacked: the next stream resends them
             with self._lock:
-                self._counts["lost_in_flight"] += lost
                 self._connected = False
                 self._call = None
             channel.close()
@@ -202,16 +221,32 @@ class Sender:
 
     def _requests(self, stream):
         """Request iterator of one stream; gRPC consumes it on its own thread."""
-        yield self._hello
+        with self._lock:
+            first_seq = next(iter(self._unacked), self._next_seq)
+        hello = pb.StreamRequest()
+        hello.CopyFrom(self._hello)
+        hello.hello.first_seq = first_seq
+        yield hello
         while not stream.hello_acked.wait(_POLL_S):
             if stream.closed or self._abort.is_set():
                 return
-        seq = 0
+        # Resend what earlier streams left unacknowledged, with the same seqs.
+        with self._lock:
+            resend = list(self._unacked)
+        for seq in resend:
+            with self._lock:
+                batch = self._unacked.get(seq)
+                if batch is None:  # dropped (or acked late) meanwhile
+                    continue
+                self._counts["resent"] += len(batch)
+            with stream.lock:
+                if stream.closed:
+                    return
+                stream.in_flight[seq] = len(batch)
+            yield pb.StreamRequest(batch=pb.Batch(seq=seq, records=[r for r, _ in batch]))
         while not (stream.closed or self._abort.is_set()):
             if self._closing.is_set() and len(self._queue) == 0:
-                with stream.lock:
-                    settled = not stream.in_flight
-                if settled:
+                if self._settled():
                     return  # half-close: everything queued was sent and acked
                 time.sleep(_POLL_S)
                 continue
@@ -222,24 +257,48 @@ class Sender:
                 if stream.closed:
                     self._queue.put_front(batch)
                     return
-                seq += 1
+                with self._lock:
+                    seq = self._next_seq
+                    self._next_seq += 1
+                    self._keep_unacked(seq, batch)
+                    self._counts["sent"] += len(batch)
+                    self._counts["batches_sent"] += 1
                 stream.in_flight[seq] = len(batch)
-            with self._lock:
-                self._counts["sent"] += len(batch)
-                self._counts["batches_sent"] += 1
             yield pb.StreamRequest(batch=pb.Batch(seq=seq, records=[r for r, _ in batch]))
+
+    def _keep_unacked(self, seq, batch):
+        """Holds a sent batch until its ack; drops the oldest beyond the bound. Under _lock."""
+        size = sum(s for _, s in batch)
+        while self._unacked and self._unacked_bytes + size > self._max_unacked_bytes:
+            _, dropped = self._unacked.popitem(last=False)
+            self._unacked_bytes -= sum(s for _, s in dropped)
+            self._counts["dropped_unacked"] += len(dropped)
+        self._unacked[seq] = batch
+        self._unacked_bytes += size
 
     def _on_ack(self, stream, ack):
         with stream.lock:
             n_records = stream.in_flight.pop(ack.seq, None)
-        if n_records is None:
-            log.warning("foreshock: ack for unknown batch seq %d", ack.seq)
-            return
-        if ack.accepted + len(ack.rejections) != n_records:
+        with self._lock:
+            batch = self._unacked.pop(ack.seq, None)
+            if batch is not None:
+                self._unacked_bytes -= sum(s for _, s in batch)
+        if n_records is None or batch is None:
+            if n_records is None:
+                log.warning("foreshock: ack for unknown batch seq %d", ack.seq)
+            return  # batch is None: dropped from the unacked buffer meanwhile
+        if ack.accepted + len(ack.rejections) + ack.duplicates != n_records:
             log.warning("foreshock: batch %d had %d records; ack settles %d accepted + %d "
-                        "rejected", ack.seq, n_records, ack.accepted, len(ack.rejections))
+                        "rejected + %d duplicates", ack.seq, n_records, ack.accepted,
+                        len(ack.rejections), ack.duplicates)
+        if self._on_settled is not None:
+            try:
+                self._on_settled([r for r, _ in batch], ack)
+            except Exception:  # a user callback never stops the sender
+                log.exception("foreshock: on_settled failed")
         with self._lock:
             self._counts["acked_records"] += ack.accepted
+            self._counts["duplicates"] += ack.duplicates
             for rejection in ack.rejections:
                 # Reasons read "<code>: <detail>"; the code is the stable part.
                 self._rejected[rejection.reason.split(":", 1)[0].strip()] += 1
