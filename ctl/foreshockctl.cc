@@ -11,7 +11,11 @@
 #include <signal.h>
 
 #include <atomic>
+#include <cctype>
 #include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <cstdio>
 #include <functional>
 #include <iostream>
@@ -39,10 +43,15 @@ struct Globals {
   std::string endpoint = kDefaultEndpoint;
   bool json = false;
   int64_t timeout_s = 10;
+  // TLS (a daemon with --tls_cert): PEM contents, read at start.
+  bool tls = false;
+  std::string tls_ca, tls_cert, tls_key;
 };
 
 const std::vector<OptionSpec> kGlobalOptions = {
-    {"endpoint", true}, {"json", false}, {"timeout_s", true}, {"help", false}};
+    {"endpoint", true}, {"json", false}, {"timeout_s", true}, {"help", false},
+    {"token", true},    {"token_file", true}, {"tls_ca", true}, {"tls_cert", true},
+    {"tls_key", true}};
 
 const char kGlobalHelp[] =
     "Global options (before or after the command):\n"
@@ -53,6 +62,12 @@ const char kGlobalHelp[] =
     "                        the proto3 JSON mapping has it); one document per command, one\n"
     "                        line per event for watch\n"
     "  --timeout_s N         seconds to wait for the connection and for each reply (default 10)\n"
+    "  --token_file PATH     file holding the bearer token for a daemon with --token_file\n"
+    "                        (default: $FORESHOCK_TOKEN; --token TOKEN also works, but shows\n"
+    "                        the token to other users in the process list)\n"
+    "  --tls_ca PATH         PEM CA that signed the daemon's --tls_cert: connect with TLS\n"
+    "  --tls_cert PATH, --tls_key PATH\n"
+    "                        client certificate and key, for a daemon with --tls_client_ca\n"
     "  --help                this text, or a command's own with the command\n";
 
 const char kExitHelp[] =
@@ -108,7 +123,15 @@ std::shared_ptr<grpc::Channel> Connect(const Globals& g) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(512 << 20);
   args.SetMaxSendMessageSize(-1);
-  auto channel = grpc::CreateCustomChannel(g.endpoint, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (g.tls) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = g.tls_ca;
+    ssl.pem_private_key = g.tls_key;
+    ssl.pem_cert_chain = g.tls_cert;
+    credentials = grpc::SslCredentials(ssl);
+  }
+  auto channel = grpc::CreateCustomChannel(g.endpoint, credentials, args);
   if (!channel->WaitForConnected(std::chrono::system_clock::now() +
                                  std::chrono::seconds(g.timeout_s))) {
     Unreachable(g);
@@ -118,6 +141,7 @@ std::shared_ptr<grpc::Channel> Connect(const Globals& g) {
 }
 
 void SetDeadline(grpc::ClientContext& context, const Globals& g) {
+  AddCallToken(context);
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(g.timeout_s));
 }
 
@@ -245,6 +269,7 @@ int RunWatch(const Args& args, const Globals& g) {
   if (!channel) return kExitUsage;
   auto stub = v1::Query::NewStub(channel);
   grpc::ClientContext context;
+  AddCallToken(context);
   std::atomic<bool> interrupted{false};
   std::thread waiter([&] {
     int received = 0;
@@ -533,7 +558,9 @@ int Main(int argc, char** argv) {
     }
     if (arg.substr(0, 2) == "--") {
       const std::string_view name = arg.substr(2, arg.find('=') - 2);
-      if (arg.find('=') == std::string_view::npos && (name == "endpoint" || name == "timeout_s")) {
+      if (arg.find('=') == std::string_view::npos &&
+          (name == "endpoint" || name == "timeout_s" || name == "token" || name == "token_file" ||
+           name == "tls_ca" || name == "tls_cert" || name == "tls_key")) {
         ++i;
       }
       continue;
@@ -607,6 +634,40 @@ int Main(int argc, char** argv) {
       return kExitUsage;
     }
     globals.timeout_s = *timeout;
+  }
+  // Security: files are read once here; the token never goes to the output.
+  auto read_file = [](const std::string& flag, const std::string& path, std::string* out) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) {
+      std::fprintf(stderr, "foreshockctl: --%s: cannot read %s\n", flag.c_str(), path.c_str());
+      return false;
+    }
+    std::ostringstream text;
+    text << in.rdbuf();
+    *out = text.str();
+    return true;
+  };
+  std::string token;
+  if (args.Has("token_file")) {
+    if (!read_file("token_file", args.Get("token_file"), &token)) return kExitUsage;
+    while (!token.empty() && std::isspace(static_cast<unsigned char>(token.back()))) token.pop_back();
+  } else if (args.Has("token")) {
+    token = args.Get("token");
+  } else if (const char* env = std::getenv("FORESHOCK_TOKEN")) {
+    token = env;
+  }
+  SetCallToken(token);
+  if (args.Has("tls_cert") != args.Has("tls_key")) {
+    std::fprintf(stderr, "foreshockctl: --tls_cert and --tls_key go together\n");
+    return kExitUsage;
+  }
+  for (const char* flag : {"tls_ca", "tls_cert", "tls_key"}) {
+    if (!args.Has(flag)) continue;
+    std::string* out = std::string_view(flag) == "tls_ca"     ? &globals.tls_ca
+                       : std::string_view(flag) == "tls_cert" ? &globals.tls_cert
+                                                              : &globals.tls_key;
+    if (!read_file(flag, args.Get(flag), out)) return kExitUsage;
+    globals.tls = true;
   }
   return command->run(args, globals);
 }

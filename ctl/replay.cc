@@ -26,6 +26,7 @@ class ReplayReactor final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grp
   explicit ReplayReactor(ReplayResult& result) : result_(result) {}
 
   void Start(grpc::GenericStub& stub) {
+    AddCallToken(context_);
     stub.PrepareBidiStreamingCall(&context_, kStreamMethod, grpc::StubOptions(), this);
     AddHold();  // no OnDone before Finish: writes stay valid even on a dead stream
     StartRead(&response_);
@@ -200,6 +201,19 @@ std::optional<int64_t> FirstFrameTime(const std::string& path) {
   record::Frame frame;
   if (reader.Next(&frame) != record::ReadStatus::kFrame) return std::nullopt;
   return frame.recv_unix_us;
+}
+
+namespace {
+std::string& CallToken() {
+  static std::string token;
+  return token;
+}
+}  // namespace
+
+void SetCallToken(std::string token) { CallToken() = std::move(token); }
+
+void AddCallToken(grpc::ClientContext& context) {
+  if (!CallToken().empty()) context.AddMetadata("authorization", "Bearer " + CallToken());
 }
 
 ReplayResult ReplayFile(const std::shared_ptr<grpc::Channel>& channel, const std::string& path,

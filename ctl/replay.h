@@ -63,4 +63,11 @@ ReplayResult ReplayFile(const std::shared_ptr<grpc::Channel>& channel, const std
                         ReplaySpeed speed, int64_t origin_unix_us,
                         std::chrono::steady_clock::time_point start);
 
+// The bearer token every call of this process carries (foreshockctl --token,
+// --token_file or $FORESHOCK_TOKEN, for a daemon with --token_file); empty:
+// none. Set once before the first call.
+void SetCallToken(std::string token);
+// Adds `authorization: Bearer <token>` to `context` when a token is set.
+void AddCallToken(grpc::ClientContext& context);
+
 }  // namespace foreshock::ctl

@@ -87,14 +87,24 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
           .Set(static_cast<double>(pool_->QueueDepth(i)));
     }
   });
-  AddApiRoutes(*http_, *backend_);
+  if (options_.authorizer) {
+    auth_metrics_ = std::make_unique<AuthMetrics>(*registry_);
+    const Authorizer* authorizer = options_.authorizer.get();
+    ingest_->SetAuthorizer(authorizer, auth_metrics_.get());
+    query_->SetAuthorizer(authorizer, auth_metrics_.get());
+    http_->GuardMetrics([authorizer, metrics = auth_metrics_.get()](const std::string& header) {
+      const AccessCheck access(authorizer, metrics, "http", header);
+      return access.Check("", Right::kMetrics).ok();
+    });
+  }
+  AddApiRoutes(*http_, *backend_, options_.authorizer.get(), auth_metrics_.get());
   http_->AddRoute("/", [](const HttpRequest&) {
     return HttpResponse{200, "text/html; charset=utf-8", std::string(kWebUiHtml, kWebUiHtmlSize)};
   });
   if (init_status_.ok()) RestoreFromStore();
-  if (init_status_.ok()) delivery_->Restore();
   // Recovered runs count toward --max_runs.
   for (const RunTracker::RunSummary& run : runs_->Runs()) ingest_->NoteKnownRun(run.run);
+  if (init_status_.ok()) delivery_->Restore();
   alerts_->SetEventLog([store = store_.get()](const foreshock::v1::AlertEvent& event) {
     store->AppendEvent(kAlertEvents, event.SerializeAsString());
   });
@@ -167,7 +177,23 @@ absl::Status Daemon::Start() {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options_.listen, grpc::InsecureServerCredentials(), &grpc_port_);
+  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+  if (options_.tls.enabled()) {
+    auto cert = ReadFileToString(options_.tls.cert);
+    if (!cert.ok()) return cert.status();
+    auto key = ReadFileToString(options_.tls.key);
+    if (!key.ok()) return key.status();
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back({*key, *cert});
+    if (!options_.tls.client_ca.empty()) {
+      auto ca = ReadFileToString(options_.tls.client_ca);
+      if (!ca.ok()) return ca.status();
+      ssl.pem_root_certs = *ca;
+      ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+    }
+    credentials = grpc::SslServerCredentials(ssl);
+  }
+  builder.AddListeningPort(options_.listen, credentials, &grpc_port_);
   builder.SetMaxReceiveMessageSize(options_.max_message_bytes);
   // gRPC sets SO_REUSEPORT by default: a second daemon on the same port would
   // silently share the traffic instead of failing to start.
@@ -188,6 +214,14 @@ absl::Status Daemon::Start() {
                options_.listen, grpc_port_, options_.metrics_listen, http_->port(),
                pool_->size(),
                durable_ ? options_.store_options.data_dir : std::string("memory only"));
+  spdlog::info("security: {}; {}",
+               !options_.tls.enabled() ? "no TLS (plaintext gRPC and HTTP)"
+               : options_.tls.client_ca.empty()
+                   ? "TLS on gRPC, client certificates not required; HTTP is plaintext"
+                   : "mutual TLS on gRPC (client certificates required); HTTP is plaintext",
+               options_.authorizer
+                   ? absl::StrCat(options_.authorizer->size(), " token(s) from --token_file")
+                   : std::string("no --token_file: every client that reaches the ports is trusted"));
   if (durable_ && options_.checkpoint_interval.count() > 0) {
     checkpoint_thread_ = std::thread([this] { CheckpointLoop(); });
   }

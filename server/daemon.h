@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "alerts/config.h"
 #include "detectors/detector.h"
+#include "server/auth.h"
 #include "server/series_store.h"
 #include "server/validation.h"
 #include "store/durable_store.h"
@@ -68,6 +69,10 @@ struct DaemonOptions {
   // How often detector and alert-engine state is checkpointed into the store
   // (also at a clean shutdown); a restarted daemon continues from it.
   std::chrono::milliseconds checkpoint_interval{30000};
+  // TLS for both ports (server/auth.h). Empty cert: plaintext.
+  TlsFiles tls;
+  // Bearer-token authorization (--token_file). Null: every client is trusted.
+  std::shared_ptr<const Authorizer> authorizer;
 };
 
 class Daemon {
@@ -98,6 +103,7 @@ class Daemon {
   DaemonOptions options_;
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<DaemonMetrics> metrics_;
+  std::unique_ptr<AuthMetrics> auth_metrics_;
   std::unique_ptr<SeriesStore> store_;
   store::DurableSeriesStore* durable_ = nullptr;  // store_, when it is durable
   absl::Status init_status_;

@@ -118,6 +118,25 @@ ABSL_FLAG(int64_t, checkpoint_interval_s, 30,
           "Seconds between checkpoints of the detector and alert-engine state (previous probe "
           "samples, baselines, alert lifecycles) into the data directory; also written at a "
           "clean shutdown. 0: only at shutdown.");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate (chain) of the daemon: with --tls_key, the gRPC port speaks TLS only. "
+          "The HTTP port (--metrics_listen) stays plaintext (the civetweb build has no working "
+          "HTTPS) and must be on loopback unless --insecure. Empty: plaintext gRPC.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: with it, every gRPC client must present a certificate signed by one of "
+          "these CAs (mutual TLS). Needs --tls_cert.");
+ABSL_FLAG(std::string, token_file, "",
+          "File of bearer tokens, one grant per line: '<token> <run-prefix>[,...] "
+          "<right>[,...]' with rights ingest, query, metrics ('*' as the prefix: every run; "
+          "/metrics needs a '*' grant with the metrics right). Clients send "
+          "'authorization: Bearer <token>'. Empty: no authorization, and the daemon only "
+          "listens on loopback (unless --insecure).");
+ABSL_FLAG(bool, insecure, false,
+          "Allow --listen on a non-loopback address without both TLS (--tls_cert) and tokens "
+          "(--token_file), and --metrics_listen on a non-loopback address at all (plaintext "
+          "HTTP), e.g. inside a cluster network that is protected otherwise. Without it such a "
+          "start is refused (exit 2).");
 ABSL_FLAG(std::string, log_level, "info", "Log level: trace, debug, info, warn, error, off.");
 
 int main(int argc, char** argv) {
@@ -186,6 +205,62 @@ int main(int argc, char** argv) {
     }
     options.alert_config = *std::move(config);
     spdlog::info("alert configuration loaded from {}", path);
+  }
+
+  // Transport security and authorization, and the safe defaults.
+  options.tls.cert = absl::GetFlag(FLAGS_tls_cert);
+  options.tls.key = absl::GetFlag(FLAGS_tls_key);
+  options.tls.client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  if (options.tls.cert.empty() != options.tls.key.empty()) {
+    spdlog::critical("--tls_cert and --tls_key go together");
+    return 2;
+  }
+  if (!options.tls.client_ca.empty() && options.tls.cert.empty()) {
+    spdlog::critical("--tls_client_ca needs --tls_cert and --tls_key");
+    return 2;
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
+    auto authorizer = foreshock::server::Authorizer::LoadFile(path);
+    if (!authorizer.ok()) {
+      spdlog::critical("--token_file: {}", std::string(authorizer.status().message()));
+      return 2;
+    }
+    options.authorizer = *std::move(authorizer);
+  }
+  {
+    using foreshock::server::IsLoopbackAddress;
+    const bool insecure = absl::GetFlag(FLAGS_insecure);
+    const bool secured = options.tls.enabled() && options.authorizer != nullptr;
+    if (!IsLoopbackAddress(options.listen) && !secured) {
+      if (!insecure) {
+        spdlog::critical(
+            "refusing --listen={} (not loopback) without TLS (--tls_cert/--tls_key) and tokens "
+            "(--token_file): anyone who can reach the port could write and read every run. "
+            "Bind to 127.0.0.1, add TLS and tokens, or pass --insecure if the network is "
+            "protected otherwise.",
+            options.listen);
+        return 2;
+      }
+      spdlog::warn("--insecure: gRPC on {} without {}", options.listen,
+                   options.tls.enabled() ? "tokens"
+                   : options.authorizer  ? "TLS"
+                                         : "TLS and tokens");
+    }
+    if (!IsLoopbackAddress(options.metrics_listen)) {
+      if (!insecure) {
+        spdlog::critical(
+            "refusing --metrics_listen={} (not loopback): the HTTP port (/metrics, /api/v1, the "
+            "UI) is plaintext only{}. Bind it to 127.0.0.1 (and put a TLS proxy in front), or "
+            "pass --insecure if the network is protected otherwise.",
+            options.metrics_listen,
+            options.authorizer ? ", and bearer tokens would cross the network in clear" : "");
+        return 2;
+      }
+      spdlog::warn("--insecure: plaintext HTTP on {}", options.metrics_listen);
+    }
+    if (!options.authorizer && !insecure) {
+      spdlog::info("no --token_file: listening on loopback only; every local client is trusted");
+    }
   }
 
   foreshock::server::Daemon daemon(options);

@@ -39,6 +39,8 @@ HttpResponse Error(const absl::Status& status) {
     case absl::StatusCode::kInvalidArgument: http = 400; break;
     case absl::StatusCode::kNotFound: http = 404; break;
     case absl::StatusCode::kResourceExhausted: http = 413; break;
+    case absl::StatusCode::kUnauthenticated: http = 401; break;
+    case absl::StatusCode::kPermissionDenied: http = 403; break;
     default: break;
   }
   return HttpResponse{http, "application/json",
@@ -84,16 +86,23 @@ std::string Param(const HttpRequest& request, const std::string& name) {
 
 }  // namespace
 
-void AddApiRoutes(HttpServer& http, const QueryBackend& backend) {
-  http.AddRoute("/api/v1/runs", [&backend](const HttpRequest&) { return Json(backend.ListRuns()); });
-
-  http.AddRoute("/api/v1/series", [&backend](const HttpRequest& request) {
-    v1::ListSeriesRequest query;
-    query.set_run(Param(request, "run"));
-    return JsonOr(backend.ListSeries(query));
+void AddApiRoutes(HttpServer& http, const QueryBackend& backend, const Authorizer* authorizer,
+                  AuthMetrics* auth_metrics) {
+  auto access = [authorizer, auth_metrics](const HttpRequest& request) {
+    return authorizer ? AccessCheck(authorizer, auth_metrics, "http", request.authorization)
+                      : AccessCheck();
+  };
+  http.AddRoute("/api/v1/runs", [&backend, access](const HttpRequest& request) {
+    return JsonOr(backend.ListRuns(access(request)));
   });
 
-  http.AddRoute("/api/v1/points", [&backend](const HttpRequest& request) {
+  http.AddRoute("/api/v1/series", [&backend, access](const HttpRequest& request) {
+    v1::ListSeriesRequest query;
+    query.set_run(Param(request, "run"));
+    return JsonOr(backend.ListSeries(query, access(request)));
+  });
+
+  http.AddRoute("/api/v1/points", [&backend, access](const HttpRequest& request) {
     v1::GetSeriesRequest query;
     query.set_run(Param(request, "run"));
     query.set_signal(Param(request, "signal"));
@@ -111,15 +120,15 @@ void AddApiRoutes(HttpServer& http, const QueryBackend& backend) {
     if (*from) query.set_from_step(**from);
     if (*to) query.set_to_step(**to);
     if (*max_points) query.set_max_points(**max_points);
-    return JsonOr(backend.GetSeries(query));
+    return JsonOr(backend.GetSeries(query, access(request)));
   });
 
-  http.AddRoute("/api/v1/alerts", [&backend](const HttpRequest& request) {
+  http.AddRoute("/api/v1/alerts", [&backend, access](const HttpRequest& request) {
     v1::ListAlertsRequest query;
     query.set_run(Param(request, "run"));
     const std::string resolved = Param(request, "include_resolved");
     query.set_include_resolved(resolved == "true" || resolved == "1");
-    return Json(backend.ListAlerts(query));
+    return JsonOr(backend.ListAlerts(query, access(request)));
   });
 }
 

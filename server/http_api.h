@@ -17,6 +17,11 @@
 
 namespace foreshock::server {
 
-void AddApiRoutes(HttpServer& http, const QueryBackend& backend);
+// With an `authorizer` (--token_file), every /api/v1 request needs
+// `Authorization: Bearer <token>` with the query right for the runs it reads:
+// 401 without a valid token, 403 for a run the token does not cover; /runs
+// and /alerts without a run list only the runs it covers.
+void AddApiRoutes(HttpServer& http, const QueryBackend& backend,
+                  const Authorizer* authorizer = nullptr, AuthMetrics* auth_metrics = nullptr);
 
 }  // namespace foreshock::server

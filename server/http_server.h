@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "prometheus/registry.h"
+#include "server/auth.h"
 
 class CivetServer;
 
@@ -19,6 +20,7 @@ namespace foreshock::server {
 struct HttpRequest {
   std::string path;
   std::map<std::string, std::string> query;  // decoded; the last of repeated keys wins
+  std::string authorization;                 // the Authorization header; never log it
 };
 
 struct HttpResponse {
@@ -36,7 +38,12 @@ class HttpServer {
   ~HttpServer();
   // GET `path` (exact match) answers with `handler`; call before Start.
   void AddRoute(std::string path, HttpHandler handler);
-  // `listen` is HOST:PORT; port 0 picks a free port.
+  // /metrics answers 401 unless `allowed(authorization header)`; call before Start.
+  void GuardMetrics(std::function<bool(const std::string&)> allowed) {
+    metrics_allowed_ = std::move(allowed);
+  }
+  // `listen` is HOST:PORT; port 0 picks a free port. Plaintext HTTP only
+  // (see http_server.cc for why there is no HTTPS).
   absl::Status Start(const std::string& listen);
   void Stop();
   int port() const { return port_; }
@@ -47,6 +54,7 @@ class HttpServer {
   class RouteHandler;
   std::shared_ptr<prometheus::Registry> registry_;
   std::function<void()> before_scrape_;
+  std::function<bool(const std::string&)> metrics_allowed_;
   std::unique_ptr<CivetServer> server_;
   std::unique_ptr<MetricsHandler> metrics_handler_;
   std::unique_ptr<TextHandler> index_handler_;

@@ -43,7 +43,8 @@ int64_t NowUnixMicros() {
 // --record_dir), then parsed here.
 class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
-  IngestReactor(IngestService& service, uint64_t session) : service_(service), session_(session) {
+  IngestReactor(IngestService& service, uint64_t session, AccessCheck access = {})
+      : service_(service), session_(session), access_(std::move(access)) {
     service_.metrics_.ingest_streams_total.Add({}).Increment();
     service_.metrics_.ingest_active_streams.Add({}).Increment();
     StartRead(&received_);
@@ -142,6 +143,12 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     }
     if (auto rejection = ValidateHello(request_.hello(), service_.limits_)) {
       FailStream(rejection->code, rejection->detail);
+      return;
+    }
+    // --token_file: the stream's token must grant ingest for the Hello's run.
+    if (absl::Status allowed = access_.Check(request_.hello().run_id(), Right::kIngest);
+        !allowed.ok()) {
+      DenyStream(allowed);
       return;
     }
     if (!service_.AdmitRun(request_.hello().run_id())) {
@@ -386,6 +393,18 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     MaybeFinishLocked();
   }
 
+  // Ends the stream with UNAUTHENTICATED or PERMISSION_DENIED (counted by
+  // AccessCheck). The log names the grant, never the token.
+  void DenyStream(const absl::Status& status) {
+    spdlog::warn("stream {} refused ({}): {}", session_, access_.name(),
+                 std::string(status.message()));
+    std::lock_guard<std::mutex> lock(mu_);
+    reads_done_ = true;
+    finish_status_ = grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                                  std::string(status.message()));
+    MaybeFinishLocked();
+  }
+
   // Ends the stream with RESOURCE_EXHAUSTED (a limit, not a bad client).
   void RefuseStream(std::string_view code, const std::string& detail) {
     service_.metrics_.CountRejection(code);
@@ -428,6 +447,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   IngestService& service_;
   const uint64_t session_;
+  const AccessCheck access_;
   grpc::ByteBuffer received_;
   v1::StreamRequest request_;
   bool recording_ = false;    // the recorder has a file for this stream
@@ -529,7 +549,13 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::Stre
     open_streams_.fetch_sub(1);
     return RefuseStream(context);
   }
-  return new IngestReactor(*this, next_session_.fetch_add(1));
+  if (authorizer_ == nullptr) return new IngestReactor(*this, next_session_.fetch_add(1));
+  const auto& metadata = context->client_metadata();
+  auto it = metadata.find("authorization");
+  const std::string_view authorization =
+      it == metadata.end() ? std::string_view() : std::string_view(it->second.data(), it->second.size());
+  return new IngestReactor(*this, next_session_.fetch_add(1),
+                           AccessCheck(authorizer_, auth_metrics_, "grpc_ingest", authorization));
 }
 
 }  // namespace foreshock::server

@@ -17,6 +17,7 @@
 #include "foreshock/v1/ingest.grpc.pb.h"
 #include "server/admission.h"
 #include "server/delivery.h"
+#include "server/auth.h"
 #include "server/metrics.h"
 #include "server/stream_recorder.h"
 #include "server/validation.h"
@@ -39,6 +40,13 @@ class IngestService final
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Stream(
       grpc::CallbackServerContext* context) override;
 
+  // --token_file: every Hello must carry a token granting ingest for its run.
+  // Call before the server starts. Null: no authorization.
+  void SetAuthorizer(const Authorizer* authorizer, AuthMetrics* metrics) {
+    authorizer_ = authorizer;
+    auth_metrics_ = metrics;
+  }
+
   // A run the daemon already has (recovered from its data directory): it
   // counts toward --max_runs, and its Hellos are always admitted.
   void NoteKnownRun(const std::string& run_id);
@@ -59,7 +67,6 @@ class IngestService final
   HelloObserver on_hello_;
   std::unique_ptr<StreamRecorder> recorder_;  // null: streams are not recorded
   std::atomic<uint64_t> next_session_{1};
-  DeliveryTracker* delivery_ = nullptr;
   // --max_streams and --max_runs (limits_).
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* RefuseStream(
       grpc::CallbackServerContext* context);
@@ -68,6 +75,9 @@ class IngestService final
   std::atomic<uint64_t> refused_streams_{0};
   std::mutex runs_mu_;
   std::unordered_set<std::string> runs_;  // runs with an admitted Hello, or known
+  DeliveryTracker* delivery_ = nullptr;
+  const Authorizer* authorizer_ = nullptr;
+  AuthMetrics* auth_metrics_ = nullptr;
 };
 
 }  // namespace foreshock::server

@@ -148,3 +148,58 @@ v1::ListAlertsResponse QueryBackend::ListAlerts(const v1::ListAlertsRequest& req
 }
 
 }  // namespace foreshock::server
+
+namespace foreshock::server {
+
+namespace {
+absl::Status RequireToken(const AccessCheck& access) {
+  if (!access.authenticated().ok()) access.CountUnauthenticated();
+  return access.authenticated();
+}
+}  // namespace
+
+absl::StatusOr<foreshock::v1::ListRunsResponse> QueryBackend::ListRuns(
+    const AccessCheck& access) const {
+  if (absl::Status status = RequireToken(access); !status.ok()) return status;
+  foreshock::v1::ListRunsResponse all = ListRuns();
+  foreshock::v1::ListRunsResponse visible;
+  for (auto& run : *all.mutable_runs()) {
+    if (access.Allows(run.run(), Right::kQuery)) *visible.add_runs() = std::move(run);
+  }
+  return visible;
+}
+
+absl::StatusOr<foreshock::v1::ListSeriesResponse> QueryBackend::ListSeries(
+    const foreshock::v1::ListSeriesRequest& request, const AccessCheck& access) const {
+  if (absl::Status status = access.Check(request.run(), Right::kQuery); !status.ok()) {
+    return status;
+  }
+  return ListSeries(request);
+}
+
+absl::StatusOr<foreshock::v1::GetSeriesResponse> QueryBackend::GetSeries(
+    const foreshock::v1::GetSeriesRequest& request, const AccessCheck& access) const {
+  if (absl::Status status = access.Check(request.run(), Right::kQuery); !status.ok()) {
+    return status;
+  }
+  return GetSeries(request);
+}
+
+absl::StatusOr<foreshock::v1::ListAlertsResponse> QueryBackend::ListAlerts(
+    const foreshock::v1::ListAlertsRequest& request, const AccessCheck& access) const {
+  if (!request.run().empty()) {
+    if (absl::Status status = access.Check(request.run(), Right::kQuery); !status.ok()) {
+      return status;
+    }
+    return ListAlerts(request);
+  }
+  if (absl::Status status = RequireToken(access); !status.ok()) return status;
+  foreshock::v1::ListAlertsResponse all = ListAlerts(request);
+  foreshock::v1::ListAlertsResponse visible;
+  for (auto& alert : *all.mutable_alerts()) {
+    if (access.Allows(alert.run(), Right::kQuery)) *visible.add_alerts() = std::move(alert);
+  }
+  return visible;
+}
+
+}  // namespace foreshock::server

@@ -8,6 +8,7 @@
 #include "absl/status/statusor.h"
 #include "foreshock/v1/query.pb.h"
 #include "server/alert_hub.h"
+#include "server/auth.h"
 #include "server/run_tracker.h"
 #include "server/series_store.h"
 
@@ -34,6 +35,18 @@ class QueryBackend {
       const foreshock::v1::GetSeriesRequest& request) const;
   foreshock::v1::ListAlertsResponse ListAlerts(
       const foreshock::v1::ListAlertsRequest& request) const;
+
+  // The same, as `access` (--token_file) allows: UNAUTHENTICATED without a
+  // valid token; PERMISSION_DENIED for a named run the token may not query;
+  // lists over every run (ListRuns, ListAlerts without a run) are filtered to
+  // the runs it may query.
+  absl::StatusOr<foreshock::v1::ListRunsResponse> ListRuns(const AccessCheck& access) const;
+  absl::StatusOr<foreshock::v1::ListSeriesResponse> ListSeries(
+      const foreshock::v1::ListSeriesRequest& request, const AccessCheck& access) const;
+  absl::StatusOr<foreshock::v1::GetSeriesResponse> GetSeries(
+      const foreshock::v1::GetSeriesRequest& request, const AccessCheck& access) const;
+  absl::StatusOr<foreshock::v1::ListAlertsResponse> ListAlerts(
+      const foreshock::v1::ListAlertsRequest& request, const AccessCheck& access) const;
 
  private:
   const SeriesStore& store_;

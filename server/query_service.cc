@@ -26,29 +26,37 @@ grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context,
 
 }  // namespace
 
+AccessCheck QueryService::Access(grpc::CallbackServerContext* context) const {
+  if (authorizer_ == nullptr) return AccessCheck();
+  const auto& metadata = context->client_metadata();
+  auto it = metadata.find("authorization");
+  const std::string_view authorization =
+      it == metadata.end() ? std::string_view() : std::string_view(it->second.data(), it->second.size());
+  return AccessCheck(authorizer_, auth_metrics_, "grpc_query", authorization);
+}
+
 grpc::ServerUnaryReactor* QueryService::ListAlerts(grpc::CallbackServerContext* context,
                                                    const v1::ListAlertsRequest* request,
                                                    v1::ListAlertsResponse* response) {
-  return Answer(context, absl::StatusOr<v1::ListAlertsResponse>(backend_.ListAlerts(*request)),
-                response);
+  return Answer(context, backend_.ListAlerts(*request, Access(context)), response);
 }
 
 grpc::ServerUnaryReactor* QueryService::ListRuns(grpc::CallbackServerContext* context,
                                                  const v1::ListRunsRequest*,
                                                  v1::ListRunsResponse* response) {
-  return Answer(context, absl::StatusOr<v1::ListRunsResponse>(backend_.ListRuns()), response);
+  return Answer(context, backend_.ListRuns(Access(context)), response);
 }
 
 grpc::ServerUnaryReactor* QueryService::ListSeries(grpc::CallbackServerContext* context,
                                                    const v1::ListSeriesRequest* request,
                                                    v1::ListSeriesResponse* response) {
-  return Answer(context, backend_.ListSeries(*request), response);
+  return Answer(context, backend_.ListSeries(*request, Access(context)), response);
 }
 
 grpc::ServerUnaryReactor* QueryService::GetSeries(grpc::CallbackServerContext* context,
                                                   const v1::GetSeriesRequest* request,
                                                   v1::GetSeriesResponse* response) {
-  return Answer(context, backend_.GetSeries(*request), response);
+  return Answer(context, backend_.GetSeries(*request, Access(context)), response);
 }
 
 namespace {
@@ -59,13 +67,16 @@ namespace {
 // with the end of the stream is simply dropped.
 class WatchReactor final : public grpc::ServerWriteReactor<v1::AlertEvent> {
  public:
-  WatchReactor(AlertHub& hub, DaemonMetrics& metrics, const v1::WatchAlertsRequest& request)
+  // `access` filters the events of a watch over every run (--token_file).
+  WatchReactor(AlertHub& hub, DaemonMetrics& metrics, const v1::WatchAlertsRequest& request,
+               std::shared_ptr<const AccessCheck> access)
       : hub_(hub), metrics_(metrics), state_(std::make_shared<State>()) {
     state_->reactor = this;
     std::weak_ptr<State> weak = state_;
     DaemonMetrics* m = &metrics_;
     subscription_ = hub_.Subscribe(request.run(), request.send_active(),
-                                   [weak, m](const v1::AlertEvent& event) {
+                                   [weak, m, access](const v1::AlertEvent& event) {
+                                     if (access && !access->Allows(event.alert().run(), Right::kQuery)) return;
                                      if (auto state = weak.lock()) state->Push(event, *m);
                                    });
   }
@@ -137,7 +148,21 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::AlertEvent> {
 
 grpc::ServerWriteReactor<v1::AlertEvent>* QueryService::WatchAlerts(
     grpc::CallbackServerContext* context, const v1::WatchAlertsRequest* request) {
-  return new WatchReactor(alerts_, metrics_, *request);
+  auto access = std::make_shared<const AccessCheck>(Access(context));
+  absl::Status allowed = request->run().empty() ? access->authenticated()
+                                                : access->Check(request->run(), Right::kQuery);
+  if (request->run().empty() && !allowed.ok()) access->CountUnauthenticated();
+  if (!allowed.ok()) {
+    // A refused watch: a reactor that only finishes.
+    class Refused final : public grpc::ServerWriteReactor<v1::AlertEvent> {
+     public:
+      explicit Refused(const grpc::Status& status) { Finish(status); }
+      void OnDone() override { delete this; }
+    };
+    return new Refused(ToGrpc(allowed));
+  }
+  return new WatchReactor(alerts_, metrics_, *request,
+                          authorizer_ ? std::move(access) : nullptr);
 }
 
 }  // namespace foreshock::server

@@ -7,6 +7,7 @@
 
 #include "foreshock/v1/query.grpc.pb.h"
 #include "server/alert_hub.h"
+#include "server/auth.h"
 #include "server/metrics.h"
 #include "server/query_backend.h"
 
@@ -36,7 +37,17 @@ class QueryService final : public foreshock::v1::Query::CallbackService {
                                       const foreshock::v1::GetSeriesRequest* request,
                                       foreshock::v1::GetSeriesResponse* response) override;
 
+  // --token_file: calls need a token with the query right for the runs they
+  // read (QueryBackend's authorized variants). Null: no authorization.
+  void SetAuthorizer(const Authorizer* authorizer, AuthMetrics* metrics) {
+    authorizer_ = authorizer;
+    auth_metrics_ = metrics;
+  }
+
  private:
+  AccessCheck Access(grpc::CallbackServerContext* context) const;
+  const Authorizer* authorizer_ = nullptr;
+  AuthMetrics* auth_metrics_ = nullptr;
   AlertHub& alerts_;
   DaemonMetrics& metrics_;
   const QueryBackend& backend_;

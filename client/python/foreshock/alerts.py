@@ -13,6 +13,7 @@ import threading
 
 import grpc
 
+from foreshock.security import Security
 from foreshock.v1 import query_pb2, query_pb2_grpc
 
 log = logging.getLogger("foreshock")
@@ -22,8 +23,9 @@ class AlertWatcher:
     """Streams foreshock.v1.Query/WatchAlerts for one run (or all, run="") to callbacks."""
 
     def __init__(self, endpoint, run, *, backoff_initial_s=0.2, backoff_max_s=5.0,
-                 channel_options=()):
+                 channel_options=(), security=None):
         self.endpoint = endpoint
+        self._security = security or Security()  # TLS and token (foreshock.security)
         self.run = run
         self._callbacks = []
         self._lock = threading.Lock()
@@ -56,10 +58,11 @@ class AlertWatcher:
         first = True
         while not self._stop.is_set():
             try:
-                with grpc.insecure_channel(self.endpoint, options=self._channel_options) as channel:
+                with self._security.channel(self.endpoint, self._channel_options) as channel:
                     stub = query_pb2_grpc.QueryStub(channel)
                     call = stub.WatchAlerts(query_pb2.WatchAlertsRequest(run=self.run,
-                                                                         send_active=True))
+                                                                         send_active=True),
+                                            metadata=self._security.metadata)
                     with self._lock:
                         self._call = call
                     if self._stop.is_set():

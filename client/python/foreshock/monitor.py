@@ -19,6 +19,7 @@ import torch
 
 from foreshock import capture, encoding, sharding
 from foreshock.alerts import AlertWatcher
+from foreshock.security import Security
 from foreshock.sender import RecordQueue, Sender
 from foreshock.v1 import ingest_pb2 as pb
 
@@ -61,6 +62,10 @@ class Monitor:
         small, and bf16 ties would blur top-k flips).
       curvature: an optional foreshock.curvature.CurvatureEstimator; step()
         runs it when it is due (its own `every`) and sends a CurvatureSample.
+      token: bearer token for a daemon with --token_file (default
+        $FORESHOCK_TOKEN); sent as `authorization: Bearer <token>`.
+      tls_ca, tls_cert, tls_key: PEM files for a daemon with --tls_cert: the CA
+        that signed it, and the client certificate/key when it requires one.
     """
 
     def __init__(self, endpoint=None, run_id=None, job=None, model=None, probe_batch=None,
@@ -70,7 +75,8 @@ class Monitor:
                  router_dtype="fp32", queue_bytes=256 << 20, max_unacked_bytes=64 << 20,
                  max_batch_bytes=1 << 20,
                  backoff_initial_s=0.1, backoff_max_s=5.0, channel_options=(), curvature=None,
-                 probe_all_ranks=False, endpoints=None):
+                 probe_all_ranks=False, endpoints=None, token=None, tls_ca=None, tls_cert=None,
+                 tls_key=None):
         if run_id is None or job is None:
             raise TypeError("Monitor() needs run_id and job")
         if (endpoint is None) == (endpoints is None):
@@ -95,6 +101,9 @@ class Monitor:
                      len(self.endpoints))
         self._run_id = run_id
         self._channel_options = channel_options
+        # TLS files and the bearer token (default $FORESHOCK_TOKEN) for every
+        # connection to the daemon (foreshock.security).
+        self._security = Security(token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
         self._alerts = None  # an AlertWatcher once on_alert is used
 
         given = model_info or capture.ModelInfo()
@@ -124,7 +133,7 @@ class Monitor:
         self._sender = Sender(self.endpoint, hello, self._queue, max_unacked_bytes=max_unacked_bytes,
                               max_batch_bytes=max_batch_bytes,
                               backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
-                              channel_options=channel_options)
+                              channel_options=channel_options, security=self._security)
         self._closed = False
         self._sender.start()
 
@@ -264,7 +273,8 @@ class Monitor:
         thread: set a flag there and act on it in the training loop."""
         if self._alerts is None:
             self._alerts = AlertWatcher(self.endpoint, self._run_id,
-                                        channel_options=self._channel_options)
+                                        channel_options=self._channel_options,
+                                        security=self._security)
         self._alerts.add_callback(callback)
 
     def close(self, timeout=5.0):

@@ -29,6 +29,7 @@ import time
 
 import grpc
 
+from foreshock.security import Security
 from foreshock.v1 import ingest_pb2 as pb
 from foreshock.v1 import ingest_pb2_grpc as pb_grpc
 
@@ -102,8 +103,9 @@ class Sender:
 
     def __init__(self, endpoint, hello, queue, *, max_unacked_bytes=64 << 20, on_settled=None,
                  max_batch_bytes=1 << 20,
-                 backoff_initial_s=0.1, backoff_max_s=5.0, channel_options=()):
+                 backoff_initial_s=0.1, backoff_max_s=5.0, channel_options=(), security=None):
         self._endpoint = endpoint
+        self._security = security or Security()  # TLS and token (foreshock.security)
         self._hello = pb.StreamRequest(hello=hello)
         self._queue = queue
         self._max_batch_bytes = max_batch_bytes
@@ -183,10 +185,11 @@ class Sender:
     def _run_stream(self, quiet):
         """One stream's life. Returns (got a HelloAck, ended cleanly after a flush)."""
         stream = _Stream()
-        channel = grpc.insecure_channel(self._endpoint, options=self._channel_options)
+        channel = self._security.channel(self._endpoint, options=self._channel_options)
         finished = False
         try:
-            call = pb_grpc.IngestStub(channel).Stream(self._requests(stream))
+            call = pb_grpc.IngestStub(channel).Stream(self._requests(stream),
+                                                      metadata=self._security.metadata)
             with self._lock:
                 self._call = call
             if self._abort.is_set():
