@@ -76,7 +76,7 @@ def test_deployment_pvc_and_probes():
     args = container["args"]
     assert "--listen=0.0.0.0:50051" in args
     assert "--metrics_listen=0.0.0.0:9464" in args
-    assert "--insecure" in args  # foreshockd refuses 0.0.0.0 without TLS and tokens otherwise
+    assert "--insecure=true" in args  # foreshockd refuses 0.0.0.0 without TLS and tokens otherwise
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"grpc": 50051, "metrics": 9464}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
