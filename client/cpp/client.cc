@@ -1,6 +1,7 @@
 #include "foreshock/client.h"
 
 #include <bit>
+#include <chrono>
 #include <cstring>
 
 namespace foreshock::client {
@@ -55,6 +56,38 @@ v1::Tensor MakeTensor(v1::DType dtype, std::vector<int64_t> shape, const float* 
   return tensor;
 }
 
+SenderState::SenderState(size_t max_unacked_bytes)
+    : max_unacked_bytes_(max_unacked_bytes),
+      next_seq_(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                          std::chrono::system_clock::now().time_since_epoch())
+                                          .count())) {}
+
+uint64_t SenderState::first_seq() const {
+  return unacked_.empty() ? next_seq_ : unacked_.begin()->first;
+}
+
+uint64_t SenderState::Assign(v1::Batch& batch) {
+  const uint64_t seq = next_seq_++;
+  batch.set_seq(seq);
+  const size_t size = batch.ByteSizeLong();
+  while (!unacked_.empty() && unacked_bytes_ + size > max_unacked_bytes_) {
+    auto oldest = unacked_.begin();
+    unacked_bytes_ -= oldest->second.ByteSizeLong();
+    dropped_records_ += static_cast<uint64_t>(oldest->second.records_size());
+    unacked_.erase(oldest);
+  }
+  unacked_.emplace(seq, batch);
+  unacked_bytes_ += size;
+  return seq;
+}
+
+void SenderState::Settle(const v1::Ack& ack) {
+  auto it = unacked_.find(ack.seq());
+  if (it == unacked_.end()) return;
+  unacked_bytes_ -= it->second.ByteSizeLong();
+  unacked_.erase(it);
+}
+
 IngestStream::IngestStream(std::shared_ptr<grpc::Channel> channel)
     : stub_(v1::Ingest::NewStub(channel)) {}
 
@@ -81,7 +114,22 @@ grpc::Status IngestStream::Open(const v1::Hello& hello) {
   return grpc::Status::OK;
 }
 
+grpc::Status IngestStream::Open(const v1::Hello& hello, SenderState* sender) {
+  v1::Hello with_seq = hello;
+  with_seq.set_first_seq(sender->first_seq());
+  grpc::Status status = Open(with_seq);
+  if (!status.ok()) return status;
+  sender_ = sender;
+  for (const auto& [seq, batch] : sender->unacked()) {
+    v1::StreamRequest request;
+    *request.mutable_batch() = batch;
+    if (!stream_->Write(request)) break;  // broken: the next stream resends
+  }
+  return grpc::Status::OK;
+}
+
 bool IngestStream::Send(v1::Batch batch, std::optional<uint64_t> seq) {
+  if (sender_ != nullptr && !seq) seq = sender_->Assign(batch);
   batch.set_seq(seq.value_or(next_seq_));
   next_seq_ = std::max(next_seq_, batch.seq() + 1);
   v1::StreamRequest request;
@@ -92,7 +140,9 @@ bool IngestStream::Send(v1::Batch batch, std::optional<uint64_t> seq) {
 std::optional<v1::Ack> IngestStream::ReadAck() {
   v1::StreamResponse response;
   while (stream_->Read(&response)) {
-    if (response.has_ack()) return response.ack();
+    if (!response.has_ack()) continue;
+    if (sender_ != nullptr) sender_->Settle(response.ack());
+    return response.ack();
   }
   return std::nullopt;
 }
@@ -108,6 +158,7 @@ grpc::Status IngestStream::Close() {
   stream_->WritesDone();
   v1::StreamResponse response;
   while (stream_->Read(&response)) {
+    if (sender_ != nullptr && response.has_ack()) sender_->Settle(response.ack());
   }
   return stream_->Finish();
 }

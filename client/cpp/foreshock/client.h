@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -22,6 +23,35 @@ foreshock::v1::Tensor MakeTensor(foreshock::v1::DType dtype, std::vector<int64_t
 uint16_t FloatToBFloat16(float value);
 uint16_t FloatToHalf(float value);
 
+// A sender's numbering and its unacknowledged batches, kept across streams
+// (Hello.first_seq in ingest.proto): seqs start at the Unix time in
+// microseconds and keep increasing; every sent batch is kept until its Ack,
+// at most `max_unacked_bytes` (the oldest are dropped beyond that and their
+// records counted). IngestStream::Open with a SenderState resends what it
+// holds, with the same seqs; the daemon deduplicates by (run, rank, seq).
+// Not thread-safe: one per rank, used by one stream at a time.
+class SenderState {
+ public:
+  explicit SenderState(size_t max_unacked_bytes = size_t{64} << 20);
+
+  // The oldest seq this sender may still send: Hello.first_seq.
+  uint64_t first_seq() const;
+  // Numbers the batch and keeps a copy until it is acked.
+  uint64_t Assign(foreshock::v1::Batch& batch);
+  // Forgets the batch the ack settles.
+  void Settle(const foreshock::v1::Ack& ack);
+
+  const std::map<uint64_t, foreshock::v1::Batch>& unacked() const { return unacked_; }
+  uint64_t dropped_records() const { return dropped_records_; }
+
+ private:
+  size_t max_unacked_bytes_;
+  uint64_t next_seq_;
+  std::map<uint64_t, foreshock::v1::Batch> unacked_;
+  size_t unacked_bytes_ = 0;
+  uint64_t dropped_records_ = 0;
+};
+
 class IngestStream {
  public:
   explicit IngestStream(std::shared_ptr<grpc::Channel> channel);
@@ -30,9 +60,14 @@ class IngestStream {
   // Opens the stream and exchanges Hello/HelloAck. On failure returns the
   // stream's final status.
   grpc::Status Open(const foreshock::v1::Hello& hello);
+  // With a SenderState (which must outlive the stream): Hello.first_seq is
+  // set from it, its unacked batches are resent first (same seqs), Send
+  // numbers batches through it and acks read settle them.
+  grpc::Status Open(const foreshock::v1::Hello& hello, SenderState* sender);
   const std::string& session_id() const { return session_id_; }
 
-  // Sends a batch with the next seq (assigned here unless `seq` is given).
+  // Sends a batch with the next seq (assigned here unless `seq` is given;
+  // with a SenderState, the sender's next seq unless `seq` is given).
   // Returns false if the stream is broken.
   bool Send(foreshock::v1::Batch batch, std::optional<uint64_t> seq = std::nullopt);
   // Blocks for the next Ack; nullopt once the stream has ended.
@@ -52,6 +87,7 @@ class IngestStream {
   std::string session_id_;
   uint64_t next_seq_ = 1;
   bool closed_ = false;
+  SenderState* sender_ = nullptr;  // per-sender seqs and resends; may be null
 };
 
 }  // namespace foreshock::client
