@@ -10,9 +10,11 @@
 //   - the seqs being processed now, with the resends waiting on them.
 //
 // Durability: a batch's points and its mark go to the store in ONE append
-// (SeriesStore::AppendBatchWithEvent: one log write), before its Ack. After a
-// crash either both are in the log or neither is, so a resend is either a
-// duplicate (acked, not stored again) or stored for the first time. Marks are
+// (SeriesStore::AppendBatchWithEvent: one log write, mark last), before its
+// Ack. After a process crash (kill -9) the write is in the log whole or not at
+// all, so a resend is either a duplicate (acked, not stored again) or stored
+// for the first time. A write torn by power loss can keep the points without
+// the mark (never the reverse): those records may then be stored twice. Marks are
 // events of kind "ingest_seq"; the whole table is also checkpointed
 // ("ingest_seq" checkpoint) every kCheckpointEvery commits and with the
 // daemon's checkpoints, since the store keeps only the newest events of a kind.
