@@ -9,9 +9,10 @@
 #   tests/fuzz/run.sh fuzz [LIBFUZZER ARGS...]   # open-ended fuzzing, new inputs kept in
 #                                        # build-fuzz/corpus (seeded from tests/fuzz/corpus)
 #
-# Needs Debian's clang (packages: clang, which pulls in libclang-rt-14-dev with
-# libFuzzer and the sanitizer runtimes), protoc (protobuf-compiler) and the
-# protobuf/abseil development packages the main build uses.
+# Needs Debian's clang with libFuzzer and the sanitizer runtimes: packages
+# clang and libclang-rt-14-dev (only a recommendation of clang, so
+# --no-install-recommends leaves it out), plus protoc (protobuf-compiler) and
+# the protobuf/abseil development packages the main build uses.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
@@ -21,7 +22,13 @@ BIN="$BUILD/request_fuzzer"
 
 if ! command -v "$CXX" >/dev/null 2>&1; then
   echo "tests/fuzz/run.sh: $CXX not found; the fuzz target needs clang with libFuzzer" \
-       "(Debian: apt-get install -y --no-install-recommends clang)" >&2
+       "(Debian: apt-get install -y --no-install-recommends clang libclang-rt-14-dev)" >&2
+  exit 1
+fi
+fuzzer_lib="$("$CXX" -print-file-name=libclang_rt.fuzzer-x86_64.a 2>/dev/null || true)"
+if [[ "$fuzzer_lib" != /* || ! -f "$fuzzer_lib" ]]; then
+  echo "tests/fuzz/run.sh: $CXX has no libFuzzer runtime (Debian: apt-get install -y" \
+       "--no-install-recommends libclang-rt-14-dev)" >&2
   exit 1
 fi
 command -v protoc >/dev/null || { echo "tests/fuzz/run.sh: protoc not found (protobuf-compiler)" >&2; exit 1; }
@@ -56,13 +63,13 @@ case "$mode" in
     scratch="$(mktemp -d)"
     trap 'rm -rf "$scratch"' EXIT
     # New inputs go to a scratch directory; the committed corpus is only read.
-    "$BIN" -runs="$runs" -max_len=65536 -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+    "$BIN" -runs="$runs" -artifact_prefix="$BUILD/" -max_len=65536 -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
       "$scratch" "$HERE/corpus"
     ;;
   fuzz)
     mkdir -p "$BUILD/corpus"
     cd "$BUILD"
-    "$BIN" -max_len=65536 -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 "$@" \
+    "$BIN" -artifact_prefix="$BUILD/" -max_len=65536 -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 "$@" \
       "$BUILD/corpus" "$HERE/corpus"
     ;;
   *) echo "usage: $0 build | smoke [RUNS] | fuzz [LIBFUZZER ARGS]" >&2; exit 2 ;;
