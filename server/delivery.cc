@@ -10,15 +10,21 @@ namespace foreshock::server {
 
 namespace {
 
-// Event: "<rank> <seq> <run>" (the run is the rest of the string).
-std::string EncodeMark(const std::string& run, int rank, uint64_t seq) {
-  return absl::StrCat(rank, " ", seq, " ", run);
+int64_t NowUnixSeconds() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
 }
 
-bool DecodeMark(std::string_view bytes, std::string* run, int* rank, uint64_t* seq) {
+// Event: "<rank> <sender id> <seq> <run>" (the run is the rest of the string).
+std::string EncodeMark(const DeliveryTracker::Sender& sender, uint64_t seq) {
+  return absl::StrCat(sender.rank, " ", sender.id, " ", seq, " ", sender.run);
+}
+
+bool DecodeMark(std::string_view bytes, DeliveryTracker::Sender* sender, uint64_t* seq) {
   std::istringstream in{std::string(bytes)};
-  if (!(in >> *rank >> *seq) || in.get() != ' ') return false;
-  std::getline(in, *run, '\0');
+  if (!(in >> sender->rank >> sender->id >> *seq) || in.get() != ' ') return false;
+  std::getline(in, sender->run, '\0');
   return true;
 }
 
@@ -39,16 +45,22 @@ void DeliveryTracker::SettleLocked(State& state, uint64_t seq) {
   RaiseLocked(state, state.high_water);
 }
 
-void DeliveryTracker::OnHello(const std::string& run, int rank, uint64_t first_seq) {
-  if (first_seq == 0) return;
-  std::lock_guard<std::mutex> lock(mu_);
-  RaiseLocked(states_[Key{run, rank}], first_seq - 1);
+DeliveryTracker::State& DeliveryTracker::TouchLocked(const Sender& sender) {
+  State& state = states_[sender];
+  state.last_active_s = NowUnixSeconds();
+  return state;
 }
 
-DeliveryTracker::Admission DeliveryTracker::Begin(const std::string& run, int rank, uint64_t seq,
+void DeliveryTracker::OnHello(const Sender& sender, uint64_t first_seq) {
+  if (first_seq == 0) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  RaiseLocked(TouchLocked(sender), first_seq - 1);
+}
+
+DeliveryTracker::Admission DeliveryTracker::Begin(const Sender& sender, uint64_t seq,
                                                   std::function<void(bool)> on_settled) {
   std::lock_guard<std::mutex> lock(mu_);
-  State& state = states_[Key{run, rank}];
+  State& state = TouchLocked(sender);
   if (seq <= state.high_water || state.settled_above.contains(seq)) return Admission::kDuplicate;
   auto it = state.in_flight.find(seq);
   if (it != state.in_flight.end()) {
@@ -59,15 +71,15 @@ DeliveryTracker::Admission DeliveryTracker::Begin(const std::string& run, int ra
   return Admission::kNew;
 }
 
-void DeliveryTracker::Commit(const std::string& run, int rank, uint64_t seq,
+void DeliveryTracker::Commit(const Sender& sender, uint64_t seq,
                              const std::vector<KeyedPoint>& points) {
   // The points and the mark in one write: a crash keeps both or neither.
-  store_.AppendBatchWithEvent(points, kEventKind, EncodeMark(run, rank, seq));
+  store_.AppendBatchWithEvent(points, kEventKind, EncodeMark(sender, seq));
   std::vector<std::function<void(bool)>> waiters;
   bool checkpoint = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    State& state = states_[Key{run, rank}];
+    State& state = TouchLocked(sender);
     auto it = state.in_flight.find(seq);
     if (it != state.in_flight.end()) {
       waiters = std::move(it->second);
@@ -83,32 +95,35 @@ void DeliveryTracker::Commit(const std::string& run, int rank, uint64_t seq,
   if (checkpoint) Checkpoint();
 }
 
-void DeliveryTracker::Abort(const std::string& run, int rank, uint64_t seq) {
+void DeliveryTracker::Abort(const Sender& sender, uint64_t seq) {
   std::vector<std::function<void(bool)>> waiters;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    State& state = states_[Key{run, rank}];
-    auto it = state.in_flight.find(seq);
-    if (it == state.in_flight.end()) return;
+    auto state = states_.find(sender);
+    if (state == states_.end()) return;
+    auto it = state->second.in_flight.find(seq);
+    if (it == state->second.in_flight.end()) return;
     waiters = std::move(it->second);
-    state.in_flight.erase(it);
+    state->second.in_flight.erase(it);
   }
   for (auto& waiter : waiters) waiter(false);
 }
 
-uint64_t DeliveryTracker::HighWater(const std::string& run, int rank) const {
+uint64_t DeliveryTracker::HighWater(const Sender& sender) const {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = states_.find(Key{run, rank});
+  auto it = states_.find(sender);
   return it == states_.end() ? 0 : it->second.high_water;
 }
 
-// "<run length>:<run> <rank> <high water> <n> <seq>...\n" per (run, rank).
+// "<run length>:<run> <rank> <sender id> <last active s> <high water> <n> <seq>...\n"
+// per sender.
 std::string DeliveryTracker::Save() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::string out;
-  for (const auto& [key, state] : states_) {
+  for (const auto& [sender, state] : states_) {
     if (state.high_water == 0 && state.settled_above.empty()) continue;
-    absl::StrAppend(&out, key.run.size(), ":", key.run, " ", key.rank, " ", state.high_water, " ",
+    absl::StrAppend(&out, sender.run.size(), ":", sender.run, " ", sender.rank, " ", sender.id,
+                    " ", state.last_active_s, " ", state.high_water, " ",
                     state.settled_above.size());
     for (uint64_t seq : state.settled_above) absl::StrAppend(&out, " ", seq);
     out += '\n';
@@ -118,27 +133,29 @@ std::string DeliveryTracker::Save() const {
 
 bool DeliveryTracker::Load(std::string_view bytes) {
   std::istringstream in{std::string(bytes)};
-  std::map<Key, State> loaded;
+  std::map<Sender, State> loaded;
   size_t length = 0;
   while (in >> length) {
     if (in.get() != ':') return false;
-    std::string run(length, '\0');
-    if (!in.read(run.data(), static_cast<std::streamsize>(length))) return false;
-    int rank = 0;
-    uint64_t high_water = 0;
+    Sender sender;
+    sender.run.assign(length, '\0');
+    if (!in.read(sender.run.data(), static_cast<std::streamsize>(length))) return false;
+    State state;
     size_t n = 0;
-    if (!(in >> rank >> high_water >> n)) return false;
-    State& state = loaded[Key{run, rank}];
-    state.high_water = high_water;
+    if (!(in >> sender.rank >> sender.id >> state.last_active_s >> state.high_water >> n)) {
+      return false;
+    }
     for (size_t i = 0; i < n; ++i) {
       uint64_t seq = 0;
       if (!(in >> seq)) return false;
       state.settled_above.insert(seq);
     }
+    loaded[sender] = std::move(state);
   }
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& [key, state] : loaded) {
-    State& into = states_[key];
+  for (auto& [sender, state] : loaded) {
+    State& into = states_[sender];
+    into.last_active_s = std::max(into.last_active_s, state.last_active_s);
     for (uint64_t seq : state.settled_above) SettleLocked(into, seq);
     RaiseLocked(into, state.high_water);
   }
@@ -151,29 +168,35 @@ void DeliveryTracker::Restore() {
   }
   size_t marks = 0;
   for (const std::string& bytes : store_.Events(kEventKind)) {
-    std::string run;
-    int rank = 0;
+    Sender sender;
     uint64_t seq = 0;
-    if (!DecodeMark(bytes, &run, &rank, &seq)) continue;
+    if (!DecodeMark(bytes, &sender, &seq)) continue;
     std::lock_guard<std::mutex> lock(mu_);
-    SettleLocked(states_[Key{run, rank}], seq);
+    SettleLocked(TouchLocked(sender), seq);
     ++marks;
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (!states_.empty()) {
-    spdlog::info("restored delivery marks of {} (run, rank) sender(s) ({} recent mark events)",
+    spdlog::info("restored the delivery marks of {} sender(s) ({} recent mark events)",
                  states_.size(), marks);
   }
 }
 
 bool DeliveryTracker::Checkpoint() {
   std::lock_guard<std::mutex> write_lock(checkpoint_mu_);
-  std::string bytes;
   {
     std::lock_guard<std::mutex> lock(mu_);
     commits_since_checkpoint_ = 0;
+    // Forget senders idle for long (nothing in flight): restarted client
+    // processes are new senders, and the old ones would otherwise pile up.
+    const int64_t cutoff =
+        NowUnixSeconds() -
+        std::chrono::duration_cast<std::chrono::seconds>(kForgetAfter).count();
+    std::erase_if(states_, [cutoff](const auto& entry) {
+      return entry.second.in_flight.empty() && entry.second.last_active_s < cutoff;
+    });
   }
-  bytes = Save();
+  const std::string bytes = Save();
   const bool ok = store_.WriteCheckpoint(kCheckpointName, bytes);
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -167,7 +167,10 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     service_.on_hello_(hello);
     // Hello.first_seq: seqs are per sender and resends are deduplicated.
     dedup_ = service_.delivery_ != nullptr && hello.first_seq() > 0;
-    if (dedup_) service_.delivery_->OnHello(hello.run_id(), hello.rank(), hello.first_seq());
+    if (dedup_) {
+      sender_ = DeliveryTracker::Sender{hello.run_id(), hello.rank(), hello.sender_id()};
+      service_.delivery_->OnHello(sender_, hello.first_seq());
+    }
     spdlog::info("stream {} opened: run={} job={} rank={}", session_, context_->run_id,
                  context_->job, context_->rank);
 
@@ -252,7 +255,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool BeginDedup(const v1::Batch& batch) {
     auto wait = std::make_shared<DuplicateWait>();
     const auto admission = service_.delivery_->Begin(
-        context_->run_id, context_->rank, batch.seq(), [this, wait](bool) {
+        sender_, batch.seq(), [this, wait](bool) {
           std::optional<uint64_t> ticket;
           {
             std::lock_guard<std::mutex> lock(wait->mu);
@@ -293,7 +296,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       const uint64_t ticket = QueueAck(std::move(ack_), /*done=*/false);
       DeliveryTracker* delivery = service_.delivery_;
       if (items_.empty()) {
-        delivery->Commit(context_->run_id, context_->rank, seq, {});
+        delivery->Commit(sender_, seq, {});
         AckDone(ticket);
       } else {
         auto completion = std::make_shared<BatchCompletion>(static_cast<int>(items_.size()),
@@ -305,7 +308,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
             std::lock_guard<std::mutex> lock(c->points_mu);
             points.swap(c->points);
           }
-          delivery->Commit(context_->run_id, context_->rank, seq, points);
+          delivery->Commit(sender_, seq, points);
           AckDone(ticket);
         };
         for (WorkItem& item : items_) item.completion = completion;
@@ -455,6 +458,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   std::optional<StreamContext> context_;
   std::optional<uint64_t> last_seq_;
   bool dedup_ = false;                 // Hello.first_seq: resends are deduplicated
+  DeliveryTracker::Sender sender_;     // with dedup_: whose seqs these are
   std::optional<uint64_t> dedup_seq_;  // the new batch in progress of a dedup stream
   struct DuplicateWait {
     std::mutex mu;

@@ -3,6 +3,7 @@
 #include <bit>
 #include <chrono>
 #include <cstring>
+#include <random>
 
 namespace foreshock::client {
 
@@ -56,8 +57,17 @@ v1::Tensor MakeTensor(v1::DType dtype, std::vector<int64_t> shape, const float* 
   return tensor;
 }
 
+namespace {
+uint64_t RandomSenderId() {
+  std::random_device device;
+  std::mt19937_64 rng((uint64_t{device()} << 32) ^ device());
+  return std::uniform_int_distribution<uint64_t>(1)(rng);
+}
+}  // namespace
+
 SenderState::SenderState(size_t max_unacked_bytes)
     : max_unacked_bytes_(max_unacked_bytes),
+      sender_id_(RandomSenderId()),
       next_seq_(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
                                           std::chrono::system_clock::now().time_since_epoch())
                                           .count())) {}
@@ -117,6 +127,7 @@ grpc::Status IngestStream::Open(const v1::Hello& hello) {
 grpc::Status IngestStream::Open(const v1::Hello& hello, SenderState* sender) {
   v1::Hello with_seq = hello;
   with_seq.set_first_seq(sender->first_seq());
+  with_seq.set_sender_id(sender->sender_id());
   grpc::Status status = Open(with_seq);
   if (!status.ok()) return status;
   sender_ = sender;

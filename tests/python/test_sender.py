@@ -138,6 +138,7 @@ def test_batches_unacked_when_the_stream_breaks_are_resent_with_their_seqs(serve
     first, second = [s for s in server.servicer.streams if s["batches"]]
     assert [b.seq for b in second["batches"]] == [b.seq for b in first["batches"]]
     assert second["hello"].first_seq == first["batches"][0].seq
+    assert second["hello"].sender_id == first["hello"].sender_id != 0
     assert [r.step for r in server.servicer.records()] == [0, 1, 2, 3] * 2
 
 

@@ -154,31 +154,54 @@ TEST_F(DeliveryTest, MarksSurviveARestartAndOldClientsAreNotDeduplicated) {
   EXPECT_EQ(Loss().size(), 5u);
 }
 
+TEST_F(DeliveryTest, TwoSendersSharingARankAreNotTakenForResends) {
+  SenderState a, b;  // e.g. two processes both left at rank 0
+  IngestStream stream_a(channel_), stream_b(channel_);
+  ASSERT_TRUE(stream_a.Open(MakeHello(), &a).ok());
+  auto ack = stream_a.SendAndWait(LossBatch(0, 2));
+  ASSERT_TRUE(ack.has_value());
+  EXPECT_EQ(ack->accepted(), 2u);
+  ASSERT_TRUE(stream_b.Open(MakeHello(), &b).ok());  // a later first_seq
+  ack = stream_b.SendAndWait(LossBatch(0, 2));
+  ASSERT_TRUE(ack.has_value());
+  EXPECT_EQ(ack->accepted(), 2u);
+  ack = stream_a.SendAndWait(LossBatch(2, 2));  // still below b's first_seq
+  ASSERT_TRUE(ack.has_value());
+  EXPECT_EQ(ack->accepted(), 2u);
+  EXPECT_EQ(ack->duplicates(), 0u);
+  EXPECT_TRUE(stream_a.Close().ok());
+  EXPECT_TRUE(stream_b.Close().ok());
+  EXPECT_EQ(Loss().size(), 6u);
+}
+
 TEST(DeliveryTrackerTest, HighWaterIsContiguousAndCheckpointsRoundTrip) {
+  const DeliveryTracker::Sender kR0{"r", 0, 7}, kR0Other{"r", 0, 8}, kR1{"r", 1, 7};
   InMemorySeriesStore store(16);
   DeliveryTracker tracker(store);
   std::vector<bool> settled;
-  EXPECT_EQ(tracker.Begin("r", 0, 11, nullptr), DeliveryTracker::Admission::kNew);
-  EXPECT_EQ(tracker.Begin("r", 0, 12, nullptr), DeliveryTracker::Admission::kNew);
-  EXPECT_EQ(tracker.Begin("r", 0, 12, [&](bool ok) { settled.push_back(ok); }),
+  EXPECT_EQ(tracker.Begin(kR0, 11, nullptr), DeliveryTracker::Admission::kNew);
+  EXPECT_EQ(tracker.Begin(kR0, 12, nullptr), DeliveryTracker::Admission::kNew);
+  EXPECT_EQ(tracker.Begin(kR0, 12, [&](bool ok) { settled.push_back(ok); }),
             DeliveryTracker::Admission::kInFlight);
-  tracker.OnHello("r", 0, 11);
-  tracker.Commit("r", 0, 12, {});
+  tracker.OnHello(kR0, 11);
+  tracker.Commit(kR0, 12, {});
   EXPECT_EQ(settled, std::vector<bool>{true});
-  EXPECT_EQ(tracker.HighWater("r", 0), 10u);  // 11 is still being stored
-  EXPECT_EQ(tracker.Begin("r", 0, 12, nullptr), DeliveryTracker::Admission::kDuplicate);
-  tracker.Commit("r", 0, 11, {});
-  EXPECT_EQ(tracker.HighWater("r", 0), 12u);
-  EXPECT_EQ(tracker.Begin("r", 1, 12, nullptr), DeliveryTracker::Admission::kNew);
+  EXPECT_EQ(tracker.HighWater(kR0), 10u);  // 11 is still being stored
+  EXPECT_EQ(tracker.Begin(kR0, 12, nullptr), DeliveryTracker::Admission::kDuplicate);
+  tracker.Commit(kR0, 11, {});
+  EXPECT_EQ(tracker.HighWater(kR0), 12u);
+  EXPECT_EQ(tracker.Begin(kR1, 12, nullptr), DeliveryTracker::Admission::kNew);
+  // Another sender of the same (run, rank): its own seqs.
+  EXPECT_EQ(tracker.Begin(kR0Other, 12, nullptr), DeliveryTracker::Admission::kNew);
 
   DeliveryTracker restored(store);  // from the events alone
   restored.Restore();
-  EXPECT_EQ(restored.Begin("r", 0, 11, nullptr), DeliveryTracker::Admission::kDuplicate);
-  EXPECT_EQ(restored.Begin("r", 0, 13, nullptr), DeliveryTracker::Admission::kNew);
+  EXPECT_EQ(restored.Begin(kR0, 11, nullptr), DeliveryTracker::Admission::kDuplicate);
+  EXPECT_EQ(restored.Begin(kR0, 13, nullptr), DeliveryTracker::Admission::kNew);
 
   DeliveryTracker loaded(store);
   ASSERT_TRUE(loaded.Load(tracker.Save()));
-  EXPECT_EQ(loaded.HighWater("r", 0), 12u);
+  EXPECT_EQ(loaded.HighWater(kR0), 12u);
   EXPECT_FALSE(loaded.Load("3:ab"));
 }
 

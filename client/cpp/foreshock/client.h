@@ -36,6 +36,8 @@ class SenderState {
 
   // The oldest seq this sender may still send: Hello.first_seq.
   uint64_t first_seq() const;
+  // Random, fixed for the life of this object: Hello.sender_id.
+  uint64_t sender_id() const { return sender_id_; }
   // Numbers the batch and keeps a copy until it is acked.
   uint64_t Assign(foreshock::v1::Batch& batch);
   // Forgets the batch the ack settles.
@@ -46,6 +48,7 @@ class SenderState {
 
  private:
   size_t max_unacked_bytes_;
+  uint64_t sender_id_;
   uint64_t next_seq_;
   std::map<uint64_t, foreshock::v1::Batch> unacked_;
   size_t unacked_bytes_ = 0;

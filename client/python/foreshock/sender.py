@@ -11,7 +11,7 @@ One sender thread owns the gRPC stream `foreshock.v1.Ingest/Stream`:
   not per stream: it starts at the current Unix time in microseconds (so a
   restarted process numbers above its predecessor) and keeps increasing across
   streams; Hello.first_seq says so, and the daemon deduplicates by
-  (run_id, rank, seq);
+  (run_id, rank, sender_id, seq), sender_id being random per Sender;
 - every batch stays in an unacked buffer (at most `max_unacked_bytes`; beyond
   that the oldest batches are dropped and their records counted as
   `dropped_unacked`) until its Ack settles it: accepted records, rejections (by
@@ -123,6 +123,7 @@ class Sender:
         self._unacked = collections.OrderedDict()
         self._unacked_bytes = 0
         self._next_seq = time.time_ns() // 1000
+        self._sender_id = random.getrandbits(63) + 1
         # Called on the sender's response thread as on_settled(records, ack)
         # for every batch an Ack settles (accepted, rejected or duplicate).
         self._on_settled = on_settled
@@ -229,6 +230,7 @@ class Sender:
         hello = pb.StreamRequest()
         hello.CopyFrom(self._hello)
         hello.hello.first_seq = first_seq
+        hello.hello.sender_id = self._sender_id
         yield hello
         while not stream.hello_acked.wait(_POLL_S):
             if stream.closed or self._abort.is_set():
