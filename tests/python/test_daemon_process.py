@@ -70,9 +70,9 @@ def test_signal_drains_accepted_samples_and_exits_zero(start_foreshockd, sig):
     assert int(match.group(1)) == n_batches * n_layers
 
 
-def test_refuses_a_port_in_use(foreshockd):
+def test_refuses_a_port_in_use(foreshockd, tmp_path):
     out = subprocess.run([foreshockd_binary(), f"--listen=127.0.0.1:{foreshockd.grpc_port}",
-                          "--metrics_listen=127.0.0.1:0"], capture_output=True, text=True,
-                         timeout=30)
+                          "--metrics_listen=127.0.0.1:0", f"--data_dir={tmp_path / 'data'}"],
+                         capture_output=True, text=True, timeout=30)
     assert out.returncode != 0
     assert "cannot serve gRPC" in out.stdout + out.stderr
