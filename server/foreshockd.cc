@@ -62,7 +62,8 @@ ABSL_FLAG(int64_t, max_runs, 1000,
           "Distinct runs (Hello run_id) the daemon serves, counting those recovered from "
           "--data_dir. A Hello for a new run beyond it ends its stream with "
           "RESOURCE_EXHAUSTED (reason too_many_runs, counted); Hellos for known runs are "
-          "always admitted. 0: no limit.");
+          "always admitted. A run with no open stream for 24 hours stops counting, so a "
+          "long-lived daemon keeps admitting new runs as old ones finish. 0: no limit.");
 ABSL_FLAG(int64_t, max_series_per_run, 100000,
           "Distinct (signal, layer, head) series one run may create, the cardinality guard "
           "for Prometheus, the store and the alert engine. Observations that would open a "

@@ -110,6 +110,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   void OnDone() override {
     if (recording_) service_.recorder_->Close(session_);
+    if (context_) service_.ReleaseRun(context_->run_id);
     service_.metrics_.ingest_active_streams.Add({}).Decrement();
     service_.open_streams_.fetch_sub(1);
     delete this;
@@ -535,15 +536,34 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::Refu
 
 bool IngestService::AdmitRun(const std::string& run_id) {
   std::lock_guard<std::mutex> lock(runs_mu_);
-  if (runs_.contains(run_id)) return true;
-  if (limits_.max_runs > 0 && static_cast<int64_t>(runs_.size()) >= limits_.max_runs) return false;
-  runs_.insert(run_id);
+  const auto now = std::chrono::steady_clock::now();
+  if (auto it = runs_.find(run_id); it != runs_.end()) {
+    ++it->second.open_streams;
+    it->second.last_seen = now;
+    return true;
+  }
+  if (limits_.max_runs > 0 && static_cast<int64_t>(runs_.size()) >= limits_.max_runs) {
+    // Finished runs free their slot once idle for kIdleRunRelease.
+    std::erase_if(runs_, [&](const auto& entry) {
+      return entry.second.open_streams == 0 && now - entry.second.last_seen > kIdleRunRelease;
+    });
+    if (static_cast<int64_t>(runs_.size()) >= limits_.max_runs) return false;
+  }
+  runs_[run_id] = RunSlot{1, now};
   return true;
+}
+
+void IngestService::ReleaseRun(const std::string& run_id) {
+  std::lock_guard<std::mutex> lock(runs_mu_);
+  if (auto it = runs_.find(run_id); it != runs_.end()) {
+    it->second.open_streams = std::max(0, it->second.open_streams - 1);
+    it->second.last_seen = std::chrono::steady_clock::now();
+  }
 }
 
 void IngestService::NoteKnownRun(const std::string& run_id) {
   std::lock_guard<std::mutex> lock(runs_mu_);
-  runs_.insert(run_id);
+  runs_.try_emplace(run_id, RunSlot{0, std::chrono::steady_clock::now()});
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::Stream(

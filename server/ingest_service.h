@@ -8,10 +8,12 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "foreshock/v1/ingest.grpc.pb.h"
@@ -71,10 +73,18 @@ class IngestService final
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* RefuseStream(
       grpc::CallbackServerContext* context);
   bool AdmitRun(const std::string& run_id);  // false: a new run beyond --max_runs
+  void ReleaseRun(const std::string& run_id);  // its stream ended
+  // A run with no open stream for this long stops counting toward --max_runs,
+  // so that a long-lived sidecar keeps admitting new runs as old ones finish.
+  static constexpr std::chrono::hours kIdleRunRelease{24};
   std::atomic<int64_t> open_streams_{0};
   std::atomic<uint64_t> refused_streams_{0};
   std::mutex runs_mu_;
-  std::unordered_set<std::string> runs_;  // runs with an admitted Hello, or known
+  struct RunSlot {
+    int open_streams = 0;
+    std::chrono::steady_clock::time_point last_seen;
+  };
+  std::unordered_map<std::string, RunSlot> runs_;  // admitted or recovered runs
   DeliveryTracker* delivery_ = nullptr;
   const Authorizer* authorizer_ = nullptr;
   AuthMetrics* auth_metrics_ = nullptr;
