@@ -72,7 +72,7 @@ def test_signal_drains_accepted_samples_and_exits_zero(start_foreshockd, sig):
 
 def test_refuses_a_port_in_use(foreshockd, tmp_path):
     out = subprocess.run([foreshockd_binary(), f"--listen=127.0.0.1:{foreshockd.grpc_port}",
-                          "--metrics_listen=127.0.0.1:0", f"--data_dir={tmp_path / 'data'}"],
+                          "--metrics_listen=127.0.0.1:0", f"--data_dir={tmp_path / 'second-daemon-data'}"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode != 0
     assert "cannot serve gRPC" in out.stdout + out.stderr
