@@ -364,8 +364,13 @@ void AlertEngine::OnFired(RunState& run, AlertRecord& fired, int64_t step,
   } else {
     DeriveCause(run);
   }
+  ReannotateRun(run, &fired, step, out);
+}
+
+void AlertEngine::ReannotateRun(RunState& run, const AlertRecord* skip, int64_t step,
+                                std::vector<AlertTransition>& out) const {
   for (auto& [key, record] : run.alerts) {
-    if (&record == &fired) continue;
+    if (&record == skip) continue;
     const bool changed = RefreshCause(run, record);
     if (changed && record.alert.state == AlertState::kFiring) {
       out.push_back(AlertTransition{record.alert, AlertState::kFiring, AlertState::kFiring, step});
@@ -460,12 +465,7 @@ void AlertEngine::MaybeSettleCause(RunState& run, int64_t step,
   if (watermark < settle_step) return;
   DeriveCause(run, settle_step);
   run.cause_settled = true;
-  for (auto& [key, record] : run.alerts) {
-    const bool changed = RefreshCause(run, record);
-    if (changed && record.alert.state == AlertState::kFiring) {
-      out.push_back(AlertTransition{record.alert, AlertState::kFiring, AlertState::kFiring, step});
-    }
-  }
+  ReannotateRun(run, nullptr, step, out);
 }
 
 void AlertEngine::RecordLearningRate(RunState& run, int64_t step, double lr) {

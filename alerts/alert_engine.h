@@ -245,6 +245,10 @@ class AlertEngine {
   // annotations changed are appended to `out` as firing -> firing.
   void OnFired(RunState& run, AlertRecord& fired, int64_t step, std::vector<AlertTransition>& out);
   bool RefreshCause(const RunState& run, AlertRecord& record) const;
+  // RefreshCause for every alert of `run` but `skip`; firing ones whose
+  // annotations changed are appended to `out` as firing -> firing at `step`.
+  void ReannotateRun(RunState& run, const AlertRecord* skip, int64_t step,
+                     std::vector<AlertTransition>& out) const;
   // Re-derives the run's cause from its family onsets and LR history,
   // counting only the families whose episode fired by step `fired_by`.
   void DeriveCause(RunState& run,

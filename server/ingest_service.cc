@@ -332,31 +332,30 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   void FinishAdmission() {
-    bool client_left = false;
+    std::optional<grpc::Status> finish;
     {
       std::lock_guard<std::mutex> lock(mu_);
       parked_ = false;
-      client_left = finish_status_.has_value();
+      if (finish_status_) {  // the client went away while this stream was parked
+        finish = TakeFinishLocked();
+        if (!finish) return;  // another thread finishes it; `this` may be gone after unlock
+      }
     }
-    if (client_left) {  // the client went away while this stream was parked
-      FinishIfReady();
+    if (finish) {
+      Finish(*finish);
       return;
     }
     StartRead(&received_);
   }
 
-  // MaybeFinishLocked for code on worker threads: Finish is called after the
-  // lock is released, since OnDone (which deletes this reactor) may run on
-  // another thread as soon as Finish is called.
-  void FinishIfReady() {
-    std::optional<grpc::Status> status;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!ReadyToFinishLocked()) return;
-      finished_ = true;
-      status = *finish_status_;
-    }
-    Finish(*status);
+  // For code on worker threads: decides under the lock whether this thread
+  // finishes the stream; the caller then calls Finish after unlocking and must
+  // not touch the reactor otherwise, since once the lock is released another
+  // thread may finish it and OnDone delete it.
+  std::optional<grpc::Status> TakeFinishLocked() {
+    if (!ReadyToFinishLocked()) return std::nullopt;
+    finished_ = true;
+    return *finish_status_;
   }
 
   // Acks wait here, in the order of their batches, until they are done.
@@ -370,14 +369,16 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   // Called on a worker thread when the batch's last sample is stored.
   void AckDone(uint64_t ticket) {
+    std::optional<grpc::Status> finish;
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (PendingAck& pending : unacked_) {
         if (pending.ticket == ticket) pending.done = true;
       }
       FlushAcksLocked();
+      finish = TakeFinishLocked();
     }
-    FinishIfReady();
+    if (finish) Finish(*finish);
   }
 
   void FlushAcksLocked() {
