@@ -204,7 +204,7 @@ absl::Status Daemon::Start() {
   if (!grpc_server_ || grpc_port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot serve gRPC on ", options_.listen));
   }
-  if (absl::Status status = http_->Start(options_.metrics_listen); !status.ok()) {
+  if (absl::Status status = http_->Start(options_.metrics_listen, options_.tls); !status.ok()) {
     grpc_server_->Shutdown();
     grpc_server_.reset();
     return status;
@@ -217,8 +217,8 @@ absl::Status Daemon::Start() {
   spdlog::info("security: {}; {}",
                !options_.tls.enabled() ? "no TLS (plaintext gRPC and HTTP)"
                : options_.tls.client_ca.empty()
-                   ? "TLS on gRPC, client certificates not required; HTTP is plaintext"
-                   : "mutual TLS on gRPC (client certificates required); HTTP is plaintext",
+                   ? "TLS on gRPC and HTTPS, client certificates not required"
+                   : "mutual TLS on gRPC and HTTPS (client certificates required)",
                options_.authorizer
                    ? absl::StrCat(options_.authorizer->size(), " token(s) from --token_file")
                    : std::string("no --token_file: every client that reaches the ports is trusted"));

@@ -17,8 +17,10 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "HOST:PORT for the gRPC ingest service (foreshock.v1.Ingest), the gRPC health "
           "service and reflection. Port 0 picks a free port (logged at start).");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
-          "HOST:PORT for HTTP: Prometheus exposition at /metrics and a liveness probe at "
-          "/-/healthy. Port 0 picks a free port (logged at start).");
+          "HOST:PORT for HTTP: Prometheus exposition at /metrics, a liveness probe at "
+          "/-/healthy, the JSON API under /api/v1/ and the web UI at /. HTTPS (with client "
+          "certificates under --tls_client_ca) when --tls_cert is set. Port 0 picks a free port "
+          "(logged at start).");
 ABSL_FLAG(int, workers, 0,
           "Detector worker threads. Samples are sharded by (run, layer), so each series is "
           "processed in order by one worker. 0 means one per CPU core.");
@@ -120,13 +122,14 @@ ABSL_FLAG(int64_t, checkpoint_interval_s, 30,
           "samples, baselines, alert lifecycles) into the data directory; also written at a "
           "clean shutdown. 0: only at shutdown.");
 ABSL_FLAG(std::string, tls_cert, "",
-          "PEM certificate (chain) of the daemon: with --tls_key, the gRPC port speaks TLS only. "
-          "The HTTP port (--metrics_listen) stays plaintext (the civetweb build has no working "
-          "HTTPS) and must be on loopback unless --insecure. Empty: plaintext gRPC.");
+          "PEM certificate (chain) of the daemon: with --tls_key, the gRPC port speaks TLS only "
+          "and the HTTP port (--metrics_listen) HTTPS only, both TLS 1.2 or later. Empty: "
+          "plaintext gRPC and HTTP.");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
 ABSL_FLAG(std::string, tls_client_ca, "",
-          "PEM CA bundle: with it, every gRPC client must present a certificate signed by one of "
-          "these CAs (mutual TLS). Needs --tls_cert.");
+          "PEM CA bundle: with it, every gRPC and HTTPS client (trainers, foreshockctl, "
+          "Prometheus, browsers) must present a certificate signed by one of these CAs (mutual "
+          "TLS). Needs --tls_cert.");
 ABSL_FLAG(std::string, token_file, "",
           "File of bearer tokens, one grant per line: '<token> <run-prefix>[,...] "
           "<right>[,...]' with rights ingest, query, metrics ('*' as the prefix: every run; "
@@ -134,10 +137,9 @@ ABSL_FLAG(std::string, token_file, "",
           "'authorization: Bearer <token>'. Empty: no authorization, and the daemon only "
           "listens on loopback (unless --insecure).");
 ABSL_FLAG(bool, insecure, false,
-          "Allow --listen on a non-loopback address without both TLS (--tls_cert) and tokens "
-          "(--token_file), and --metrics_listen on a non-loopback address at all (plaintext "
-          "HTTP), e.g. inside a cluster network that is protected otherwise. Without it such a "
-          "start is refused (exit 2).");
+          "Allow --listen or --metrics_listen on a non-loopback address without both TLS "
+          "(--tls_cert) and tokens (--token_file), e.g. inside a cluster network that is "
+          "protected otherwise. Without it such a start is refused (exit 2).");
 ABSL_FLAG(std::string, log_level, "info", "Log level: trace, debug, info, warn, error, off.");
 
 int main(int argc, char** argv) {
@@ -247,17 +249,21 @@ int main(int argc, char** argv) {
                    : options.authorizer  ? "TLS"
                                          : "TLS and tokens");
     }
-    if (!IsLoopbackAddress(options.metrics_listen)) {
+    if (!IsLoopbackAddress(options.metrics_listen) && !secured) {
       if (!insecure) {
         spdlog::critical(
-            "refusing --metrics_listen={} (not loopback): the HTTP port (/metrics, /api/v1, the "
-            "UI) is plaintext only{}. Bind it to 127.0.0.1 (and put a TLS proxy in front), or "
-            "pass --insecure if the network is protected otherwise.",
-            options.metrics_listen,
-            options.authorizer ? ", and bearer tokens would cross the network in clear" : "");
+            "refusing --metrics_listen={} (not loopback) without TLS (--tls_cert/--tls_key) and "
+            "tokens (--token_file): anyone who can reach the port could read every run's "
+            "series and alerts. Bind to 127.0.0.1, add TLS and tokens, or pass --insecure if "
+            "the network is protected otherwise.",
+            options.metrics_listen);
         return 2;
       }
-      spdlog::warn("--insecure: plaintext HTTP on {}", options.metrics_listen);
+      spdlog::warn("--insecure: HTTP{} on {} without {}", options.tls.enabled() ? "S" : "",
+                   options.metrics_listen,
+                   options.tls.enabled() ? "tokens"
+                   : options.authorizer  ? "TLS"
+                                         : "TLS and tokens");
     }
     if (!options.authorizer && !insecure) {
       spdlog::info("no --token_file: listening on loopback only; every local client is trusted");

@@ -1,7 +1,13 @@
 #include "server/http_server.h"
 
 #include <CivetServer.h>
+#include <dlfcn.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -124,17 +130,83 @@ void HttpServer::AddRoute(std::string path, HttpHandler handler) {
   routes_.emplace_back(std::move(path), std::move(handler));
 }
 
-absl::Status HttpServer::Start(const std::string& listen) {
-  // Plaintext only: Debian's civetweb 1.15 loads OpenSSL at run time and
-  // crashes (a null function in its OpenSSL table, with OpenSSL 3) on the
-  // first HTTPS connection, so foreshockd does not offer HTTPS; with TLS on,
-  // the daemon keeps this port on loopback (foreshockd.cc).
-  std::vector<std::string> options = {"listening_ports", listen, "num_threads", "4",
-                                      "enable_keep_alive", "no"};
+namespace {
+
+// civetweb reads its certificate and key from one PEM file; the daemon takes
+// them as two (like gRPC). An anonymous in-memory file joins them, so the key
+// is never copied to disk. Closed once civetweb has loaded it.
+class CombinedPem {
+ public:
+  static absl::StatusOr<CombinedPem> Create(const TlsFiles& tls) {
+    auto cert = ReadFileToString(tls.cert);
+    if (!cert.ok()) return cert.status();
+    auto key = ReadFileToString(tls.key);
+    if (!key.ok()) return key.status();
+    const int fd = memfd_create("foreshockd-https-pem", MFD_CLOEXEC);
+    if (fd < 0) return absl::InternalError(absl::StrCat("memfd_create: ", std::strerror(errno)));
+    CombinedPem pem(fd);
+    const std::string joined = *key + "\n" + *cert;
+    for (size_t done = 0; done < joined.size();) {
+      const ssize_t n = ::write(fd, joined.data() + done, joined.size() - done);
+      if (n <= 0) return absl::InternalError(absl::StrCat("memfd write: ", std::strerror(errno)));
+      done += static_cast<size_t>(n);
+    }
+    return pem;
+  }
+  CombinedPem(CombinedPem&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  ~CombinedPem() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  std::string path() const { return absl::StrCat("/proc/self/fd/", fd_); }
+
+ private:
+  explicit CombinedPem(int fd) : fd_(fd) {}
+  int fd_;
+};
+
+// civetweb finds OpenSSL only at run time; fail at start, with the reason,
+// rather than on the first HTTPS connection (server/civetweb_openssl3.cc).
+absl::Status CheckCivetwebTls() {
+  if (mg_init_library(MG_FEATURES_TLS) == 0) {
+    return absl::FailedPreconditionError(
+        "HTTPS: civetweb could not load OpenSSL (it opens libssl.so and libcrypto.so, which "
+        "the libssl-dev package provides)");
+  }
+  void* ssl = dlopen("libssl.so", RTLD_LAZY | RTLD_NOLOAD);
+  const bool complete = ssl != nullptr && dlsym(ssl, "SSL_get_peer_certificate") != nullptr;
+  if (ssl != nullptr) dlclose(ssl);
+  if (!complete) {
+    return absl::FailedPreconditionError(
+        "HTTPS: civetweb's OpenSSL table lacks SSL_get_peer_certificate (OpenSSL 3); this "
+        "binary was linked without server/civetweb_openssl3.cc");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status HttpServer::Start(const std::string& listen, const TlsFiles& tls) {
+  std::vector<std::string> options = {"listening_ports", tls.enabled() ? listen + "s" : listen,
+                                      "num_threads", "4", "enable_keep_alive", "no"};
+  std::optional<CombinedPem> pem;
+  if (tls.enabled()) {
+    if (absl::Status status = CheckCivetwebTls(); !status.ok()) return status;
+    auto created = CombinedPem::Create(tls);
+    if (!created.ok()) return created.status();
+    pem.emplace(*std::move(created));
+    // TLS 1.2 and later, as gRPC.
+    options.insert(options.end(),
+                   {"ssl_certificate", pem->path(), "ssl_protocol_version", "4"});
+    if (!tls.client_ca.empty()) {
+      options.insert(options.end(),
+                     {"ssl_ca_file", tls.client_ca, "ssl_verify_peer", "yes"});
+    }
+  }
   try {
     server_ = std::make_unique<CivetServer>(options);
   } catch (const CivetException& e) {
-    return absl::UnavailableError(absl::StrCat("cannot serve HTTP on ", listen, ": ", e.what()));
+    return absl::UnavailableError(absl::StrCat("cannot serve HTTP", tls.enabled() ? "S" : "",
+                                               " on ", listen, ": ", e.what()));
   }
   metrics_handler_ = std::make_unique<MetricsHandler>(registry_, before_scrape_, metrics_allowed_);
   index_handler_ = std::make_unique<TextHandler>(

@@ -42,9 +42,10 @@ class HttpServer {
   void GuardMetrics(std::function<bool(const std::string&)> allowed) {
     metrics_allowed_ = std::move(allowed);
   }
-  // `listen` is HOST:PORT; port 0 picks a free port. Plaintext HTTP only
-  // (see http_server.cc for why there is no HTTPS).
-  absl::Status Start(const std::string& listen);
+  // `listen` is HOST:PORT; port 0 picks a free port. With `tls` enabled the
+  // port speaks HTTPS only (TLS 1.2+), and with tls.client_ca it requires a
+  // client certificate signed by that CA (mutual TLS), as the gRPC port does.
+  absl::Status Start(const std::string& listen, const TlsFiles& tls = {});
   void Stop();
   int port() const { return port_; }
 

@@ -1,11 +1,12 @@
-"""Security (issue 7): mutual TLS on the gRPC port, per-run bearer tokens on
-gRPC and HTTP, safe defaults, and no token in the daemon's log. A real
-foreshockd, real certificates (made here with `openssl`), real tokens.
-The HTTP port is plaintext on loopback (no working HTTPS in Debian's civetweb)."""
+"""Security (issue 7): mutual TLS on the gRPC port and on the HTTPS port,
+per-run bearer tokens on gRPC and HTTP, safe defaults, and no token in the
+daemon's log. A real foreshockd, real certificates (made here with `openssl`),
+real tokens, and a real Prometheus scraping /metrics over mutual TLS."""
 import json
 import os
 import re
 import shutil
+import ssl
 import subprocess
 import urllib.error
 import urllib.request
@@ -13,7 +14,7 @@ import urllib.request
 import grpc
 import pytest
 
-from conftest import foreshockd_binary, wait_until
+from conftest import foreshockd_binary, free_port, wait_until
 from foreshock.monitor import Monitor
 from foreshock.security import Security
 from foreshock.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc
@@ -53,6 +54,9 @@ def _make_cert(d, ca, name, san=None):
              "-CAcreateserial", "-days", "2", "-extfile", ext, "-out", f"{name}.pem", cwd=d)
 
 
+CERTS = {}  # the module's certificates, for _http
+
+
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("certs"))
@@ -61,7 +65,9 @@ def certs(tmp_path_factory):
     _make_cert(d, "ca", "server", san="IP:127.0.0.1,DNS:localhost")
     _make_cert(d, "ca", "client")
     _make_cert(d, "rogue_ca", "rogue_client")
-    return {k: os.path.join(d, k) for k in ("ca", "rogue_ca", "server", "client", "rogue_client")}
+    CERTS.update({k: os.path.join(d, k)
+                  for k in ("ca", "rogue_ca", "server", "client", "rogue_client")})
+    return dict(CERTS)
 
 
 class Daemon:
@@ -146,12 +152,21 @@ def _code(call):
     return info.value.code()
 
 
-def _http(daemon, path, token=None):
-    request = urllib.request.Request(f"http://127.0.0.1:{daemon.http_port}{path}")
+def _tls_context(certs, client="client"):
+    context = ssl.create_default_context(cafile=certs["ca"] + ".pem")
+    if client:
+        context.load_cert_chain(certs[client] + ".pem", certs[client] + ".key")
+    return context
+
+
+def _http(daemon, path, token=None, certs=None, client="client"):
+    """GET over HTTPS with the CA and a client certificate (the daemon's port is HTTPS)."""
+    request = urllib.request.Request(f"https://127.0.0.1:{daemon.http_port}{path}")
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
+        with urllib.request.urlopen(request, timeout=10,
+                                    context=_tls_context(certs or CERTS, client)) as response:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
@@ -231,6 +246,70 @@ def test_http_api_and_metrics_need_tokens(daemon, certs):
     assert _http(daemon, "/-/healthy")[0] == 200             # liveness stays open
 
 
+def test_https_port_requires_tls_and_a_client_certificate(daemon, certs):
+    # Plaintext HTTP to the HTTPS port gets no answer.
+    with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+        urllib.request.urlopen(f"http://127.0.0.1:{daemon.http_port}/-/healthy", timeout=5).read()
+    # No client certificate, or one from another CA: the handshake fails.
+    for client in (None, "rogue_client"):
+        with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+            _http(daemon, "/-/healthy", certs=certs, client=client)
+    # A server certificate the client does not trust: refused by the client.
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"https://127.0.0.1:{daemon.http_port}/-/healthy", timeout=5,
+                               context=ssl.create_default_context(cafile=certs["rogue_ca"] + ".pem"))
+    # ...and the daemon keeps serving the proper client.
+    assert _http(daemon, "/-/healthy", certs=certs) == (200, "ok\n")
+
+
+def test_prometheus_scrapes_over_mutual_tls_with_a_token(daemon, certs, tmp_path):
+    prometheus = shutil.which("prometheus") or "/usr/bin/prometheus"
+    assert os.access(prometheus, os.X_OK), "Debian's prometheus is required (scripts/test installs it)"
+    config = tmp_path / "prometheus.yml"
+    config.write_text(f"""global:
+  scrape_interval: 1s
+scrape_configs:
+  - job_name: foreshock
+    scheme: https
+    tls_config:
+      ca_file: {certs['ca']}.pem
+      cert_file: {certs['client']}.pem
+      key_file: {certs['client']}.key
+    authorization:
+      credentials: {TOKENS['prom']}
+    static_configs:
+      - targets: ["127.0.0.1:{daemon.http_port}"]
+""")
+    port = free_port()
+    log = open(tmp_path / "prometheus.log", "wb")
+    proc = subprocess.Popen([prometheus, f"--config.file={config}",
+                             f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        def scraped():
+            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()
+            try:
+                url = (f"http://127.0.0.1:{port}/api/v1/query?query="
+                       "foreshock_ingest_streams_total")
+                result = json.load(urllib.request.urlopen(url, timeout=5))["data"]["result"]
+            except OSError:
+                return False
+            return bool(result)
+        assert wait_until(scraped, 60, 0.5)
+        targets = json.load(urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/api/v1/targets", timeout=5))["data"]["activeTargets"]
+        assert targets[0]["health"] == "up" and targets[0]["scrapeUrl"].startswith("https://"), targets
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
 def test_mutual_tls_refuses_other_clients(daemon, certs):
     token = TOKENS["a"]
     for sec in (_sec(certs, token, client=None),            # no client certificate
@@ -307,7 +386,7 @@ def test_safe_defaults(tmp_path, certs):
     assert proc.returncode == 2 and "--insecure" in proc.stdout, proc.stdout
     proc = subprocess.run([foreshockd_binary(), "--data_dir=", "--listen=127.0.0.1:0",
                            "--metrics_listen=[::]:0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=30)
-    assert proc.returncode == 2 and "plaintext" in proc.stdout, proc.stdout
+    assert proc.returncode == 2 and "refusing --metrics_listen" in proc.stdout, proc.stdout
     # --insecure starts anyway, and says so.
     d = Daemon([], str(tmp_path / "loopback.log"))
     try:
@@ -321,11 +400,12 @@ def test_safe_defaults(tmp_path, certs):
         assert "--insecure" in d.text()
     finally:
         d.stop()
-    # TLS and tokens: gRPC may listen on every address without --insecure.
+    # TLS and tokens: gRPC and HTTPS may listen on every address without --insecure.
     token_file = tmp_path / "tokens"
     token_file.write_text(TOKEN_FILE)
     d = Daemon([f"--tls_cert={certs['server']}.pem", f"--tls_key={certs['server']}.key",
-                f"--token_file={token_file}", "--listen=0.0.0.0:0"], str(tmp_path / "tls.log"))
+                f"--token_file={token_file}", "--listen=0.0.0.0:0",
+                "--metrics_listen=0.0.0.0:0"], str(tmp_path / "tls.log"))
     try:
         d.wait_started()
         assert "insecure" not in d.text()
