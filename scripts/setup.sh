@@ -12,7 +12,7 @@ FORESHOCK_PACKAGES=(
   cmake ninja-build ccache g++ pkg-config curl ca-certificates
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libeigen3-dev libabsl-dev libspdlog-dev libfmt-dev prometheus-cpp-dev libcivetweb-dev
-  libyaml-cpp-dev nlohmann-json3-dev libcurl4-openssl-dev
+  libyaml-cpp-dev nlohmann-json3-dev libcurl4-openssl-dev libssl-dev openssl
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-grpcio python3-protobuf python3-numpy python3-torch libopenblas0-pthread
 )
