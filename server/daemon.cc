@@ -36,6 +36,7 @@ constexpr std::string_view kAlertCheckpoint = "alerts";
 }  // namespace
 
 Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
+  options_.limits.max_message_bytes = options_.max_message_bytes;
   if (options_.workers <= 0) {
     options_.workers = std::max(1u, std::thread::hardware_concurrency());
   }
@@ -194,7 +195,9 @@ absl::Status Daemon::Start() {
     credentials = grpc::SslServerCredentials(ssl);
   }
   builder.AddListeningPort(options_.listen, credentials, &grpc_port_);
-  builder.SetMaxReceiveMessageSize(options_.max_message_bytes);
+  // Above --max_message_mb the ingest service refuses (and counts) a message
+  // itself; gRPC's transport only stops what is far beyond it.
+  builder.SetMaxReceiveMessageSize(TransportMessageLimit(options_.max_message_bytes));
   // gRPC sets SO_REUSEPORT by default: a second daemon on the same port would
   // silently share the traffic instead of failing to start.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);

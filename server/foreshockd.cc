@@ -72,8 +72,11 @@ ABSL_FLAG(int64_t, max_series_per_run, 100000,
           "further series are dropped (not exported, stored or alerted on), counted in "
           "foreshock_series_limited_total and logged once per run. 0: no limit.");
 ABSL_FLAG(int64_t, max_message_mb, 64,
-          "Largest gRPC message accepted, in MiB; larger messages fail with "
-          "RESOURCE_EXHAUSTED.");
+          "Largest ingest message (one Batch) accepted, in MiB. A larger one ends its stream "
+          "with RESOURCE_EXHAUSTED (\"message_too_large: ...\") and counts in "
+          "foreshock_ingest_rejected_total{reason=\"message_too_large\"}; the batches acked "
+          "before it stay stored. gRPC's transport refuses messages over twice this before "
+          "they are read (RESOURCE_EXHAUSTED, not counted). Also the limit for Query requests.");
 ABSL_FLAG(int64_t, shutdown_grace_ms, 5000,
           "On SIGTERM or SIGINT, how long open streams may stay open before they are "
           "cancelled. Everything already accepted is processed before exit.");

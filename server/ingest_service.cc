@@ -63,6 +63,15 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     std::optional<grpc::ByteBuffer> raw;
     if (service_.recorder_) raw.emplace(received_);
     const size_t received_bytes = received_.Valid() ? received_.Length() : 0;
+    if (service_.limits_.max_message_bytes > 0 &&
+        static_cast<int64_t>(received_bytes) > service_.limits_.max_message_bytes) {
+      received_.Clear();
+      RefuseStream(reason::kMessageTooLarge,
+                   absl::StrCat("a message of ", received_bytes, " bytes; the limit is ",
+                                service_.limits_.max_message_bytes,
+                                " (--max_message_mb); send smaller batches"));
+      return;
+    }
     grpc::Status parsed;
     if (received_.Valid()) {
       parsed = grpc::SerializationTraits<v1::StreamRequest>::Deserialize(&received_, &request_);

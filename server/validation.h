@@ -3,6 +3,7 @@
 // malformed ever reaches a worker.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -28,7 +29,17 @@ struct IngestLimits {
   // Distinct runs the daemon accepts Hellos for; a Hello for a new run beyond
   // it ends its stream with RESOURCE_EXHAUSTED (--max_runs). 0: no limit.
   int64_t max_runs = 1000;
+  // Bytes of one ingest message (--max_message_mb): RESOURCE_EXHAUSTED with
+  // reason message_too_large above it. gRPC's own transport limit is set to
+  // twice this (TransportMessageLimit), so that the service sees, counts and
+  // explains oversized messages; beyond that gRPC refuses them before decoding.
+  int64_t max_message_bytes = int64_t{64} << 20;
 };
+
+// The gRPC receive limit for a --max_message_mb of `max_message_bytes`.
+inline int TransportMessageLimit(int64_t max_message_bytes) {
+  return static_cast<int>(std::min<int64_t>(2 * max_message_bytes, 0x7fffffff));
+}
 
 // A rejection: `code` is a stable snake_case identifier (the label of
 // foreshock_ingest_rejected_total), `detail` says what was wrong.
@@ -64,6 +75,7 @@ inline constexpr char kEmptyRequest[] = "empty_request";
 // Stream-level, RESOURCE_EXHAUSTED (the client may retry later).
 inline constexpr char kTooManyStreams[] = "too_many_streams";
 inline constexpr char kTooManyRuns[] = "too_many_runs";
+inline constexpr char kMessageTooLarge[] = "message_too_large";
 }  // namespace reason
 
 // What a stream's Hello established; records are checked against it.

@@ -182,11 +182,38 @@ def test_record_rejections_come_back_in_the_ack_with_their_counter(daemon):
 
 
 def test_oversized_message_is_refused_and_the_daemon_keeps_serving(daemon):
+    # --max_message_mb=1: a 1.5 MiB batch is refused by the service, explained and
+    # counted; a 3 MiB one is beyond gRPC's transport limit (twice ours) and refused
+    # before it is read. The good client's acks keep flowing throughout.
     with GoodClient(daemon.endpoint) as good:
-        big = pb.Record(step=1, qk=pb.QKSample(layer=0, q=pb.Tensor(data=b"\0" * (2 << 20))))
+        big = pb.Record(step=1, qk=pb.QKSample(layer=0, q=pb.Tensor(data=b"\0" * (3 << 19))))
         _, code, details, _ = run_stream(daemon.endpoint, [hello_bytes("big"), batch_bytes(1, [big])])
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        assert details.startswith("message_too_large: ") and "--max_message_mb" in details, details
+        wait_counter(daemon, "message_too_large", 1)
+        huge = pb.Record(step=1, qk=pb.QKSample(layer=0, q=pb.Tensor(data=b"\0" * (3 << 20))))
+        _, code, details, _ = run_stream(daemon.endpoint, [hello_bytes("huge"), batch_bytes(1, [huge])])
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
         good.assert_flowing()
+
+
+def test_sender_drops_a_batch_over_the_message_limit_and_delivers_the_rest(daemon):
+    queue = RecordQueue(100, 1 << 24)
+    sender = Sender(daemon.endpoint, pb.Hello(run_id="too-large", job="matrix"), queue,
+                    backoff_initial_s=0.05, backoff_max_s=0.2)
+    sender.start()
+    try:
+        big = pb.Record(step=1, qk=pb.QKSample(layer=0, q=pb.Tensor(data=b"\0" * (3 << 19))))
+        queue.put_nowait(big, big.ByteSize())
+        assert wait_until(lambda: sender.stats()["dropped_too_large"] == 1, timeout_s=10), \
+            sender.stats()
+        for step in range(2, 5):
+            record = pb.Record(step=step, scalars=pb.StepScalars(loss=1.0))
+            queue.put_nowait(record, record.ByteSize())
+        assert wait_until(lambda: sender.stats()["acked_records"] == 3, timeout_s=10), \
+            sender.stats()
+    finally:
+        sender.close(timeout=10)
 
 
 def test_client_cancelling_mid_batch_and_stalled_clients_do_not_block_others(daemon):

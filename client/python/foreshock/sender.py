@@ -19,11 +19,16 @@ One sender thread owns the gRPC stream `foreshock.v1.Ingest/Stream`:
 - when the stream breaks, the thread reconnects with exponential backoff and
   jitter; the new stream sends Hello (first_seq: the oldest unacked seq), then
   resends every unacked batch with its old seq (counted as `resent` records),
-  then new ones. The training thread never waits for any of this.
+  then new ones. The training thread never waits for any of this;
+- a daemon at one of its limits (too_many_streams, memory_limit) sends
+  retry-after-ms, which replaces the backoff for that wait; a batch over the
+  daemon's --max_message_mb (message_too_large) is dropped, not resent, and its
+  records counted as `dropped_too_large`.
 """
 import collections
 import logging
 import random
+import re
 import threading
 import time
 
@@ -117,9 +122,11 @@ class Sender:
         self._lock = threading.Lock()
         self._call = None
         self._counts = dict(sent=0, batches_sent=0, acked_records=0, duplicates=0, resent=0,
-                            dropped_unacked=0, unacked=0, reconnects=0, unsent_at_close=0)
+                            dropped_unacked=0, unacked=0, reconnects=0, unsent_at_close=0,
+                            dropped_too_large=0)
         # Batches sent and not acked, oldest first: seq -> [(record, size)].
         self._max_unacked_bytes = max_unacked_bytes
+        self._retry_after_s = None  # the last refusal's retry hint, for the next wait
         self._unacked = collections.OrderedDict()
         self._unacked_bytes = 0
         self._next_seq = time.time_ns() // 1000
@@ -180,7 +187,9 @@ class Sender:
             else:
                 failures += 1
             # Full jitter on the upper half keeps many ranks from reconnecting in lockstep.
-            self._abort.wait(backoff * random.uniform(0.5, 1.0))
+            # A daemon at a limit says when to come back (trailing retry-after-ms).
+            wait_s, self._retry_after_s = self._retry_after_s or backoff, None
+            self._abort.wait(wait_s * random.uniform(0.5, 1.0))
             backoff = min(backoff * 2, self._backoff_max_s)
 
     def _run_stream(self, quiet):
@@ -208,6 +217,7 @@ class Sender:
             # The server ends the stream after our half-close, i.e. after a flush.
             finished = self._closing.is_set()
         except grpc.RpcError as err:
+            self._after_refusal(err)
             if not self._abort.is_set():
                 log.log(logging.DEBUG if quiet and not stream.hello_acked.is_set()
                         else logging.WARNING,
@@ -270,6 +280,32 @@ class Sender:
                     self._counts["batches_sent"] += 1
                 stream.in_flight[seq] = len(batch)
             yield pb.StreamRequest(batch=pb.Batch(seq=seq, records=[r for r, _ in batch]))
+
+    def _after_refusal(self, err):
+        """A stream the daemon ended at one of its limits: honour its retry hint, and drop
+        batches it can never accept (message_too_large) rather than resend them forever."""
+        try:
+            trailers = dict(err.trailing_metadata() or ())
+            if "retry-after-ms" in trailers:
+                self._retry_after_s = min(int(trailers["retry-after-ms"]) / 1000.0,
+                                          self._backoff_max_s * 4)
+        except (TypeError, ValueError):
+            pass
+        match = re.match(r"message_too_large: .* the limit is (\d+)", err.details() or "")
+        if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or not match:
+            return
+        limit = int(match.group(1))
+        with self._lock:
+            for seq in list(self._unacked):
+                batch = self._unacked[seq]
+                size = pb.StreamRequest(batch=pb.Batch(seq=seq, records=[r for r, _ in batch])).ByteSize()
+                if size > limit:
+                    del self._unacked[seq]
+                    self._unacked_bytes -= sum(s for _, s in batch)
+                    self._counts["dropped_too_large"] += len(batch)
+                    log.warning("foreshock: dropping batch %d (%d records, %d bytes): the daemon "
+                                "accepts at most %d bytes per message (--max_message_mb)",
+                                seq, len(batch), size, limit)
 
     def _keep_unacked(self, seq, batch):
         """Holds a sent batch until its ack; drops the oldest beyond the bound. Under _lock."""
