@@ -80,8 +80,12 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
       options_.record_dir);
   delivery_ = std::make_unique<DeliveryTracker>(*store_);
   ingest_->SetDeliveryTracker(delivery_.get());
+  memory_ = std::make_unique<MemoryGuard>(options_.max_memory_bytes);
+  ingest_->SetMemoryGuard(memory_.get());
   http_ = std::make_unique<HttpServer>(registry_, [this] {
     metrics_->queue_bytes.Add({}).Set(static_cast<double>(gate_->in_flight_bytes()));
+    metrics_->memory_resident_bytes.Add({}).Set(static_cast<double>(memory_->resident_bytes()));
+    metrics_->memory_limit_bytes.Add({}).Set(static_cast<double>(memory_->limit_bytes()));
     alerts_->ExportCounters();
     for (int i = 0; i < pool_->size(); ++i) {
       metrics_->queue_depth.Add({{"worker", std::to_string(i)}})
@@ -225,6 +229,11 @@ absl::Status Daemon::Start() {
                options_.authorizer
                    ? absl::StrCat(options_.authorizer->size(), " token(s) from --token_file")
                    : std::string("no --token_file: every client that reaches the ports is trusted"));
+  memory_->Start();
+  if (options_.max_memory_bytes > 0) {
+    spdlog::info("memory bound: ingest pauses at {} MiB resident (--max_memory_mb), now {} MiB",
+                 options_.max_memory_bytes >> 20, memory_->resident_bytes() >> 20);
+  }
   if (durable_ && options_.checkpoint_interval.count() > 0) {
     checkpoint_thread_ = std::thread([this] { CheckpointLoop(); });
   }
@@ -242,6 +251,7 @@ void Daemon::Shutdown(std::chrono::milliseconds grace) {
   pool_->DrainAndStop();
   if (grpc_server_) grpc_server_->Wait();
   http_->Stop();
+  memory_->Stop();
   if (checkpoint_thread_.joinable()) {
     {
       std::lock_guard<std::mutex> lock(checkpoint_mu_);

@@ -14,6 +14,7 @@
 #include "alerts/config.h"
 #include "detectors/detector.h"
 #include "server/auth.h"
+#include "server/memory_guard.h"
 #include "server/series_store.h"
 #include "server/validation.h"
 #include "store/durable_store.h"
@@ -49,6 +50,9 @@ struct DaemonOptions {
   size_t series_capacity = 4096;
   size_t max_queue_bytes = size_t{256} << 20;
   int max_message_bytes = 64 << 20;
+  // Resident memory at which ingest refuses new data (server/memory_guard.h).
+  // 0: no bound.
+  int64_t max_memory_bytes = 0;
   IngestLimits limits;
   // Distinct (signal, layer, head) series a run may create; observations
   // of further new series are dropped and counted (server/series_limit.h).
@@ -118,6 +122,7 @@ class Daemon {
   std::unique_ptr<WorkerPool> pool_;
   std::unique_ptr<DeliveryTracker> delivery_;  // dedup marks of resent batches
   std::unique_ptr<IngestService> ingest_;
+  std::unique_ptr<MemoryGuard> memory_;
   std::unique_ptr<grpc::Server> grpc_server_;
   std::unique_ptr<HttpServer> http_;
   int grpc_port_ = 0;

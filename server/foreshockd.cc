@@ -77,6 +77,14 @@ ABSL_FLAG(int64_t, max_message_mb, 64,
           "foreshock_ingest_rejected_total{reason=\"message_too_large\"}; the batches acked "
           "before it stay stored. gRPC's transport refuses messages over twice this before "
           "they are read (RESOURCE_EXHAUSTED, not counted). Also the limit for Query requests.");
+ABSL_FLAG(int64_t, max_memory_mb, -1,
+          "Resident memory, in MiB, at which the daemon stops taking ingest data: new streams "
+          "and batches end with RESOURCE_EXHAUSTED (\"memory_limit: ...\", trailing metadata "
+          "retry-after-ms, counted in foreshock_ingest_rejected_total{reason=\"memory_limit\"}) "
+          "until memory falls below 90% of it. Clients keep the refused batches and resend "
+          "them; data already accepted is processed and stored. Set it below the container's or "
+          "unit's memory limit. -1: 85% of the cgroup memory limit when there is one, else half "
+          "of the machine's memory. 0: no bound.");
 ABSL_FLAG(int64_t, shutdown_grace_ms, 5000,
           "On SIGTERM or SIGINT, how long open streams may stay open before they are "
           "cancelled. Everything already accepted is processed before exit.");
@@ -178,6 +186,11 @@ int main(int argc, char** argv) {
   options.limits.max_runs = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_runs));
   options.max_series_per_run = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_series_per_run));
   options.max_queue_bytes = static_cast<size_t>(std::max<int64_t>(1, absl::GetFlag(FLAGS_max_queue_mb))) << 20;
+  if (const int64_t mb = absl::GetFlag(FLAGS_max_memory_mb); mb >= 0) {
+    options.max_memory_bytes = mb << 20;
+  } else {
+    options.max_memory_bytes = foreshock::server::MemoryGuard::DefaultLimitBytes();
+  }
   options.max_message_bytes = static_cast<int>(std::clamp<int64_t>(absl::GetFlag(FLAGS_max_message_mb), 1, 2047)) << 20;
 
   options.record_dir = absl::GetFlag(FLAGS_record_dir);

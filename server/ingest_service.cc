@@ -43,8 +43,9 @@ int64_t NowUnixMicros() {
 // --record_dir), then parsed here.
 class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
-  IngestReactor(IngestService& service, uint64_t session, AccessCheck access = {})
-      : service_(service), session_(session), access_(std::move(access)) {
+  IngestReactor(IngestService& service, grpc::CallbackServerContext* context, uint64_t session,
+                AccessCheck access = {})
+      : service_(service), call_(context), session_(session), access_(std::move(access)) {
     service_.metrics_.ingest_streams_total.Add({}).Increment();
     service_.metrics_.ingest_active_streams.Add({}).Increment();
     StartRead(&received_);
@@ -193,6 +194,13 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void HandleBatch() {
     if (!context_) {
       FailStream(reason::kBatchBeforeHello, "the first message of a stream must be a Hello");
+      return;
+    }
+    if (service_.memory_ != nullptr && service_.memory_->over_limit()) {
+      // Not acked: the client keeps the batch and resends it after the hint.
+      request_.Clear();
+      call_->AddTrailingMetadata("retry-after-ms", std::to_string(IngestService::kRetryAfterMs));
+      RefuseStream(reason::kMemoryLimit, service_.MemoryLimitDetail());
       return;
     }
     DaemonMetrics& metrics = service_.metrics_;
@@ -422,7 +430,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // Ends the stream with RESOURCE_EXHAUSTED (a limit, not a bad client).
   void RefuseStream(std::string_view code, const std::string& detail) {
     service_.metrics_.CountRejection(code);
-    spdlog::warn("stream {} refused: {}: {}", session_, code, detail);
+    service_.LogRefusal(code, detail);
     std::lock_guard<std::mutex> lock(mu_);
     reads_done_ = true;
     finish_status_ =
@@ -460,6 +468,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   IngestService& service_;
+  grpc::CallbackServerContext* const call_;
   const uint64_t session_;
   const AccessCheck access_;
   grpc::ByteBuffer received_;
@@ -528,20 +537,32 @@ class RefusedReactor final
 }  // namespace
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::RefuseStream(
-    grpc::CallbackServerContext* context) {
-  constexpr int kRetryAfterMs = 1000;
-  metrics_.CountRejection(reason::kTooManyStreams);
-  const uint64_t refused = refused_streams_.fetch_add(1) + 1;
-  if (refused == 1 || refused % 1000 == 0) {  // a flood of them must not flood the log
-    spdlog::warn("{} ingest stream(s) refused so far: --max_streams={} are open", refused,
-                 limits_.max_streams);
-  }
+    grpc::CallbackServerContext* context, std::string_view code, const std::string& detail) {
+  metrics_.CountRejection(code);
+  LogRefusal(code, detail);
   context->AddTrailingMetadata("retry-after-ms", std::to_string(kRetryAfterMs));
   return new RefusedReactor(grpc::Status(
       grpc::StatusCode::RESOURCE_EXHAUSTED,
-      absl::StrCat(reason::kTooManyStreams, ": ", limits_.max_streams,
-                   " ingest streams are open (--max_streams); retry after ", kRetryAfterMs,
-                   " ms (trailing metadata retry-after-ms)")));
+      absl::StrCat(std::string(code), ": ", detail,
+                   absl::StrCat("; retry after ", kRetryAfterMs,
+                                " ms (trailing metadata retry-after-ms)"))));
+}
+
+void IngestService::LogRefusal(std::string_view code, const std::string& detail) {
+  const uint64_t refused = refused_streams_.fetch_add(1) + 1;
+  if (refused == 1 || refused % 1000 == 0) {  // a flood of them must not flood the log
+    spdlog::warn("{} ingest stream(s) refused at a limit so far; the latest: {}: {}", refused,
+                 std::string(code), detail);
+  }
+}
+
+std::string IngestService::MemoryLimitDetail() const {
+  return absl::StrCat("the daemon's resident memory (", memory_->resident_bytes() >> 20,
+                      " MiB) reached --max_memory_mb=", memory_->limit_bytes() >> 20,
+                      "; ingest resumes below ",
+                      static_cast<int64_t>(MemoryGuard::kResumeFraction *
+                                           static_cast<double>(memory_->limit_bytes())) >> 20,
+                      " MiB");
 }
 
 bool IngestService::AdmitRun(const std::string& run_id) {
@@ -578,17 +599,24 @@ void IngestService::NoteKnownRun(const std::string& run_id) {
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::Stream(
     grpc::CallbackServerContext* context) {
+  if (memory_ != nullptr && memory_->over_limit()) {
+    return RefuseStream(context, reason::kMemoryLimit, MemoryLimitDetail());
+  }
   if (const int64_t open = open_streams_.fetch_add(1);
       limits_.max_streams > 0 && open >= limits_.max_streams) {
     open_streams_.fetch_sub(1);
-    return RefuseStream(context);
+    return RefuseStream(context, reason::kTooManyStreams,
+                        absl::StrCat(limits_.max_streams,
+                                     " ingest streams are open (--max_streams)"));
   }
-  if (authorizer_ == nullptr) return new IngestReactor(*this, next_session_.fetch_add(1));
+  if (authorizer_ == nullptr) {
+    return new IngestReactor(*this, context, next_session_.fetch_add(1));
+  }
   const auto& metadata = context->client_metadata();
   auto it = metadata.find("authorization");
   const std::string_view authorization =
       it == metadata.end() ? std::string_view() : std::string_view(it->second.data(), it->second.size());
-  return new IngestReactor(*this, next_session_.fetch_add(1),
+  return new IngestReactor(*this, context, next_session_.fetch_add(1),
                            AccessCheck(authorizer_, auth_metrics_, "grpc_ingest", authorization));
 }
 

@@ -19,6 +19,7 @@
 #include "foreshock/v1/ingest.grpc.pb.h"
 #include "server/admission.h"
 #include "server/delivery.h"
+#include "server/memory_guard.h"
 #include "server/auth.h"
 #include "server/metrics.h"
 #include "server/stream_recorder.h"
@@ -53,6 +54,11 @@ class IngestService final
   // counts toward --max_runs, and its Hellos are always admitted.
   void NoteKnownRun(const std::string& run_id);
 
+  // --max_memory_mb: at the bound new streams and batches are refused
+  // (RESOURCE_EXHAUSTED memory_limit, retry-after-ms). Call before the server
+  // starts. Null: no bound.
+  void SetMemoryGuard(const MemoryGuard* guard) { memory_ = guard; }
+
   // Null unless recording.
   StreamRecorder* recorder() { return recorder_.get(); }
 
@@ -69,9 +75,14 @@ class IngestService final
   HelloObserver on_hello_;
   std::unique_ptr<StreamRecorder> recorder_;  // null: streams are not recorded
   std::atomic<uint64_t> next_session_{1};
-  // --max_streams and --max_runs (limits_).
+  // A stream refused before it starts, at a limit: RESOURCE_EXHAUSTED with
+  // "<code>: <detail>; retry after N ms" and trailing metadata retry-after-ms.
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* RefuseStream(
-      grpc::CallbackServerContext* context);
+      grpc::CallbackServerContext* context, std::string_view code, const std::string& detail);
+  static constexpr int kRetryAfterMs = 1000;
+  std::string MemoryLimitDetail() const;
+  // Refusals at limits come in floods: the first and every 1000th is logged.
+  void LogRefusal(std::string_view code, const std::string& detail);
   bool AdmitRun(const std::string& run_id);  // false: a new run beyond --max_runs
   void ReleaseRun(const std::string& run_id);  // its stream ended
   // A run with no open stream for this long stops counting toward --max_runs,
@@ -86,6 +97,7 @@ class IngestService final
   };
   std::unordered_map<std::string, RunSlot> runs_;  // admitted or recovered runs
   DeliveryTracker* delivery_ = nullptr;
+  const MemoryGuard* memory_ = nullptr;
   const Authorizer* authorizer_ = nullptr;
   AuthMetrics* auth_metrics_ = nullptr;
 };

@@ -64,6 +64,11 @@ namespace foreshock::server {
   X(queue_depth, "queue_depth", "Samples waiting in each worker's queue (label worker).")       \
   X(streams_waiting_for_queue, "streams_waiting_for_queue",                                     \
     "Ingest streams paused because the work queue is full.")                                    \
+  X(memory_resident_bytes, "memory_resident_bytes",                                             \
+    "Resident memory of the daemon, sampled every 100 ms.")                                     \
+  X(memory_limit_bytes, "memory_limit_bytes",                                                   \
+    "--max_memory_mb in bytes (0: no bound). At it, ingest refuses new data with reason "      \
+    "memory_limit until memory falls below 90% of it.")                                         \
   X(run_info, "run_info",                                                                       \
     "Always 1; labels carry the run's job name (job_name) and model shape from its Hello.")     \
   X(last_step, "last_step", "Highest training step processed for the run.")                   \

@@ -76,6 +76,7 @@ inline constexpr char kEmptyRequest[] = "empty_request";
 inline constexpr char kTooManyStreams[] = "too_many_streams";
 inline constexpr char kTooManyRuns[] = "too_many_runs";
 inline constexpr char kMessageTooLarge[] = "message_too_large";
+inline constexpr char kMemoryLimit[] = "memory_limit";
 }  // namespace reason
 
 // What a stream's Hello established; records are checked against it.

@@ -5,9 +5,11 @@ the store exactly once; these tests assert its report, including across a
 refused-stream storm and a kill -9 of the daemon mid-run."""
 import json
 import os
+import re
 import subprocess
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -83,3 +85,26 @@ def test_daemon_killed_mid_run_loses_no_acked_record(start_foreshockd, tmp_path)
         chaos.join()
     assert_nothing_lost(report)
     assert report["reconnects"] >= 16, report  # every stream saw the daemon go
+
+
+def test_memory_bound_refuses_ingest_and_keeps_what_it_acked(start_foreshockd, tmp_path):
+    # --max_memory_mb a little above the idle daemon: the load's new series push
+    # it over, and ingest must then refuse (memory_limit, with a retry hint)
+    # while the resident set stays near the bound; everything acked is stored.
+    probe = start_foreshockd()
+    idle_mb = int(open(f"/proc/{probe.process.pid}/status").read()
+                  .split("VmRSS:")[1].split()[0]) // 1024
+    probe.stop()
+    limit_mb, queue_mb = idle_mb + 50, 16
+    daemon = start_foreshockd(f"--max_memory_mb={limit_mb}", f"--max_queue_mb={queue_mb}")
+    report = run_load(daemon, tmp_path, "--runs=16", "--ranks_per_run=8", "--duration_s=8",
+                      "--steps_per_s=10", "--probe_every=5", "--drain_timeout_s=3")
+    assert report["stream_errors"].get("RESOURCE_EXHAUSTED memory_limit", 0) > 0, report
+    assert report["verified"] and report["lost"] == 0 and report["duplicated"] == 0, report
+    # Overshoot: what was in flight when the bound was crossed (the queue, the
+    # messages being read) plus one 100 ms sampling interval.
+    assert report["daemon_vmhwm_mb"] <= limit_mb + queue_mb + 32, report
+    text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics",
+                                  timeout=10).read().decode()
+    assert f"foreshock_memory_limit_bytes {limit_mb << 20}" in text
+    assert re.search(r'foreshock_ingest_rejected_total\{reason="memory_limit"\} [1-9]', text)
