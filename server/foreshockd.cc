@@ -77,6 +77,11 @@ ABSL_FLAG(int64_t, max_message_mb, 64,
           "foreshock_ingest_rejected_total{reason=\"message_too_large\"}; the batches acked "
           "before it stay stored. gRPC's transport refuses messages over twice this before "
           "they are read (RESOURCE_EXHAUSTED, not counted). Also the limit for Query requests.");
+ABSL_FLAG(int64_t, hello_timeout_ms, 10000,
+          "An ingest stream whose first message (the Hello) has not arrived this long after it "
+          "opened ends with DEADLINE_EXCEEDED (\"hello_timeout: ...\", counted in "
+          "foreshock_ingest_rejected_total{reason=\"hello_timeout\"}), so that connections that "
+          "never speak do not hold --max_streams slots. 0: no timeout.");
 ABSL_FLAG(int64_t, max_memory_mb, -1,
           "Resident memory, in MiB, at which the daemon stops taking ingest data: new streams "
           "and batches end with RESOURCE_EXHAUSTED (\"memory_limit: ...\", trailing metadata "
@@ -184,6 +189,8 @@ int main(int argc, char** argv) {
   options.limits.max_tensor_elements = std::max<int64_t>(1, absl::GetFlag(FLAGS_max_tensor_elements));
   options.limits.max_streams = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_streams));
   options.limits.max_runs = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_runs));
+  options.limits.hello_timeout =
+      std::chrono::milliseconds(std::max<int64_t>(0, absl::GetFlag(FLAGS_hello_timeout_ms)));
   options.max_series_per_run = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_series_per_run));
   options.max_queue_bytes = static_cast<size_t>(std::max<int64_t>(1, absl::GetFlag(FLAGS_max_queue_mb))) << 20;
   if (const int64_t mb = absl::GetFlag(FLAGS_max_memory_mb); mb >= 0) {

@@ -48,7 +48,26 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       : service_(service), call_(context), session_(session), access_(std::move(access)) {
     service_.metrics_.ingest_streams_total.Add({}).Increment();
     service_.metrics_.ingest_active_streams.Add({}).Increment();
+    service_.AwaitFirstMessage(this);
     StartRead(&received_);
+  }
+
+  // The watchdog thread, with the service's awaiting_mu_ held (so OnDone cannot
+  // delete this meanwhile): ends a stream whose first message is overdue.
+  // Returns whether it did.
+  bool ExpireFirstMessage(const std::string& detail) {
+    std::optional<grpc::Status> finish;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (first_message_seen_ || finish_status_) return false;
+      first_message_expired_ = true;
+      reads_done_ = true;
+      finish_status_ = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, detail);
+      finish = TakeFinishLocked();
+    }
+    // The outstanding read then completes with ok=false.
+    if (finish) Finish(*finish);
+    return true;
   }
 
   void OnReadDone(bool ok) override {
@@ -58,6 +77,11 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       if (!finish_status_) finish_status_ = grpc::Status::OK;
       MaybeFinishLocked();
       return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (first_message_expired_) return;  // the watchdog already ended the stream
+      first_message_seen_ = true;
     }
     const int64_t recv_unix_us = NowUnixMicros();
     // Shares the slices with what is parsed below; no bytes are copied.
@@ -119,6 +143,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void OnCancel() override {}
 
   void OnDone() override {
+    service_.StreamDone(this);
     if (recording_) service_.recorder_->Close(session_);
     if (context_) service_.ReleaseRun(context_->run_id);
     service_.metrics_.ingest_active_streams.Add({}).Decrement();
@@ -505,6 +530,8 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool client_gone_ = false;
   std::optional<grpc::Status> finish_status_;
   bool reads_done_ = false;
+  bool first_message_seen_ = false;     // the watchdog leaves this stream alone
+  bool first_message_expired_ = false;  // the watchdog ended this stream
   bool parked_ = false;
   bool finished_ = false;
 };
@@ -524,7 +551,51 @@ IngestService::IngestService(const IngestLimits& limits, AdmissionGate& gate, Wo
   }
 }
 
-IngestService::~IngestService() = default;
+IngestService::~IngestService() {
+  {
+    std::lock_guard<std::mutex> lock(awaiting_mu_);
+    stop_watchdog_ = true;
+  }
+  watchdog_cv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+}
+
+void IngestService::AwaitFirstMessage(IngestReactor* stream) {
+  if (limits_.hello_timeout.count() <= 0) return;
+  std::lock_guard<std::mutex> lock(awaiting_mu_);
+  awaiting_[stream] = std::chrono::steady_clock::now() + limits_.hello_timeout;
+  if (!watchdog_.joinable()) watchdog_ = std::thread([this] { HelloWatchdog(); });
+}
+
+void IngestService::StreamDone(IngestReactor* stream) {
+  if (limits_.hello_timeout.count() <= 0) return;
+  std::lock_guard<std::mutex> lock(awaiting_mu_);
+  awaiting_.erase(stream);
+}
+
+void IngestService::HelloWatchdog() {
+  std::unique_lock<std::mutex> lock(awaiting_mu_);
+  const auto period = std::min<std::chrono::steady_clock::duration>(
+      limits_.hello_timeout / 4 + std::chrono::milliseconds(1), std::chrono::seconds(1));
+  while (!watchdog_cv_.wait_for(lock, period, [this] { return stop_watchdog_; })) {
+    const auto now = std::chrono::steady_clock::now();
+    for (auto it = awaiting_.begin(); it != awaiting_.end();) {
+      if (now < it->second) {
+        ++it;
+        continue;
+      }
+      IngestReactor* stream = it->first;
+      it = awaiting_.erase(it);
+      const std::string detail = absl::StrCat(
+          "no Hello within ", limits_.hello_timeout.count(),
+          " ms of opening the stream (--hello_timeout_ms)");
+      if (stream->ExpireFirstMessage(absl::StrCat(reason::kHelloTimeout, ": ", detail))) {
+        metrics_.CountRejection(reason::kHelloTimeout);
+        LogRefusal(reason::kHelloTimeout, detail);
+      }
+    }
+  }
+}
 
 namespace {
 // A stream refused before it starts: it only finishes.
@@ -551,7 +622,7 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::Refu
 void IngestService::LogRefusal(std::string_view code, const std::string& detail) {
   const uint64_t refused = refused_streams_.fetch_add(1) + 1;
   if (refused == 1 || refused % 1000 == 0) {  // a flood of them must not flood the log
-    spdlog::warn("{} ingest stream(s) refused at a limit so far; the latest: {}: {}", refused,
+    spdlog::warn("{} ingest stream(s) refused so far; the latest: {}: {}", refused,
                  std::string(code), detail);
   }
 }
@@ -599,6 +670,21 @@ void IngestService::NoteKnownRun(const std::string& run_id) {
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::Stream(
     grpc::CallbackServerContext* context) {
+  // Callers without a valid token are turned away before they take a slot.
+  std::optional<AccessCheck> access;
+  if (authorizer_ != nullptr) {
+    const auto& metadata = context->client_metadata();
+    auto it = metadata.find("authorization");
+    access.emplace(authorizer_, auth_metrics_, "grpc_ingest",
+                   it == metadata.end() ? std::string_view()
+                                        : std::string_view(it->second.data(), it->second.size()));
+    if (const absl::Status& status = access->authenticated(); !status.ok()) {
+      access->CountUnauthenticated();
+      LogRefusal("unauthenticated", std::string(status.message()));
+      return new RefusedReactor(
+          grpc::Status(grpc::StatusCode::UNAUTHENTICATED, std::string(status.message())));
+    }
+  }
   if (memory_ != nullptr && memory_->over_limit()) {
     return RefuseStream(context, reason::kMemoryLimit, MemoryLimitDetail());
   }
@@ -609,15 +695,8 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::Stre
                         absl::StrCat(limits_.max_streams,
                                      " ingest streams are open (--max_streams)"));
   }
-  if (authorizer_ == nullptr) {
-    return new IngestReactor(*this, context, next_session_.fetch_add(1));
-  }
-  const auto& metadata = context->client_metadata();
-  auto it = metadata.find("authorization");
-  const std::string_view authorization =
-      it == metadata.end() ? std::string_view() : std::string_view(it->second.data(), it->second.size());
-  return new IngestReactor(*this, context, next_session_.fetch_add(1),
-                           AccessCheck(authorizer_, auth_metrics_, "grpc_ingest", authorization));
+  if (!access) return new IngestReactor(*this, context, next_session_.fetch_add(1));
+  return new IngestReactor(*this, context, next_session_.fetch_add(1), *std::move(access));
 }
 
 }  // namespace foreshock::server

@@ -9,6 +9,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <thread>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -27,6 +29,8 @@
 #include "server/worker_pool.h"
 
 namespace foreshock::server {
+
+class IngestReactor;
 
 // Called once per accepted Hello (run registry, run_info metric).
 using HelloObserver = std::function<void(const foreshock::v1::Hello&)>;
@@ -88,6 +92,16 @@ class IngestService final
   // A run with no open stream for this long stops counting toward --max_runs,
   // so that a long-lived sidecar keeps admitting new runs as old ones finish.
   static constexpr std::chrono::hours kIdleRunRelease{24};
+  // --hello_timeout (limits_.hello_timeout): streams that have not sent their
+  // first message, and the thread that ends those that take too long.
+  void AwaitFirstMessage(IngestReactor* stream);
+  void StreamDone(IngestReactor* stream);
+  void HelloWatchdog();
+  std::mutex awaiting_mu_;  // held while the watchdog ends a stream: OnDone waits
+  std::unordered_map<IngestReactor*, std::chrono::steady_clock::time_point> awaiting_;
+  std::condition_variable watchdog_cv_;
+  bool stop_watchdog_ = false;
+  std::thread watchdog_;
   std::atomic<int64_t> open_streams_{0};
   std::atomic<uint64_t> refused_streams_{0};
   std::mutex runs_mu_;

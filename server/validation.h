@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -34,6 +35,10 @@ struct IngestLimits {
   // twice this (TransportMessageLimit), so that the service sees, counts and
   // explains oversized messages; beyond that gRPC refuses them before decoding.
   int64_t max_message_bytes = int64_t{64} << 20;
+  // A stream whose first message has not arrived after this long ends with
+  // DEADLINE_EXCEEDED (reason hello_timeout), so that connections that never
+  // speak do not hold --max_streams slots. 0: no timeout.
+  std::chrono::milliseconds hello_timeout{10000};
 };
 
 // The gRPC receive limit for a --max_message_mb of `max_message_bytes`.
@@ -77,6 +82,7 @@ inline constexpr char kTooManyStreams[] = "too_many_streams";
 inline constexpr char kTooManyRuns[] = "too_many_runs";
 inline constexpr char kMessageTooLarge[] = "message_too_large";
 inline constexpr char kMemoryLimit[] = "memory_limit";
+inline constexpr char kHelloTimeout[] = "hello_timeout";
 }  // namespace reason
 
 // What a stream's Hello established; records are checked against it.

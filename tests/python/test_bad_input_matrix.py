@@ -20,7 +20,7 @@ from foreshock.v1 import ingest_pb2 as pb
 
 METHOD = "/foreshock.v1.Ingest/Stream"
 LIMIT_FLAGS = ("--max_message_mb=1", "--max_tensor_elements=4096", "--max_runs=50",
-               "--max_streams=16", "--workers=2")
+               "--max_streams=16", "--workers=2", "--hello_timeout_ms=1500")
 
 
 def hello_bytes(run_id="bad", **kwargs):
@@ -291,6 +291,60 @@ def test_streams_beyond_max_streams_are_refused_with_a_retry_hint(daemon):
         # Room again: a new stream is served.
         assert wait_until(lambda: run_stream(daemon.endpoint, [hello_bytes("after")])[1]
                           == grpc.StatusCode.OK, timeout_s=10)
+
+
+def test_connections_that_never_send_a_hello_are_ended_and_free_their_slot(daemon):
+    # --max_streams=16, --hello_timeout_ms=1500: 15 silent streams plus the good
+    # client fill every slot; the silent ones end with DEADLINE_EXCEEDED and the
+    # slots are free again, while the good client's acks keep flowing.
+    with GoodClient(daemon.endpoint) as good:
+        release = threading.Event()
+
+        def silent():
+            release.wait(30)
+            return
+            yield  # a generator that sends nothing
+
+        channels, calls = [], []
+        for _ in range(15):
+            channel = grpc.insecure_channel(daemon.endpoint)
+            fn = channel.stream_stream(METHOD, request_serializer=None,
+                                       response_deserializer=pb.StreamResponse.FromString)
+            channels.append(channel)
+            calls.append(fn(silent(), timeout=20))
+        started = time.monotonic()
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as info:
+                list(call)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value
+            assert info.value.details().startswith("hello_timeout: "), info.value.details()
+        assert time.monotonic() - started < 10
+        release.set()
+        for channel in channels:
+            channel.close()
+        wait_counter(daemon, "hello_timeout", 15)
+        good.assert_flowing()
+        # Every slot but the good client's is free: 15 new streams at once are served.
+        hold = threading.Event()
+
+        def hello_then_hold(i):
+            yield hello_bytes(f"after-{i}")
+            hold.wait(30)
+
+        channels, calls = [], []
+        for i in range(15):
+            channel = grpc.insecure_channel(daemon.endpoint)
+            fn = channel.stream_stream(METHOD, request_serializer=None,
+                                       response_deserializer=pb.StreamResponse.FromString)
+            channels.append(channel)
+            calls.append(fn(hello_then_hold(i), timeout=20))
+        for call in calls:
+            assert next(call).HasField("hello_ack")
+        hold.set()
+        for call in calls:
+            list(call)
+        for channel in channels:
+            channel.close()
 
 
 def test_ten_thousand_run_ids_beyond_max_runs_are_refused(daemon):
