@@ -166,6 +166,26 @@ def test_alertmanager_started_after_the_alert_still_receives_it(start_foreshockd
         am.stop()
 
 
+def test_alertmanager_killed_and_restarted_gets_every_firing_alert_back(start_foreshockd,
+                                                                       alertmanager):
+    am = alertmanager.start()
+    daemon = start_foreshockd(f"--alertmanager_url={am.url}", "--alertmanager_resend_s=1")
+    send(daemon.endpoint, "am-before", [(5, nan_values())])
+    assert wait_until(lambda: find(am.alerts(), "ForeshockNonFinite", "am-before"), 30)
+    # kill -9: Alertmanager keeps alerts in memory only, so they are gone with it.
+    am.process.kill()
+    am.process.wait()
+    am.log.close()
+    send(daemon.endpoint, "am-during", [(7, nan_values())])  # fires while it is down
+    samples, ok = daemon.wait_for(lambda s: any(
+        n == "foreshock_alertmanager_posts_total" and l.get("result") == "error" and v >= 1
+        for n, l, v in s))
+    assert ok, "the daemon should have tried and failed to deliver"
+    am.start()  # same port, fresh memory
+    assert wait_until(lambda: find(am.alerts(), "ForeshockNonFinite", "am-during")
+                      and find(am.alerts(), "ForeshockNonFinite", "am-before"), 45), am.alerts()
+
+
 def test_query_service_lists_and_streams_alerts(foreshockd):
     events = []
     with grpc.insecure_channel(foreshockd.endpoint) as channel:
