@@ -77,20 +77,51 @@ int64_t MemoryGuard::ReadResidentBytes() {
 }
 
 namespace {
+int64_t ReadLimitFile(const std::string& path) {
+  std::ifstream in(path);
+  std::string value;
+  if (!(in >> value) || value == "max") return 0;
+  try {
+    const int64_t bytes = std::stoll(value);
+    return bytes > 0 && bytes < (int64_t{1} << 50) ? bytes : 0;  // v1 says "none" with ~2^63
+  } catch (...) {
+    return 0;
+  }
+}
+
+// The tightest memory limit on the way from this process's cgroup (from
+// /proc/self/cgroup: a systemd unit's MemoryMax, a pod's limit) up to the
+// root, cgroup v2 or v1; a container with its own cgroup namespace sees its
+// limit at the top of /sys/fs/cgroup itself. 0: no limit.
 int64_t ReadCgroupLimit() {
-  // cgroup v2, then v1; "max" or an absurdly large v1 value means no limit.
-  for (const char* path : {"/sys/fs/cgroup/memory.max",
-                           "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
-    std::ifstream in(path);
-    std::string value;
-    if (!(in >> value) || value == "max") continue;
-    try {
-      const int64_t bytes = std::stoll(value);
-      if (bytes > 0 && bytes < (int64_t{1} << 50)) return bytes;
-    } catch (...) {
+  int64_t tightest = 0;
+  auto consider = [&tightest](int64_t bytes) {
+    if (bytes > 0 && (tightest == 0 || bytes < tightest)) tightest = bytes;
+  };
+  std::ifstream cgroups("/proc/self/cgroup");
+  std::string line;
+  while (std::getline(cgroups, line)) {
+    // "0::<path>" (v2) or "<n>:memory:<path>" (v1).
+    std::string file, path;
+    if (line.rfind("0::", 0) == 0) {
+      path = line.substr(3);
+      file = "/memory.max";
+    } else if (const size_t at = line.find(":memory:"); at != std::string::npos) {
+      path = line.substr(at + 8);
+      file = "/memory.limit_in_bytes";
+    } else {
+      continue;
+    }
+    const std::string root = file == "/memory.max" ? "/sys/fs/cgroup" : "/sys/fs/cgroup/memory";
+    while (true) {
+      consider(ReadLimitFile(root + path + file));
+      if (path.empty() || path == "/") break;
+      path = path.substr(0, path.rfind('/'));
     }
   }
-  return 0;
+  consider(ReadLimitFile("/sys/fs/cgroup/memory.max"));
+  consider(ReadLimitFile("/sys/fs/cgroup/memory/memory.limit_in_bytes"));
+  return tightest;
 }
 }  // namespace
 
