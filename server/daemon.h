@@ -43,6 +43,11 @@ class RunTracker;
 class WorkerPool;
 
 struct DaemonOptions {
+  static store::DurableStoreOptions MemoryOnlyStore() {
+    store::DurableStoreOptions options;
+    options.data_dir.clear();
+    return options;
+  }
   std::string listen = "127.0.0.1:50051";
   std::string metrics_listen = "127.0.0.1:9464";
   int workers = 0;  // 0: one per core
@@ -69,7 +74,7 @@ struct DaemonOptions {
   // fsync/retention/segment settings. An empty data_dir keeps everything in
   // memory (series_capacity points per series) and nothing survives a restart.
   // store_options.cache_points_per_series bounds the memory of a durable store.
-  store::DurableStoreOptions store_options{.data_dir = ""};
+  store::DurableStoreOptions store_options = MemoryOnlyStore();
   // How often detector and alert-engine state is checkpointed into the store
   // (also at a clean shutdown); a restarted daemon continues from it.
   std::chrono::milliseconds checkpoint_interval{30000};

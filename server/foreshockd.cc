@@ -77,6 +77,11 @@ ABSL_FLAG(int64_t, max_message_mb, 64,
           "foreshock_ingest_rejected_total{reason=\"message_too_large\"}; the batches acked "
           "before it stay stored. gRPC's transport refuses messages over twice this before "
           "they are read (RESOURCE_EXHAUSTED, not counted). Also the limit for Query requests.");
+ABSL_FLAG(int64_t, max_probe_ids_per_run, 64,
+          "Distinct probe_ids (QK and router samples) one run may use since the daemon started; "
+          "the detectors keep the previous sample per (run, layer, probe_id), so this bounds "
+          "their state. Records with a further new probe_id are rejected with reason "
+          "too_many_probe_ids. 0: no limit.");
 ABSL_FLAG(int64_t, hello_timeout_ms, 10000,
           "An ingest stream whose first message (the Hello) has not arrived this long after it "
           "opened ends with DEADLINE_EXCEEDED (\"hello_timeout: ...\", counted in "
@@ -189,6 +194,8 @@ int main(int argc, char** argv) {
   options.limits.max_tensor_elements = std::max<int64_t>(1, absl::GetFlag(FLAGS_max_tensor_elements));
   options.limits.max_streams = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_streams));
   options.limits.max_runs = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_runs));
+  options.limits.max_probe_ids_per_run =
+      std::max<int64_t>(0, absl::GetFlag(FLAGS_max_probe_ids_per_run));
   options.limits.hello_timeout =
       std::chrono::milliseconds(std::max<int64_t>(0, absl::GetFlag(FLAGS_hello_timeout_ms)));
   options.max_series_per_run = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_series_per_run));

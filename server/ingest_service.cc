@@ -252,8 +252,10 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     } else {
       for (int i = 0; i < batch.records_size(); ++i) {
         WorkItem item;
-        if (auto rejection = ValidateRecord(*batch.mutable_records(i), *context_,
-                                            service_.limits_, item.sample)) {
+        auto rejection = ValidateRecord(*batch.mutable_records(i), *context_, service_.limits_,
+                                        item.sample);
+        if (!rejection) rejection = CheckProbeId(item.sample);
+        if (rejection) {
           auto* r = ack.add_rejections();
           r->set_index(i);
           r->set_reason(rejection->ToString());
@@ -285,6 +287,24 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       metrics.streams_waiting_for_queue.Add({}).Decrement();
       Admitted();
     }
+  }
+
+  // --max_probe_ids_per_run; this stream remembers the probe_ids it got
+  // admitted, so the service's lock is taken once per new one.
+  std::optional<Rejection> CheckProbeId(const detectors::Sample& sample) {
+    const std::string* probe_id = nullptr;
+    if (const auto* qk = std::get_if<detectors::QKSample>(&sample.payload)) probe_id = &qk->probe_id;
+    if (const auto* r = std::get_if<detectors::RouterSample>(&sample.payload)) probe_id = &r->probe_id;
+    if (probe_id == nullptr || admitted_probe_ids_.count(*probe_id)) return std::nullopt;
+    if (!service_.AdmitProbeId(context_->run_id, *probe_id)) {
+      return Rejection{reason::kTooManyProbeIds,
+                       absl::StrCat("run '", context_->run_id, "' already uses ",
+                                    service_.limits_.max_probe_ids_per_run,
+                                    " probe_ids (--max_probe_ids_per_run); a probe_id names a "
+                                    "fixed probe batch, not a step")};
+    }
+    admitted_probe_ids_.insert(*probe_id);
+    return std::nullopt;
   }
 
   // Called from the worker thread that freed room for this parked stream.
@@ -501,6 +521,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool recording_ = false;    // the recorder has a file for this stream
   bool drop_logged_ = false;  // a dropped recording frame was logged
   std::optional<StreamContext> context_;
+  std::unordered_set<std::string> admitted_probe_ids_;  // --max_probe_ids_per_run
   std::optional<uint64_t> last_seq_;
   bool dedup_ = false;                 // Hello.first_seq: resends are deduplicated
   DeliveryTracker::Sender sender_;     // with dedup_: whose seqs these are
@@ -651,7 +672,7 @@ bool IngestService::AdmitRun(const std::string& run_id) {
     });
     if (static_cast<int64_t>(runs_.size()) >= limits_.max_runs) return false;
   }
-  runs_[run_id] = RunSlot{1, now};
+  runs_[run_id] = RunSlot{1, now, {}};
   return true;
 }
 
@@ -663,9 +684,19 @@ void IngestService::ReleaseRun(const std::string& run_id) {
   }
 }
 
+bool IngestService::AdmitProbeId(const std::string& run_id, const std::string& probe_id) {
+  if (limits_.max_probe_ids_per_run <= 0) return true;
+  std::lock_guard<std::mutex> lock(runs_mu_);
+  std::unordered_set<std::string>& ids = runs_[run_id].probe_ids;
+  if (ids.count(probe_id)) return true;
+  if (static_cast<int64_t>(ids.size()) >= limits_.max_probe_ids_per_run) return false;
+  ids.insert(probe_id);
+  return true;
+}
+
 void IngestService::NoteKnownRun(const std::string& run_id) {
   std::lock_guard<std::mutex> lock(runs_mu_);
-  runs_.try_emplace(run_id, RunSlot{0, std::chrono::steady_clock::now()});
+  runs_.try_emplace(run_id, RunSlot{0, std::chrono::steady_clock::now(), {}});
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::Stream(

@@ -89,6 +89,8 @@ class IngestService final
   void LogRefusal(std::string_view code, const std::string& detail);
   bool AdmitRun(const std::string& run_id);  // false: a new run beyond --max_runs
   void ReleaseRun(const std::string& run_id);  // its stream ended
+  // false: `probe_id` would be one more than --max_probe_ids_per_run for the run.
+  bool AdmitProbeId(const std::string& run_id, const std::string& probe_id);
   // A run with no open stream for this long stops counting toward --max_runs,
   // so that a long-lived sidecar keeps admitting new runs as old ones finish.
   static constexpr std::chrono::hours kIdleRunRelease{24};
@@ -108,6 +110,7 @@ class IngestService final
   struct RunSlot {
     int open_streams = 0;
     std::chrono::steady_clock::time_point last_seen;
+    std::unordered_set<std::string> probe_ids;  // seen since start
   };
   std::unordered_map<std::string, RunSlot> runs_;  // admitted or recovered runs
   DeliveryTracker* delivery_ = nullptr;

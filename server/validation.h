@@ -39,6 +39,11 @@ struct IngestLimits {
   // DEADLINE_EXCEEDED (reason hello_timeout), so that connections that never
   // speak do not hold --max_streams slots. 0: no timeout.
   std::chrono::milliseconds hello_timeout{10000};
+  // Distinct probe_ids (QK and router) one run may use: the detectors keep
+  // the previous sample per (run, layer, probe_id), so this bounds their
+  // state per run. Records with a further new probe_id are rejected with
+  // reason too_many_probe_ids (--max_probe_ids_per_run). 0: no limit.
+  int64_t max_probe_ids_per_run = 64;
 };
 
 // The gRPC receive limit for a --max_message_mb of `max_message_bytes`.
@@ -83,6 +88,7 @@ inline constexpr char kTooManyRuns[] = "too_many_runs";
 inline constexpr char kMessageTooLarge[] = "message_too_large";
 inline constexpr char kMemoryLimit[] = "memory_limit";
 inline constexpr char kHelloTimeout[] = "hello_timeout";
+inline constexpr char kTooManyProbeIds[] = "too_many_probe_ids";
 }  // namespace reason
 
 // What a stream's Hello established; records are checked against it.

@@ -20,7 +20,8 @@ from foreshock.v1 import ingest_pb2 as pb
 
 METHOD = "/foreshock.v1.Ingest/Stream"
 LIMIT_FLAGS = ("--max_message_mb=1", "--max_tensor_elements=4096", "--max_runs=50",
-               "--max_streams=16", "--workers=2", "--hello_timeout_ms=1500")
+               "--max_streams=16", "--workers=2", "--hello_timeout_ms=1500",
+               "--max_probe_ids_per_run=2")
 
 
 def hello_bytes(run_id="bad", **kwargs):
@@ -31,11 +32,11 @@ def batch_bytes(seq, records):
     return pb.StreamRequest(batch=pb.Batch(seq=seq, records=records)).SerializeToString()
 
 
-def qk_record(shape=(2, 8, 4), step=1, layer=0, short=0):
+def qk_record(shape=(2, 8, 4), step=1, layer=0, short=0, probe_id="p"):
     data = np.zeros(shape, dtype=np.float32).tobytes()
     q = pb.Tensor(dtype=pb.FLOAT32, shape=list(shape), data=data)
     k = pb.Tensor(dtype=pb.FLOAT32, shape=list(shape), data=data[:len(data) - short])
-    return pb.Record(step=step, qk=pb.QKSample(layer=layer, probe_id="p", q=q, k=k, causal=True))
+    return pb.Record(step=step, qk=pb.QKSample(layer=layer, probe_id=probe_id, q=q, k=k, causal=True))
 
 
 class RawStream:
@@ -179,6 +180,25 @@ def test_record_rejections_come_back_in_the_ack_with_their_counter(daemon):
         for reason, _ in cases + [("non_increasing_seq", None)]:
             wait_counter(daemon, reason, 1)
         good.assert_flowing()
+
+
+def test_probe_ids_per_run_are_bounded_across_streams(daemon):
+    # --max_probe_ids_per_run=2: each probe_id keeps detector state per layer,
+    # so a client that invents one per step is refused, run-wide.
+    records = [qk_record(probe_id=p) for p in ("p0", "p1", "p2", "p0")]
+    responses, code, details, _ = run_stream(
+        daemon.endpoint, [hello_bytes("probes"), batch_bytes(1, records)])
+    assert code == grpc.StatusCode.OK, details
+    ack = [r.ack for r in responses if r.WhichOneof("kind") == "ack"][0]
+    assert ack.accepted == 3
+    assert [(r.index, r.reason.split(":")[0]) for r in ack.rejections] == \
+        [(2, "too_many_probe_ids")]
+    responses, _, _, _ = run_stream(  # another stream (rank) of the same run
+        daemon.endpoint, [hello_bytes("probes", rank=1), batch_bytes(1, [qk_record(probe_id="p3"),
+                                                                         qk_record(probe_id="p1")])])
+    ack = [r.ack for r in responses if r.WhichOneof("kind") == "ack"][0]
+    assert ack.accepted == 1 and ack.rejections[0].reason.startswith("too_many_probe_ids:")
+    wait_counter(daemon, "too_many_probe_ids", 2)
 
 
 def test_oversized_message_is_refused_and_the_daemon_keeps_serving(daemon):
