@@ -1,0 +1,110 @@
+// The C++ counterpart of the Python client's background sender: training code
+// calls Enqueue, which never waits on the network; one thread owns the
+// foreshock.v1.Ingest stream.
+//
+// - Records wait in a bounded queue (max_queue_bytes); a full queue drops its
+//   oldest records (counted: dropped_queue_full).
+// - Records go out in Batches of up to max_batch_bytes, numbered by a
+//   SenderState: every batch stays unacknowledged until its Ack (at most
+//   max_unacked_bytes; beyond that the oldest are dropped, counted:
+//   dropped_unacked).
+// - When the stream breaks (the daemon restarts, refuses at a limit, the
+//   network fails), the thread reconnects with exponential backoff and full
+//   jitter, or after the daemon's retry-after-ms hint, and resends every
+//   unacknowledged batch with its old seq first; the daemon deduplicates.
+// - A batch over the daemon's --max_message_mb (message_too_large) is dropped,
+//   not resent forever (counted: dropped_too_large).
+//
+//   foreshock::client::Sender sender("127.0.0.1:50051", hello);
+//   sender.Enqueue(record);              // in the training loop
+//   sender.Close(std::chrono::seconds(10));
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+
+#include "foreshock/client.h"
+#include "foreshock/v1/ingest.grpc.pb.h"
+
+namespace foreshock::client {
+
+struct SenderOptions {
+  size_t max_queue_bytes = size_t{256} << 20;   // records not yet sent
+  size_t max_unacked_bytes = size_t{64} << 20;  // batches sent, not yet acked
+  size_t max_batch_bytes = size_t{1} << 20;
+  std::chrono::milliseconds backoff_initial{100};
+  std::chrono::milliseconds backoff_max{10000};
+  // TLS (grpc::SslCredentials) or plaintext; and the bearer token for
+  // --token_file daemons (empty: none).
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  std::string token;
+};
+
+struct SenderStats {
+  uint64_t enqueued = 0;            // records handed to Enqueue
+  uint64_t sent = 0;                // records written (first time)
+  uint64_t resent = 0;              // records written again on a new stream
+  uint64_t acked = 0;               // records the daemon accepted
+  uint64_t duplicates = 0;          // records acked as already stored
+  uint64_t rejected = 0;            // records rejected (reason in the Ack)
+  uint64_t dropped_queue_full = 0;  // oldest queued records dropped
+  uint64_t dropped_unacked = 0;     // oldest unacked records dropped
+  uint64_t dropped_too_large = 0;   // records in batches over the daemon's message limit
+  uint64_t reconnects = 0;          // streams after the first
+  uint64_t queued = 0;              // records waiting now
+  uint64_t unacked = 0;             // batches waiting for an Ack now
+};
+
+class Sender {
+ public:
+  Sender(std::string endpoint, foreshock::v1::Hello hello, SenderOptions options = {});
+  ~Sender();  // Close(0): whatever is not yet acked is abandoned
+  Sender(const Sender&) = delete;
+  Sender& operator=(const Sender&) = delete;
+
+  // Queues a record; never blocks on the network.
+  void Enqueue(foreshock::v1::Record record);
+  // Sends what is queued and waits for its Acks, at most `timeout`; then stops
+  // the thread. True when everything was acknowledged.
+  bool Close(std::chrono::milliseconds timeout);
+  SenderStats stats() const;
+  bool connected() const { return connected_.load(); }
+
+ private:
+  struct Stream;
+  void Run();
+  // One stream's life; true when it ended because Close drained everything.
+  bool RunStream(std::chrono::milliseconds* retry_hint);
+  void OnAck(const foreshock::v1::Ack& ack);
+  void DropTooLarge(const std::string& details);
+  bool DrainedLocked() const { return queue_.empty() && state_.unacked().empty(); }
+
+  const std::string endpoint_;
+  const foreshock::v1::Hello hello_;
+  const SenderOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<foreshock::v1::Ingest::Stub> stub_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;  // queue or unacked changed, or closing
+  std::deque<std::pair<foreshock::v1::Record, size_t>> queue_;
+  size_t queue_bytes_ = 0;
+  SenderState state_;
+  SenderStats stats_;
+  bool closing_ = false;  // Close called: drain, then stop
+  bool abort_ = false;    // stop now
+  grpc::ClientContext* live_context_ = nullptr;  // to cancel a blocked stream
+  std::atomic<bool> connected_{false};
+  std::thread thread_;
+};
+
+}  // namespace foreshock::client

@@ -1,0 +1,233 @@
+#include "foreshock/sender.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <random>
+#include <regex>
+#include <vector>
+
+namespace foreshock::client {
+
+namespace v1 = foreshock::v1;
+
+namespace {
+constexpr std::chrono::milliseconds kPoll{50};
+}  // namespace
+
+Sender::Sender(std::string endpoint, v1::Hello hello, SenderOptions options)
+    : endpoint_(std::move(endpoint)),
+      hello_(std::move(hello)),
+      options_(std::move(options)),
+      state_(options_.max_unacked_bytes) {
+  // gRPC's own reconnect backoff (1 s, then growing) would add to ours after
+  // a daemon restart: keep it to the same bounds.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, static_cast<int>(options_.backoff_initial.count()));
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, static_cast<int>(options_.backoff_initial.count()));
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, static_cast<int>(options_.backoff_max.count()));
+  channel_ = grpc::CreateCustomChannel(endpoint_, options_.credentials, args);
+  stub_ = v1::Ingest::NewStub(channel_);
+  thread_ = std::thread([this] { Run(); });
+}
+
+Sender::~Sender() { Close(std::chrono::milliseconds(0)); }
+
+void Sender::Enqueue(v1::Record record) {
+  const size_t size = record.ByteSizeLong();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.enqueued;
+    if (closing_) return;
+    queue_.emplace_back(std::move(record), size);
+    queue_bytes_ += size;
+    // Training never waits: beyond the bound the oldest records go.
+    while (queue_bytes_ > options_.max_queue_bytes && !queue_.empty()) {
+      queue_bytes_ -= queue_.front().second;
+      queue_.pop_front();
+      ++stats_.dropped_queue_full;
+    }
+  }
+  cv_.notify_all();
+}
+
+bool Sender::Close(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  closing_ = true;
+  cv_.notify_all();
+  const bool drained =
+      cv_.wait_for(lock, timeout, [this] { return DrainedLocked() || abort_; }) && DrainedLocked();
+  abort_ = true;
+  if (live_context_ != nullptr) live_context_->TryCancel();
+  lock.unlock();
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  return drained;
+}
+
+SenderStats Sender::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  SenderStats stats = stats_;
+  stats.dropped_unacked = state_.dropped_records();
+  stats.queued = queue_.size();
+  stats.unacked = state_.unacked().size();
+  return stats;
+}
+
+void Sender::Run() {
+  std::mt19937_64 rng(std::random_device{}());
+  std::chrono::milliseconds backoff = options_.backoff_initial;
+  bool first = true;
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (abort_ || (closing_ && DrainedLocked())) return;
+      if (!first) ++stats_.reconnects;
+    }
+    first = false;
+    std::chrono::milliseconds hint{0};
+    const bool had_hello = RunStream(&hint);
+    if (had_hello) backoff = options_.backoff_initial;
+    // Full jitter on the upper half, so that many ranks do not reconnect in
+    // lock step; a daemon at a limit says when to come back.
+    const std::chrono::milliseconds base = hint.count() > 0 ? hint : backoff;
+    const auto wait = std::chrono::milliseconds(
+        base.count() / 2 + std::uniform_int_distribution<int64_t>(0, base.count() / 2)(rng));
+    backoff = std::min(backoff * 2, options_.backoff_max);
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, wait, [this] { return abort_; });
+  }
+}
+
+bool Sender::RunStream(std::chrono::milliseconds* retry_hint) {
+  grpc::ClientContext context;
+  if (!options_.token.empty()) context.AddMetadata("authorization", "Bearer " + options_.token);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (abort_) return false;
+    live_context_ = &context;
+  }
+  auto stream = stub_->Stream(&context);
+  v1::StreamRequest request;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    *request.mutable_hello() = hello_;
+    request.mutable_hello()->set_first_seq(state_.first_seq());
+    request.mutable_hello()->set_sender_id(state_.sender_id());
+  }
+  v1::StreamResponse response;
+  bool hello_acked = stream->Write(request) && stream->Read(&response) && response.has_hello_ack();
+  std::thread reader;
+  bool read_side_done = false;  // under mu_: the daemon ended the stream
+  if (hello_acked) {
+    connected_ = true;
+    reader = std::thread([&] {
+      v1::StreamResponse ack;
+      while (stream->Read(&ack)) {
+        if (ack.has_ack()) OnAck(ack.ack());
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      read_side_done = true;
+      cv_.notify_all();  // the writer notices the stream is gone
+    });
+    // Resend what earlier streams left unacknowledged, with the same seqs.
+    std::vector<v1::Batch> resend;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [seq, batch] : state_.unacked()) {
+        resend.push_back(batch);
+        stats_.resent += static_cast<uint64_t>(batch.records_size());
+      }
+    }
+    bool ok = true;
+    for (v1::Batch& batch : resend) {
+      *request.mutable_batch() = std::move(batch);
+      if (!(ok = stream->Write(request))) break;
+    }
+    while (ok) {
+      v1::Batch batch;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait_for(lock, kPoll, [&] {
+          return abort_ || read_side_done || !queue_.empty() ||
+                 (closing_ && state_.unacked().empty());
+        });
+        if (abort_ || read_side_done) break;
+        if (queue_.empty()) {
+          if (closing_ && state_.unacked().empty()) {  // drained: half-close
+            lock.unlock();
+            stream->WritesDone();
+            break;
+          }
+          continue;
+        }
+        size_t bytes = 0;
+        while (!queue_.empty() && (batch.records_size() == 0 ||
+                                   bytes + queue_.front().second <= options_.max_batch_bytes)) {
+          bytes += queue_.front().second;
+          queue_bytes_ -= queue_.front().second;
+          *batch.add_records() = std::move(queue_.front().first);
+          queue_.pop_front();
+        }
+        state_.Assign(batch);  // keeps a copy until the Ack
+        stats_.sent += static_cast<uint64_t>(batch.records_size());
+      }
+      *request.mutable_batch() = std::move(batch);
+      ok = stream->Write(request);
+    }
+  }
+  if (!hello_acked) context.TryCancel();
+  if (reader.joinable()) {
+    // A broken write: the read side ends once the call is cancelled.
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!(closing_ && DrainedLocked())) context.TryCancel();
+    }
+    reader.join();
+  }
+  const grpc::Status status = stream->Finish();
+  connected_ = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    live_context_ = nullptr;
+  }
+  const auto& trailers = context.GetServerTrailingMetadata();
+  if (auto it = trailers.find("retry-after-ms"); it != trailers.end()) {
+    *retry_hint = std::chrono::milliseconds(
+        std::atoll(std::string(it->second.data(), it->second.size()).c_str()));
+  }
+  if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+    DropTooLarge(status.error_message());
+  }
+  return hello_acked;
+}
+
+void Sender::OnAck(const v1::Ack& ack) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (state_.unacked().count(ack.seq()) == 0) return;  // settled before, or dropped
+    state_.Settle(ack);
+    stats_.acked += ack.accepted();
+    stats_.duplicates += ack.duplicates();
+    stats_.rejected += static_cast<uint64_t>(ack.rejections_size());
+  }
+  cv_.notify_all();
+}
+
+void Sender::DropTooLarge(const std::string& details) {
+  static const std::regex kTooLarge("^message_too_large: .* the limit is ([0-9]+)");
+  std::smatch match;
+  if (!std::regex_search(details, match, kTooLarge)) return;
+  const size_t limit = std::stoull(match[1].str());
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<v1::Ack> settle;
+  for (const auto& [seq, batch] : state_.unacked()) {
+    v1::StreamRequest request;
+    *request.mutable_batch() = batch;
+    if (request.ByteSizeLong() <= limit) continue;
+    stats_.dropped_too_large += static_cast<uint64_t>(batch.records_size());
+    settle.emplace_back().set_seq(seq);
+  }
+  for (const v1::Ack& ack : settle) state_.Settle(ack);
+}
+
+}  // namespace foreshock::client

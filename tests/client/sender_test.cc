@@ -1,0 +1,176 @@
+// The C++ background sender (client/cpp/foreshock/sender.h) against a real
+// foreshockd in this process: Enqueue never waits on the network, a full
+// queue drops its oldest records, and every record survives daemon restarts
+// exactly once (resent after reconnecting, deduplicated by the daemon).
+#include "foreshock/sender.h"
+
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <iostream>
+#include <set>
+#include <thread>
+
+#include "server/daemon.h"
+#include "server/series_store.h"
+#include "tests/server/metric_reader.h"
+
+namespace foreshock::client {
+namespace {
+
+namespace v1 = foreshock::v1;
+using Clock = std::chrono::steady_clock;
+
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+v1::Record LossRecord(int64_t step) {
+  v1::Record record;
+  record.set_step(step);
+  record.mutable_scalars()->set_loss(1.0 + 0.001 * static_cast<double>(step));
+  return record;
+}
+
+v1::Hello MakeHello(const std::string& run) {
+  v1::Hello hello;
+  hello.set_run_id(run);
+  hello.set_job("sender-test");
+  hello.set_rank(0);
+  return hello;
+}
+
+SenderOptions FastBackoff() {
+  SenderOptions options;
+  options.backoff_initial = std::chrono::milliseconds(20);
+  options.backoff_max = std::chrono::milliseconds(200);
+  return options;
+}
+
+class SenderTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("foreshock_sender_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(dir_);
+    port_ = FreePort();
+  }
+  void TearDown() override {
+    daemon_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+  std::string endpoint() const { return "127.0.0.1:" + std::to_string(port_); }
+  void Start() {
+    server::DaemonOptions options;
+    options.listen = endpoint();  // the same port across restarts
+    options.metrics_listen = "127.0.0.1:0";
+    options.workers = 2;
+    options.store_options.data_dir = dir_.string();
+    options.store_options.fsync = store::FsyncPolicy::kEvery;
+    daemon_ = std::make_unique<server::Daemon>(options);
+    ASSERT_TRUE(daemon_->Start().ok());
+  }
+  void Kill() {  // no grace: open streams are cut
+    daemon_->Shutdown(std::chrono::milliseconds(0));
+    daemon_.reset();
+  }
+  std::vector<server::Point> Loss(const std::string& run) {
+    return daemon_->store().Range(server::SeriesKey{run, "loss", -1, -1}, INT64_MIN, INT64_MAX);
+  }
+
+  std::filesystem::path dir_;
+  int port_ = 0;
+  std::unique_ptr<server::Daemon> daemon_;
+};
+
+TEST_F(SenderTest, DeliversEveryRecordOnceAcrossDaemonRestarts) {
+  Start();
+  Sender sender(endpoint(), MakeHello("restarts"), FastBackoff());
+  int64_t step = 0;
+  uint64_t in_flight_at_kill = 0;
+  for (int cycle = 0; cycle < 3; ++cycle) {
+    for (int i = 0; i < 1000 && !sender.connected(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ASSERT_TRUE(sender.connected()) << "cycle " << cycle;
+    for (int i = 0; i < 200; ++i) {
+      sender.Enqueue(LossRecord(step++));
+      if (i % 20 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    const SenderStats before = sender.stats();
+    in_flight_at_kill += before.queued + before.unacked;
+    Kill();
+    for (int i = 0; i < 50; ++i) sender.Enqueue(LossRecord(step++));  // while it is down
+    Start();
+  }
+  ASSERT_TRUE(sender.Close(std::chrono::seconds(30))) << "not everything was acknowledged";
+  const SenderStats stats = sender.stats();
+  EXPECT_EQ(stats.enqueued, static_cast<uint64_t>(step));
+  EXPECT_EQ(stats.acked + stats.duplicates, static_cast<uint64_t>(step));
+  EXPECT_EQ(stats.dropped_queue_full + stats.dropped_unacked, 0u);
+  EXPECT_GE(stats.reconnects, 3u);
+  std::cout << "records queued or unacked at the kills: " << in_flight_at_kill
+            << ", resent: " << stats.resent << ", acked as duplicates: " << stats.duplicates
+            << "\n";
+
+  const std::vector<server::Point> loss = Loss("restarts");
+  ASSERT_EQ(loss.size(), static_cast<size_t>(step));  // each step exactly once
+  for (int64_t i = 0; i < step; ++i) EXPECT_EQ(loss[static_cast<size_t>(i)].step, i);
+}
+
+TEST_F(SenderTest, EnqueueNeverWaitsAndAFullQueueDropsTheOldest) {
+  // No daemon at all: every record waits in the queue, whose bound is ~50 records.
+  SenderOptions options = FastBackoff();
+  const size_t record_bytes = LossRecord(1000).ByteSizeLong();
+  options.max_queue_bytes = 50 * record_bytes;
+  Sender sender(endpoint(), MakeHello("offline"), options);
+  Clock::duration slowest{};
+  for (int64_t step = 1000; step < 3000; ++step) {
+    const auto start = Clock::now();
+    sender.Enqueue(LossRecord(step));
+    slowest = std::max(slowest, Clock::now() - start);
+  }
+  // Never near a network timeout or a backoff wait (loose: the machine is shared).
+  EXPECT_LT(slowest, std::chrono::milliseconds(50));
+  SenderStats stats = sender.stats();
+  EXPECT_EQ(stats.enqueued, 2000u);
+  EXPECT_EQ(stats.queued, 50u);
+  EXPECT_EQ(stats.dropped_queue_full, 1950u);
+  EXPECT_FALSE(sender.connected());
+  for (int i = 0; i < 500 && sender.stats().reconnects < 2; ++i) {  // it keeps trying
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_GE(sender.stats().reconnects, 2u);
+
+  // The daemon comes up: the newest 50 are delivered, the dropped ones never.
+  Start();
+  ASSERT_TRUE(sender.Close(std::chrono::seconds(30)));
+  const std::vector<server::Point> loss = Loss("offline");
+  ASSERT_EQ(loss.size(), 50u);
+  EXPECT_EQ(loss.front().step, 2950);
+  EXPECT_EQ(loss.back().step, 2999);
+}
+
+TEST_F(SenderTest, CloseGivesUpAfterItsTimeoutWhenTheDaemonNeverComes) {
+  Sender sender(endpoint(), MakeHello("never"), FastBackoff());
+  sender.Enqueue(LossRecord(1));
+  const auto start = Clock::now();
+  EXPECT_FALSE(sender.Close(std::chrono::milliseconds(300)));
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
+  EXPECT_EQ(sender.stats().queued, 1u);
+}
+
+}  // namespace
+}  // namespace foreshock::client
