@@ -225,7 +225,10 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       // Not acked: the client keeps the batch and resends it after the hint.
       request_.Clear();
       call_->AddTrailingMetadata("retry-after-ms", std::to_string(IngestService::kRetryAfterMs));
-      RefuseStream(reason::kMemoryLimit, service_.MemoryLimitDetail());
+      RefuseStream(reason::kMemoryLimit,
+                    absl::StrCat(service_.MemoryLimitDetail(), "; retry after ",
+                                 IngestService::kRetryAfterMs,
+                                 " ms (trailing metadata retry-after-ms)"));
       return;
     }
     DaemonMetrics& metrics = service_.metrics_;

@@ -40,7 +40,13 @@ void MemoryGuard::Stop() {
 void MemoryGuard::Sample() {
   int64_t resident = read_resident_();
   if (resident < 0) return;  // unreadable: keep the last state
-  if (limit_bytes_ > 0 && resident >= limit_bytes_) {
+  const int64_t resume_mark = static_cast<int64_t>(kResumeFraction * limit_bytes_);
+  // Also while over and above the resume mark: ingest is refused then, so
+  // memory would not climb back to the bound to trigger a trim.
+  const bool trim = limit_bytes_ > 0 && (resident >= limit_bytes_ ||
+                                         (over_.load(std::memory_order_relaxed) &&
+                                          resident >= resume_mark));
+  if (trim) {
     // Freed heap that glibc keeps counts as resident; give it back before
     // refusing data (at most once a second: trimming walks the heap).
     const auto now = std::chrono::steady_clock::now();
@@ -53,8 +59,7 @@ void MemoryGuard::Sample() {
   resident_.store(resident, std::memory_order_relaxed);
   if (limit_bytes_ <= 0) return;
   const bool was_over = over_.load(std::memory_order_relaxed);
-  const bool over = was_over ? resident >= static_cast<int64_t>(kResumeFraction * limit_bytes_)
-                             : resident >= limit_bytes_;
+  const bool over = was_over ? resident >= resume_mark : resident >= limit_bytes_;
   if (over == was_over) return;
   over_.store(over, std::memory_order_relaxed);
   if (over) {

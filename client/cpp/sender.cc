@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <random>
-#include <regex>
+#include <string_view>
 #include <vector>
 
 namespace foreshock::client {
@@ -37,7 +37,10 @@ void Sender::Enqueue(v1::Record record) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.enqueued;
-    if (closing_) return;
+    if (closing_) {
+      ++stats_.dropped_after_close;
+      return;
+    }
     queue_.emplace_back(std::move(record), size);
     queue_bytes_ += size;
     // Training never waits: beyond the bound the oldest records go.
@@ -115,7 +118,12 @@ bool Sender::RunStream(std::chrono::milliseconds* retry_hint) {
     request.mutable_hello()->set_sender_id(state_.sender_id());
   }
   v1::StreamResponse response;
-  bool hello_acked = stream->Write(request) && stream->Read(&response) && response.has_hello_ack();
+  const bool answered = stream->Write(request) && stream->Read(&response);
+  const bool hello_acked = answered && response.has_hello_ack();
+  // Cancel only a call that is still running (an answer that is not a
+  // HelloAck): cancelling an ended call would replace the daemon's status and
+  // its retry hint with CANCELLED.
+  if (answered && !hello_acked) context.TryCancel();
   std::thread reader;
   bool read_side_done = false;  // under mu_: the daemon ended the stream
   if (hello_acked) {
@@ -175,15 +183,10 @@ bool Sender::RunStream(std::chrono::milliseconds* retry_hint) {
       ok = stream->Write(request);
     }
   }
-  if (!hello_acked) context.TryCancel();
-  if (reader.joinable()) {
-    // A broken write: the read side ends once the call is cancelled.
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!(closing_ && DrainedLocked())) context.TryCancel();
-    }
-    reader.join();
-  }
+  // The writer stops when a write fails or the read side ended (the call is
+  // over either way), when Close drained everything (the daemon ends the call
+  // after the half-close), or on abort (Close cancelled the call).
+  if (reader.joinable()) reader.join();
   const grpc::Status status = stream->Finish();
   connected_ = false;
   {
@@ -214,11 +217,15 @@ void Sender::OnAck(const v1::Ack& ack) {
 }
 
 void Sender::DropTooLarge(const std::string& details) {
-  static const std::regex kTooLarge("^message_too_large: .* the limit is ([0-9]+)");
-  std::smatch match;
-  if (!std::regex_search(details, match, kTooLarge)) return;
-  const size_t limit = std::stoull(match[1].str());
-  std::lock_guard<std::mutex> lock(mu_);
+  // "message_too_large: a message of N bytes; the limit is M (--max_message_mb)..."
+  static constexpr std::string_view kCode = "message_too_large: ";
+  static constexpr std::string_view kLimit = "the limit is ";
+  if (details.rfind(kCode, 0) != 0) return;
+  const size_t at = details.find(kLimit);
+  if (at == std::string::npos) return;
+  const size_t limit = std::strtoull(details.c_str() + at + kLimit.size(), nullptr, 10);
+  if (limit == 0) return;
+  std::unique_lock<std::mutex> lock(mu_);
   std::vector<v1::Ack> settle;
   for (const auto& [seq, batch] : state_.unacked()) {
     v1::StreamRequest request;
@@ -228,6 +235,8 @@ void Sender::DropTooLarge(const std::string& details) {
     settle.emplace_back().set_seq(seq);
   }
   for (const v1::Ack& ack : settle) state_.Settle(ack);
+  lock.unlock();
+  cv_.notify_all();  // Close may be waiting for exactly these
 }
 
 }  // namespace foreshock::client

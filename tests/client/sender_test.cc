@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <set>
 #include <thread>
@@ -72,13 +73,14 @@ class SenderTest : public ::testing::Test {
     std::filesystem::remove_all(dir_);
   }
   std::string endpoint() const { return "127.0.0.1:" + std::to_string(port_); }
-  void Start() {
+  void Start(std::function<void(server::DaemonOptions&)> configure = {}) {
     server::DaemonOptions options;
     options.listen = endpoint();  // the same port across restarts
     options.metrics_listen = "127.0.0.1:0";
     options.workers = 2;
     options.store_options.data_dir = dir_.string();
     options.store_options.fsync = store::FsyncPolicy::kEvery;
+    if (configure) configure(options);
     daemon_ = std::make_unique<server::Daemon>(options);
     ASSERT_TRUE(daemon_->Start().ok());
   }
@@ -161,6 +163,50 @@ TEST_F(SenderTest, EnqueueNeverWaitsAndAFullQueueDropsTheOldest) {
   ASSERT_EQ(loss.size(), 50u);
   EXPECT_EQ(loss.front().step, 2950);
   EXPECT_EQ(loss.back().step, 2999);
+}
+
+TEST_F(SenderTest, ABatchOverTheDaemonsMessageLimitIsDroppedNotResentForever) {
+  Start([](server::DaemonOptions& options) { options.max_message_bytes = 1 << 20; });
+  Sender sender(endpoint(), MakeHello("too-large"), FastBackoff());
+  v1::Record big = LossRecord(1);
+  big.mutable_qk()->set_layer(0);  // 1.5 MiB: over the 1 MiB limit
+  big.mutable_qk()->mutable_q()->set_data(std::string(3 << 19, '\0'));
+  sender.Enqueue(big);
+  for (int i = 0; i < 200 && sender.stats().dropped_too_large == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  for (int64_t step = 2; step < 5; ++step) sender.Enqueue(LossRecord(step));
+  ASSERT_TRUE(sender.Close(std::chrono::seconds(20)));
+  const SenderStats stats = sender.stats();
+  EXPECT_EQ(stats.dropped_too_large, 1u);
+  EXPECT_EQ(stats.acked, 3u);
+  EXPECT_EQ(Loss("too-large").size(), 3u);
+  EXPECT_EQ(foreshock::testing::CounterValue(daemon_->registry(),
+                                             "foreshock_ingest_rejected_total",
+                                             {{"reason", "message_too_large"}}),
+            1);
+}
+
+TEST_F(SenderTest, ARefusedStreamWaitsForTheDaemonsRetryHint) {
+  // --max_streams=1 and the slot is taken: the daemon refuses with
+  // retry-after-ms 1000, which replaces the sender's 20 ms backoff.
+  Start([](server::DaemonOptions& options) { options.limits.max_streams = 1; });
+  IngestStream holder(grpc::CreateChannel(endpoint(), grpc::InsecureChannelCredentials()));
+  ASSERT_TRUE(holder.Open(MakeHello("holder")).ok());
+  Sender sender(endpoint(), MakeHello("hinted"), FastBackoff());
+  sender.Enqueue(LossRecord(1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1800));
+  // 20 ms doubling to 200 ms would have retried ~12 times; with the hint
+  // (500-1000 ms after jitter) at most 4.
+  EXPECT_LE(sender.stats().reconnects, 4u);
+  EXPECT_GE(sender.stats().reconnects, 1u);
+  EXPECT_GE(foreshock::testing::CounterValue(daemon_->registry(),
+                                             "foreshock_ingest_rejected_total",
+                                             {{"reason", "too_many_streams"}}),
+            1);
+  EXPECT_TRUE(holder.Close().ok());  // the slot frees: the record gets through
+  ASSERT_TRUE(sender.Close(std::chrono::seconds(20)));
+  EXPECT_EQ(Loss("hinted").size(), 1u);
 }
 
 TEST_F(SenderTest, CloseGivesUpAfterItsTimeoutWhenTheDaemonNeverComes) {

@@ -59,6 +59,7 @@ struct SenderStats {
   uint64_t dropped_queue_full = 0;  // oldest queued records dropped
   uint64_t dropped_unacked = 0;     // oldest unacked records dropped
   uint64_t dropped_too_large = 0;   // records in batches over the daemon's message limit
+  uint64_t dropped_after_close = 0; // records enqueued after Close
   uint64_t reconnects = 0;          // streams after the first
   uint64_t queued = 0;              // records waiting now
   uint64_t unacked = 0;             // batches waiting for an Ack now
