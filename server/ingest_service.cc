@@ -655,8 +655,7 @@ std::string IngestService::MemoryLimitDetail() const {
   return absl::StrCat("the daemon's resident memory (", memory_->resident_bytes() >> 20,
                       " MiB) reached --max_memory_mb=", memory_->limit_bytes() >> 20,
                       "; ingest resumes below ",
-                      static_cast<int64_t>(MemoryGuard::kResumeFraction *
-                                           static_cast<double>(memory_->limit_bytes())) >> 20,
+                      memory_->resume_bytes() >> 20,
                       " MiB");
 }
 

@@ -40,7 +40,7 @@ void MemoryGuard::Stop() {
 void MemoryGuard::Sample() {
   int64_t resident = read_resident_();
   if (resident < 0) return;  // unreadable: keep the last state
-  const int64_t resume_mark = static_cast<int64_t>(kResumeFraction * limit_bytes_);
+  const int64_t resume_mark = resume_bytes();
   // Also while over and above the resume mark: ingest is refused then, so
   // memory would not climb back to the bound to trigger a trim.
   const bool trim = limit_bytes_ > 0 && (resident >= limit_bytes_ ||
@@ -67,7 +67,7 @@ void MemoryGuard::Sample() {
     spdlog::warn("resident memory {} MiB reached --max_memory_mb={}: refusing new ingest data "
                  "(RESOURCE_EXHAUSTED memory_limit) until it is below {} MiB",
                  resident >> 20, limit_bytes_ >> 20,
-                 static_cast<int64_t>(kResumeFraction * limit_bytes_) >> 20);
+                 resume_mark >> 20);
   } else {
     spdlog::info("resident memory {} MiB is below the resume mark: ingest resumes",
                  resident >> 20);

@@ -45,6 +45,8 @@ class MemoryGuard {
   bool over_limit() const { return over_.load(std::memory_order_relaxed); }
   int64_t resident_bytes() const { return resident_.load(std::memory_order_relaxed); }
   int64_t limit_bytes() const { return limit_bytes_; }
+  // Once over the limit, ingest resumes below this.
+  int64_t resume_bytes() const { return static_cast<int64_t>(kResumeFraction * limit_bytes_); }
   uint64_t times_over() const { return times_over_.load(std::memory_order_relaxed); }
 
   // VmRSS of this process from /proc/self/statm; -1 when unreadable.

@@ -44,6 +44,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "foreshock/client.h"
 #include "foreshock/v1/ingest.grpc.pb.h"
@@ -124,14 +125,9 @@ struct Payloads {
   }
 };
 
-struct Composition {
-  int scalars = 0, qk = 0, router = 0;
-};
-
 // The Batch for (stream, seq): step = seq; a probe on steps divisible by probe_every.
-Composition BuildBatch(const Config& c, const Payloads& p, int stream, uint64_t seq,
-                       v1::StreamRequest& out) {
-  Composition comp;
+void BuildBatch(const Config& c, const Payloads& p, int stream, uint64_t seq,
+                v1::StreamRequest& out) {
   v1::Batch& batch = *out.mutable_batch();
   batch.Clear();
   batch.set_seq(seq);
@@ -141,8 +137,7 @@ Composition BuildBatch(const Config& c, const Payloads& p, int stream, uint64_t 
   scalars.mutable_scalars()->set_loss(3.0 + 1.0 / (1.0 + step));
   scalars.mutable_scalars()->set_grad_norm(1.0);
   scalars.mutable_scalars()->set_lr(3e-4);
-  comp.scalars = 1;
-  if (step % c.probe_every != 0) return comp;
+  if (step % c.probe_every != 0) return;
   const int rank = stream % c.ranks_per_run;
   for (int i = 0; i < c.layers_per_rank; ++i) {
     const int layer = rank * c.layers_per_rank + i;
@@ -162,7 +157,6 @@ Composition BuildBatch(const Config& c, const Payloads& p, int stream, uint64_t 
     }
     qk.mutable_q()->set_data(p.q[variant]);
     qk.mutable_k()->set_data(p.k[(variant + 3) % Payloads::kVariants]);
-    ++comp.qk;
   }
   v1::Record& r = *batch.add_records();
   r.set_step(step);
@@ -175,8 +169,6 @@ Composition BuildBatch(const Config& c, const Payloads& p, int stream, uint64_t 
   logits.add_shape(c.tokens);
   logits.add_shape(c.experts);
   logits.set_data(p.logits[(size_t(stream) + seq / c.probe_every) % Payloads::kVariants]);
-  comp.router = 1;
-  return comp;
 }
 
 // Shared tallies; every field is guarded by `mu`.
@@ -377,7 +369,7 @@ class LoadStream {
     }
     {
       std::lock_guard<std::mutex> r(report_.mu);
-      ++report_.stream_errors[absl::StrCat(StatusName(status.error_code()), " ",
+      ++report_.stream_errors[absl::StrCat(absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code())), " ",
                                            ReasonOf(status.error_message()))];
       ++report_.reconnects;
     }
@@ -391,20 +383,6 @@ class LoadStream {
 
   void MaybeCloseLocked() {
     if (closing_ && unacked_.empty() && attempt_) attempt_->CloseWrites();
-  }
-
-  static const char* StatusName(grpc::StatusCode code) {
-    switch (code) {
-      case grpc::OK: return "OK";
-      case grpc::CANCELLED: return "CANCELLED";
-      case grpc::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-      case grpc::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-      case grpc::PERMISSION_DENIED: return "PERMISSION_DENIED";
-      case grpc::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-      case grpc::UNAVAILABLE: return "UNAVAILABLE";
-      case grpc::UNAUTHENTICATED: return "UNAUTHENTICATED";
-      default: return "OTHER";
-    }
   }
 
   const Config& config_;

@@ -81,7 +81,6 @@ class Sender {
   bool connected() const { return connected_.load(); }
 
  private:
-  struct Stream;
   void Run();
   // One stream's life; true when it ended because Close drained everything.
   bool RunStream(std::chrono::milliseconds* retry_hint);
