@@ -1,4 +1,4 @@
-// The alert engine: turns detector output into DESIGN.md section 5 alerts.
+// The alert engine: turns detector output into docs/DESIGN.md §5 alerts.
 //
 // Pure computation: no clock, no threads, no I/O, no gRPC/HTTP/Prometheus.
 // The server feeds it every detector observation and non-finite event, and
@@ -113,13 +113,13 @@ inline constexpr std::string_view kNonFiniteSignal = "nonfinite_values";
 inline constexpr std::string_view kLearningRateSignal = "lr";
 
 struct Alert {
-  // Labels (DESIGN.md section 5).
+  // Labels (docs/DESIGN.md §5.4).
   std::string alertname;
   std::string run;
   std::string layer;  // the layer index, or "all" for run-level alerts
   std::string signal;
   std::string severity;
-  // Annotations (DESIGN.md section 5).
+  // Annotations (docs/DESIGN.md §5.4).
   std::string summary;
   std::string description;
   std::string probable_cause;

@@ -66,7 +66,7 @@ AlertConfig DefaultAlertConfig() {
   // Attention entropy drifts down in healthy training; a collapse is fast and large.
   add("attention_entropy", kAttentionEntropyCollapse, Direction::kDrop).min_relative_change = 0.20;
 
-  // Router collapse (DESIGN.md 1.2): entropy falls, flips surge, z-loss
+  // Router collapse (docs/DESIGN.md §1.2): entropy falls, flips surge, z-loss
   // grows, experts die.
   add("router_entropy", kRouterCollapse, Direction::kDrop).min_relative_change = 0.15;
   {

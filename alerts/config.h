@@ -51,7 +51,7 @@
 
 namespace foreshock::alerts {
 
-// The alert names of DESIGN.md section 5 (public contract).
+// The alert names of docs/DESIGN.md §5.1 (public contract).
 inline constexpr std::string_view kQKIncrementCollapse = "ForeshockQKIncrementCollapse";
 inline constexpr std::string_view kAttentionLogitGrowth = "ForeshockAttentionLogitGrowth";
 inline constexpr std::string_view kAttentionEntropyCollapse = "ForeshockAttentionEntropyCollapse";

@@ -1,4 +1,4 @@
-// The probable-cause rule table (DESIGN.md sections 1.1, 1.2 and 5).
+// The probable-cause rule table (docs/DESIGN.md §1.1, §1.2 and §5.5).
 //
 // Evidence, gathered by the engine per run near its mechanism onset (the
 // first_step of the earliest mechanism alert; see ProbableCauseConfig):
@@ -57,7 +57,7 @@ enum class ProbableCause : uint8_t {
 };
 
 // "unknown", "low_precision_attention", "learning_rate_too_high", "combined"
-// (the probable_cause annotation values, DESIGN.md section 5).
+// (the probable_cause annotation values, docs/DESIGN.md §5.4).
 std::string_view ProbableCauseName(ProbableCause cause);
 
 enum class AlertFamily : uint8_t {
@@ -69,7 +69,7 @@ enum class AlertFamily : uint8_t {
   kConsequence,  // loss spikes, non-finite values
 };
 
-// The family of one of the DESIGN.md alert names (kConsequence for others).
+// The family of one of the docs/DESIGN.md §5.1 alert names (kConsequence for others).
 AlertFamily FamilyOfAlert(std::string_view alertname);
 
 struct CauseEvidence {

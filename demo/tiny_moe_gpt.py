@@ -1,5 +1,5 @@
 """A tiny character-level GPT with MoE feed-forward layers, for Foreshock demos and
-fault-injection runs (DESIGN.md section 6).
+fault-injection runs (docs/DESIGN.md §6).
 
 Default shape: 4 layers, d_model 64, 4 heads of 16, context 64; layers 1 and 3
 have an MoE feed-forward (4 experts, top-2, router = Linear named `router`),

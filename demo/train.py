@@ -4,7 +4,7 @@
         --metrics-url http://127.0.0.1:9464/metrics --run-id demo-lowprec \\
         --fault lowprec --fault-step 300 --fault-strength 64
 
-Faults (DESIGN.md section 6), injected at --fault-step:
+Faults (docs/DESIGN.md §6.2), injected at --fault-step:
   lowprec  biased BF16 truncation of attention P and O (--fault-strength, --lowprec-on)
   lr       learning rate times --lr-factor (at once, or a geometric ramp over --lr-ramp-steps)
   both     the two together
@@ -89,7 +89,7 @@ def parse_args(argv=None):
 
 
 def divergence_step(losses, warmup):
-    """DESIGN.md section 6: the first step after warm-up where the 20-step mean
+    """docs/DESIGN.md §6.3: the first step after warm-up where the 20-step mean
     loss exceeds 1.3x its running minimum, or the loss is not finite; None if
     the run never diverges."""
     running_min = math.inf

@@ -1,4 +1,4 @@
-// Attention entropy and max logit of one head (DESIGN.md section 1.1, the
+// Attention entropy and max logit of one head (docs/DESIGN.md §1.1, the
 // cheap companions of the QK increment spectrum).
 #pragma once
 

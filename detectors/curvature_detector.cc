@@ -1,4 +1,4 @@
-// Curvature against the edge of stability (DESIGN.md section 1.3). The client
+// Curvature against the edge of stability (docs/DESIGN.md §1.3). The client
 // estimates lambda_max of the (preconditioned) Hessian with warm-started
 // Lanczos; the daemon compares it with the stability threshold of the
 // optimizer: rho = lambda / tau. rho near 1 is normal at the edge of

@@ -30,7 +30,7 @@ namespace foreshock::detectors {
 // block index travels in Observation::layer).
 enum class SignalScope : uint8_t { kRun, kLayer, kLayerHead, kRunBlock };
 
-// How per-head values fold into the per-layer value (DESIGN.md section 4:
+// How per-head values fold into the per-layer value (docs/DESIGN.md §4.4:
 // min for entropies, max for logits and shares).
 enum class HeadAggregation : uint8_t { kNone, kMin, kMax, kMean };
 

@@ -1,4 +1,4 @@
-// The QK detector (DESIGN.md section 1.1).
+// The QK detector (docs/DESIGN.md §1.1).
 //
 // Per sample and head: attention entropy and max logit. Between consecutive
 // finite samples of one (run, layer, probe_id): the spectrum of the

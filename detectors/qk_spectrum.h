@@ -1,5 +1,5 @@
 // Spectrum of the first-order increment of one attention head's QK form
-// (DESIGN.md section 1.1), without forming the n x n matrix.
+// (docs/DESIGN.md §1.1), without forming the n x n matrix.
 //
 // With previous Q0, K0 and current Q, K (each [n, d], same probe tokens):
 //   dQ = Q - Q0, dK = K - K0,

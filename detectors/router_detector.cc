@@ -1,5 +1,5 @@
 // MoE router detector: how sharply, evenly and stably the router chooses
-// experts on the fixed probe batch (DESIGN.md section 1.2). A too-high
+// experts on the fixed probe batch (docs/DESIGN.md §1.2). A too-high
 // learning rate shows as rising logit norms and z-loss, falling entropy,
 // flip-rate spikes or freezes and dead experts.
 #include <algorithm>

@@ -1,4 +1,4 @@
-// MoE router statistics (DESIGN.md section 1.2) from one probe's logits.
+// MoE router statistics (docs/DESIGN.md §1.2) from one probe's logits.
 //
 // What the router is for is choosing experts; these numbers describe how
 // sharply, how evenly and how stably it does so. Top-k ties are broken

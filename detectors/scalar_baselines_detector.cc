@@ -1,5 +1,5 @@
 // The alarms users have today, computed from the step scalars so that the
-// mechanism detectors can be measured against them (DESIGN.md section 6):
+// mechanism detectors can be measured against them (docs/DESIGN.md §1.4, §6.4):
 //  - OLMo-style spike: loss or grad norm above mean + 6 sigma of the trailing
 //    128-step window (evaluated once the window is full);
 //  - Megatron-style spiky loss: loss above 10x the running maximum;

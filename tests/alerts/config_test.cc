@@ -82,7 +82,7 @@ TEST(AlertConfigTest, DefaultsAreValidAndCoverEverySignalAlert) {
     if (name == kNonFinite) continue;  // fed by non-finite events, not signals
     EXPECT_TRUE(alerts.contains(std::string(name))) << name;
   }
-  // The directions DESIGN.md implies.
+  // The directions docs/DESIGN.md §5.1 gives.
   EXPECT_EQ(config.signals.at("qk_increment_entropy").detector.direction, Direction::kDrop);
   EXPECT_EQ(config.signals.at("qk_increment_top1_share").detector.direction, Direction::kRise);
   EXPECT_EQ(config.signals.at("attention_entropy").detector.direction, Direction::kDrop);

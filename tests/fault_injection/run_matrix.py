@@ -1,4 +1,4 @@
-"""Fault-injection matrix (DESIGN.md section 6; issue 5).
+"""Fault-injection matrix (docs/DESIGN.md §6; issue 5).
 
 Runs every scenario x seed as a real training of the tiny MoE GPT (demo/train.py)
 with the real Python client streaming to its own real foreshockd (fresh daemon
@@ -58,7 +58,7 @@ SCENARIOS = {
     "both": ("fault", "combined", ["--fault", "both", "--fault-step", str(T_INJ)] + BOTH),
 }
 
-# Baselines (DESIGN.md section 6).
+# Baselines (docs/DESIGN.md §6.4).
 OLMO_WINDOW, OLMO_SIGMAS = 128, 6.0
 MEGATRON_FACTOR = 10.0
 

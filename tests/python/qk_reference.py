@@ -1,4 +1,4 @@
-"""Numpy reference of the per-head QK quantities of DESIGN.md section 1.1.
+"""Numpy reference of the per-head QK quantities of docs/DESIGN.md §1.1.
 
 Deliberately the slow, direct way: dense n x n matrices and a full SVD, so it
 checks the daemon's factored computation rather than repeating it.
@@ -48,7 +48,7 @@ def increment_stats(q0, k0, q1, k1):
     )
 
 
-# How each per-head value folds into the layer value (DESIGN.md section 4).
+# How each per-head value folds into the layer value (docs/DESIGN.md §4.4).
 AGGREGATION = {
     "qk_increment_entropy": min,
     "qk_increment_effective_rank": min,

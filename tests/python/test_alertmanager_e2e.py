@@ -1,5 +1,5 @@
 """Alerts reach a real Alertmanager (Debian's prometheus-alertmanager on
-loopback): labels and annotations as DESIGN.md section 5 fixes them, resolve
+loopback): labels and annotations as docs/DESIGN.md §5.4 fixes them, resolve
 sets endsAt, and an Alertmanager started only after the alert fired still
 receives it. Also the gRPC Query service: ListAlerts and WatchAlerts."""
 import json

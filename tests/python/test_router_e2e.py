@@ -10,7 +10,7 @@ from foreshock.v1 import ingest_pb2, ingest_pb2_grpc
 
 
 def numpy_router(z, k, floor=0.5, capacity=1.25):
-    """DESIGN.md 1.2, straight from the definitions; ties go to the lower index."""
+    """docs/DESIGN.md §1.2, straight from the definitions; ties go to the lower index."""
     z = z.astype(np.float64)
     t, e = z.shape
     lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)

@@ -5,7 +5,7 @@ the demo model (lowprec x64 injected at step 500: alerts from ~step 540).
 Asserted from the DOM Chromium renders (--dump-dom): the runs page lists the
 run; the run page renders the loss chart with the first-alert and divergence
 markers (the divergence step the page computes must equal demo/train.py's
-DESIGN.md section 6 rule on the same losses), a qk_increment_entropy heatmap
+docs/DESIGN.md §6.3 rule on the same losses), a qk_increment_entropy heatmap
 with cells and alert markers, and one alert row per alert with its probable
 cause. The run page's screenshot goes to the test's tmp dir, or to docs/ui.png
 with FORESHOCK_UPDATE_SCREENSHOT=1.
@@ -275,10 +275,10 @@ def test_run_page_renders_loss_heatmaps_and_alerts(chromium_path, chromium, trai
     divergence = chart.find(id="marker-divergence")
     if result["divergence_step"] is None:
         assert divergence is None, divergence.attrs
-    else:  # the page's DESIGN section 6 rule agrees with demo/train.py's on the same losses
+    else:  # the page's docs/DESIGN.md §6.3 rule agrees with demo/train.py's on the same losses
         assert divergence is not None, "no divergence marker"
         assert divergence.attrs["data-step"] == str(result["divergence_step"])
-        assert "divergence (DESIGN §6 rule)" in divergence.text()
+        assert "divergence (docs/DESIGN.md §6 rule)" in divergence.text()
 
     # (b) heatmaps: one per layer-level signal, rows = layers, with cells and alert markers
     heatmaps = {h.attrs["data-signal"]: h for h in dom.find_all("div", cls="heatmap")}

@@ -1,4 +1,4 @@
-"""Tensor <-> wire encoding (DESIGN.md section 3: little-endian, row-major).
+"""Tensor <-> wire encoding (docs/DESIGN.md §3.1: little-endian, row-major).
 
 bf16 is the default for Q/K: it halves the bytes of fp32, and the daemon
 computes increments from exactly the values sent. The decoder is pure numpy
