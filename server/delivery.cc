@@ -71,10 +71,14 @@ DeliveryTracker::Admission DeliveryTracker::Begin(const Sender& sender, uint64_t
   return Admission::kNew;
 }
 
-void DeliveryTracker::Commit(const Sender& sender, uint64_t seq,
-                             const std::vector<KeyedPoint>& points) {
+absl::Status DeliveryTracker::Commit(const Sender& sender, uint64_t seq,
+                                     const std::vector<KeyedPoint>& points) {
   // The points and the mark in one write: a crash keeps both or neither.
-  store_.AppendBatchWithEvent(points, kEventKind, EncodeMark(sender, seq));
+  if (absl::Status stored = store_.AppendBatchWithEvent(points, kEventKind, EncodeMark(sender, seq));
+      !stored.ok()) {
+    Abort(sender, seq);
+    return stored;
+  }
   std::vector<std::function<void(bool)>> waiters;
   bool checkpoint = false;
   {
@@ -93,6 +97,7 @@ void DeliveryTracker::Commit(const Sender& sender, uint64_t seq,
   }
   for (auto& waiter : waiters) waiter(true);
   if (checkpoint) Checkpoint();
+  return absl::OkStatus();
 }
 
 void DeliveryTracker::Abort(const Sender& sender, uint64_t seq) {

@@ -74,9 +74,12 @@ class DeliveryTracker {
   Admission Begin(const Sender& sender, uint64_t seq,
                   std::function<void(bool committed)> on_settled);
   // Appends the batch's points and its mark in one store write, then settles
-  // the seq (waiters run, on this thread, after the lock is released).
-  void Commit(const Sender& sender, uint64_t seq,
-              const std::vector<KeyedPoint>& points);
+  // the seq (waiters run, on this thread, after the lock is released). When
+  // the store refuses the write (a full disk, an I/O error) the seq is
+  // aborted instead (waiters get false) and the store's status returned: the
+  // batch must not be acknowledged, and its resend is new.
+  absl::Status Commit(const Sender& sender, uint64_t seq,
+                      const std::vector<KeyedPoint>& points);
   // A batch that was begun but will not be stored (e.g. the daemon stops).
   void Abort(const Sender& sender, uint64_t seq);
 

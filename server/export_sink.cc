@@ -33,8 +33,9 @@ void ExportSink::OnSampleDone(const detectors::Sample& sample) {
     if (batch != nullptr && batch->collect_points) {
       std::lock_guard<std::mutex> lock(batch->points_mu);
       batch->points.insert(batch->points.end(), pending_points.begin(), pending_points.end());
-    } else {
-      store_.AppendBatch(pending_points);
+    } else if (absl::Status stored = store_.AppendBatch(pending_points); !stored.ok()) {
+      // Not stored: the batch is refused, not acknowledged (the client resends it).
+      if (batch != nullptr) batch->Fail(std::move(stored));
     }
     pending_points.clear();
   }

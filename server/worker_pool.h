@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "store/series_store.h"
 
 #include "detectors/detector.h"
@@ -80,6 +81,20 @@ struct BatchCompletion {
   bool collect_points = false;
   std::mutex points_mu;
   std::vector<store::KeyedPoint> points;
+
+  // A sample whose points the store refused (a full disk, an I/O error): the
+  // batch must not be acknowledged. The first failure is kept.
+  void Fail(absl::Status status) {
+    std::lock_guard<std::mutex> lock(points_mu);
+    if (failure.ok()) failure = std::move(status);
+  }
+  absl::Status Failure() {
+    std::lock_guard<std::mutex> lock(points_mu);
+    return failure;
+  }
+
+ private:
+  absl::Status failure;  // guarded by points_mu
 };
 
 // The batch of the sample the calling worker thread is processing (null

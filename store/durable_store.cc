@@ -10,9 +10,11 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <cerrno>
 
 #include "store/checkpoint.h"
 #include "store/record_format.h"
+#include "store/varint.h"
 
 namespace foreshock::store {
 namespace {
@@ -32,6 +34,15 @@ std::optional<uint64_t> ParseSegmentFileName(std::string_view name) {
   const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), sequence);
   if (ec != std::errc() || end != digits.data() + digits.size()) return std::nullopt;
   return sequence;
+}
+
+// A local id whose series definition was lost to damage.
+constexpr uint32_t kUnknownSeries = ~uint32_t{0};
+
+int64_t SteadyMillis() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
 
 // Heap bytes of a string (short ones live inside the object).
@@ -84,9 +95,12 @@ absl::Status DurableSeriesStore::OpenImpl() {
     return absl::InternalError(error);
   }
   const std::string lock_path = options_.data_dir + "/LOCK";
-  const int lock_fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  const int lock_fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
   if (lock_fd < 0) return absl::InternalError(ErrnoMessage("cannot open", lock_path));
   lock_file_ = std::make_unique<FileHandle>(lock_fd);
+  if (!IsRegularFile(lock_path)) {
+    return absl::FailedPreconditionError("not a regular file: " + lock_path);
+  }
   if (::flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
     return absl::FailedPreconditionError(
         ErrnoMessage("data directory in use (another foreshockd?): cannot lock", lock_path));
@@ -98,10 +112,16 @@ absl::Status DurableSeriesStore::OpenImpl() {
   while (const dirent* entry = ::readdir(dir)) {
     const std::string_view name = entry->d_name;
     if (name == "." || name == "..") continue;
-    if (std::optional<uint64_t> sequence = ParseSegmentFileName(name)) {
-      found.emplace_back(*sequence, segments_dir_ + "/" + std::string(name));
+    const std::string path = segments_dir_ + "/" + std::string(name);
+    std::optional<uint64_t> sequence = ParseSegmentFileName(name);
+    if (!sequence) {
+      Report("ignoring unexpected file " + path);
+    } else if (!IsRegularFile(path)) {
+      // A FIFO would hang the read, a link could point out of the directory.
+      Report("ignoring " + path + ": not a regular file");
+      next_sequence_ = std::max(next_sequence_, *sequence + 1);
     } else {
-      Report("ignoring unexpected file " + segments_dir_ + "/" + std::string(name));
+      found.emplace_back(*sequence, path);
     }
   }
   ::closedir(dir);
@@ -116,187 +136,339 @@ absl::Status DurableSeriesStore::OpenImpl() {
     RecoverSegmentLocked(found[i].first, found[i].second, i + 1 == found.size());
     next_sequence_ = std::max(next_sequence_, found[i].first + 1);
   }
-  // Rolling also applies retention.
-  if (!RollSegmentLocked()) {
-    const std::vector<std::string> problems = Problems();
-    return absl::InternalError("cannot start a segment in " + segments_dir_ + ": " +
-                               (problems.empty() ? "" : problems.back()));
+  // Rolling also applies retention. A store that cannot write yet (a full
+  // disk) still opens: it serves what it holds, refuses appends with the
+  // reason, and starts a segment at the first append that can.
+  if (absl::Status status = RollSegmentLocked(); !status.ok()) {
+    Report("cannot start a segment yet (" + std::string(status.message()) +
+           "); serving what is stored, refusing appends until the disk takes writes again");
   }
   lock.unlock();
   maintenance_ = std::thread([this] { MaintenanceLoop(); });
   return absl::OkStatus();
 }
 
+void DurableSeriesStore::QuarantineLocked(const std::string& path, const std::string& why) {
+  const std::string name = path.substr(path.rfind('/') + 1);
+  const std::string quarantine = options_.data_dir + "/quarantine";
+  std::string error;
+  std::string target = quarantine + "/" + name;
+  for (int n = 1; ::access(target.c_str(), F_OK) == 0; ++n) {
+    target = quarantine + "/" + name + "." + std::to_string(n);
+  }
+  if (!MakeDirectories(quarantine, &error) || ::rename(path.c_str(), target.c_str()) != 0) {
+    if (error.empty()) error = ErrnoMessage("cannot move", path);
+    Report("segment " + name + ": " + why + "; could not quarantine it (" + error +
+           "), left in place");
+    return;
+  }
+  SyncDirectory(segments_dir_, &error);
+  SyncDirectory(quarantine, &error);
+  ++stats_.quarantined_segments;
+  Report("segment " + name + ": " + why + "; moved to " + target);
+}
+
 void DurableSeriesStore::RecoverSegmentLocked(uint64_t sequence, const std::string& path,
                                               bool newest) {
+  const std::string name = path.substr(path.rfind('/') + 1);
+  const std::string where = "segment " + name + ": ";
   std::string data, error;
   if (!ReadWholeFile(path, &data, &error)) {
     ++stats_.corrupt_segments;
-    Report("cannot read segment: " + error);
+    Report("cannot read segment: " + error + "; left in place");
     return;
   }
-  const std::string name = path.substr(path.rfind('/') + 1);
+  if (data.empty()) {
+    // Created but never written (a crash right after the create): nothing in it.
+    ::unlink(path.c_str());
+    Report(where + "empty (an interrupted creation); removed it");
+    return;
+  }
+
+  // Pass 1, framing: the valid records in file order and the damaged regions
+  // between them. After a bad record the scan resumes at the next record that
+  // checks out; only bytes with no valid record after them form the tail.
+  struct Found {
+    size_t offset;
+    Record record;
+    bool after_damage;        // a damaged region lies just before it
+    size_t damage_begin = 0;  // where that region begins
+  };
+  std::vector<Found> records;
+  uint64_t damaged_regions = 0, damaged_bytes = 0;
+  size_t first_damage = std::string_view::npos;
+  const std::string_view bytes(data);
+  size_t offset = bytes.substr(0, kSegmentMagic.size()) == kSegmentMagic ? kSegmentMagic.size() : 0;
+  bool after_damage = offset == 0;  // a damaged magic
+  size_t valid_end = 0;  // end of the last valid record
+  size_t damage_begin = 0;
+  while (offset < bytes.size()) {
+    Record record;
+    if (ParseRecord(bytes, offset, &record) == ParseResult::kOk) {
+      records.push_back(Found{offset, record, after_damage, damage_begin});
+      after_damage = false;
+      offset += record.size;
+      valid_end = offset;
+      continue;
+    }
+    const size_t next = FindNextRecord(bytes, offset + 1);
+    if (next == std::string_view::npos) break;  // the rest is the tail
+    ++damaged_regions;
+    damaged_bytes += next - offset;
+    if (first_damage == std::string_view::npos) first_damage = offset;
+    after_damage = true;
+    damage_begin = offset;
+    offset = next;
+  }
+  if (records.empty()) {
+    ++stats_.corrupt_segments;
+    stats_.skipped_bytes += data.size();
+    QuarantineLocked(path, "no valid record in " + std::to_string(data.size()) + " bytes");
+    return;
+  }
+  const uint64_t tail_bytes = data.size() - valid_end;
+
   Segment segment;
   segment.sequence = sequence;
   segment.path = path;
   segment.file_bytes = data.size();
   segment.first_ordinal = segment.end_ordinal = next_ordinal_;
+  std::vector<uint32_t>& ids = segment.series_ids;
+  uint64_t bad_records = 0;  // valid framing, undecodable or misplaced contents
 
-  Record record;
-  SegmentHeader header;
-  size_t offset = kSegmentMagic.size();
-  const bool header_ok = data.size() >= kSegmentMagic.size() &&
-                         std::string_view(data).substr(0, kSegmentMagic.size()) == kSegmentMagic &&
-                         ParseRecord(data, offset, &record) == ParseResult::kOk &&
-                         record.type == RecordType::kSegmentHeader &&
-                         DecodeSegmentHeader(record.payload, &header);
-  if (!header_ok) {
-    if (newest) {
-      // Interrupted while the segment was being created: nothing in it.
-      ::unlink(path.c_str());
-      stats_.truncated_bytes += data.size();
-      Report("segment " + name + ": no valid header in the newest segment (" +
-             std::to_string(data.size()) + " bytes); removed it as an interrupted creation");
-      return;
+  // Pass 2, series definitions: inline ones, and the table a sealed segment
+  // ends with (it restores definitions lost to damage).
+  auto define = [&](const SeriesDef& def) {
+    if (def.local_id >= data.size()) return false;  // each definition takes bytes
+    if (def.local_id >= ids.size()) ids.resize(def.local_id + 1, kUnknownSeries);
+    uint32_t& slot = ids[def.local_id];
+    if (slot == kUnknownSeries) slot = InternSeriesLocked(def.key);
+    return series_[slot].key == def.key;
+  };
+  std::vector<SeriesDef> table;
+  for (const Found& f : records) {
+    if (f.record.type == RecordType::kSeriesDef) {
+      SeriesDef def;
+      if (!DecodeSeriesDef(f.record.payload, &def) || !define(def)) ++bad_records;
+    } else if (f.record.type == RecordType::kSeriesTable) {
+      if (!DecodeSeriesTable(f.record.payload, &table)) {
+        ++bad_records;
+        continue;
+      }
+      for (const SeriesDef& def : table) define(def);
     }
-    ++stats_.corrupt_segments;
-    stats_.skipped_bytes += data.size();
-    Report("segment " + name + ": bad magic or header; skipped all " +
-           std::to_string(data.size()) + " bytes");
-    total_segment_bytes_ += segment.file_bytes;
-    segments_.emplace(sequence, std::move(segment));  // kept so retention can delete it
-    return;
   }
-  if (header.sequence != sequence) {
-    Report("segment " + name + ": header says sequence " + std::to_string(header.sequence) +
-           "; using the file name");
-  }
-  offset += record.size;
-  segment.newest_wall_time_ms = header.created_wall_time_ms;
-  uint64_t records = 1;
 
+  // Pass 3, contents. Points are decoded against state that runs through a
+  // block: after damage, the block's remaining points are skipped (counted)
+  // until the next block start.
   PointBlockCodec codec;
-  bool sealed = false;
-  std::string problem;  // why the scan stopped early, if it did
-  while (true) {
-    const ParseResult result = ParseRecord(data, offset, &record);
-    if (result == ParseResult::kEnd) break;
-    if (sealed) {
-      problem = "data after the end record";
-    } else if (result == ParseResult::kTruncated) {
-      problem = "record runs past the end of the file";
-    } else if (result == ParseResult::kCorrupt) {
-      problem = "checksum mismatch or bad record header";
-    } else {
-      switch (record.type) {
-        case RecordType::kSegmentHeader:
-          problem = "second segment header";
-          break;
-        case RecordType::kBlockStart:
-          segment.blocks.push_back(Block{offset, next_ordinal_});
-          codec.Reset();
-          break;
-        case RecordType::kSeriesDef: {
-          SeriesDef def;
-          if (!DecodeSeriesDef(record.payload, &def) || def.local_id != segment.series_ids.size()) {
-            problem = "bad series definition";
-          } else {
-            segment.series_ids.push_back(InternSeriesLocked(def.key));
-          }
-          break;
-        }
-        case RecordType::kPoints:
-          if (segment.blocks.empty()) {
-            problem = "points before any block start";
-          } else if (!codec.Decode(record.payload, static_cast<uint32_t>(segment.series_ids.size()),
-                                   &points_scratch_)) {
-            problem = "undecodable points";
-          } else {
-            for (const LocalPoint& lp : points_scratch_) {
-              IndexPointLocked(segment, segment.series_ids[lp.local_id], lp.local_id, lp.point);
-            }
-            stats_.recovered_points += points_scratch_.size();
-          }
-          break;
-        case RecordType::kEvent: {
-          EventRecord event;
-          if (!DecodeEvent(record.payload, &event)) {
-            problem = "bad event";
-          } else {
-            IndexEventLocked(event.kind, event.bytes);
-            segment.newest_wall_time_ms = std::max(segment.newest_wall_time_ms, event.wall_time_ms);
-            ++stats_.recovered_events;
-          }
-          break;
-        }
-        case RecordType::kSegmentEnd: {
-          uint64_t points;
-          const uint64_t found = segment.end_ordinal - segment.first_ordinal;
-          if (!DecodeSegmentEnd(record.payload, &points)) {
-            problem = "bad end record";
-          } else if (points != found) {
-            problem = "end record counts " + std::to_string(points) + " points but " +
-                      std::to_string(found) + " were read";
-          } else {
-            sealed = true;
-          }
-          break;
-        }
+  bool block_ok = false, have_header = false;
+  std::optional<uint64_t> end_count;
+  uint64_t skipped_points = 0;  // in points records that could not be decoded
+  uint64_t orphan_points = 0;   // decoded, of a series whose definition was lost
+  uint64_t records_read = 0;
+  // Damage between two records leaves the block's encoding state unknown,
+  // unless the damaged bytes are one series definition: the next one the
+  // segment's series table lists, framed as such, its payload within a few
+  // bytes of that definition's encoding. (A points record read as one would
+  // decode points against the wrong state: never guess.)
+  uint32_t next_local_id = 0;  // of the next series definition in the file
+  auto only_a_known_definition = [&](size_t begin, size_t end) {
+    if (table.empty() || end - begin < kRecordHeaderBytes) return false;
+    const uint32_t length = DecodeFixed32(bytes.data() + begin + 4);
+    if (static_cast<uint8_t>(bytes[begin + 8]) != static_cast<uint8_t>(RecordType::kSeriesDef) ||
+        begin + kRecordHeaderBytes + length != end || next_local_id >= table.size() ||
+        table[next_local_id].local_id != next_local_id) {
+      return false;
+    }
+    const std::string expected = EncodeSeriesDef(table[next_local_id]);
+    if (expected.size() != length) return false;
+    size_t differences = 0;
+    for (size_t k = 0; k < length; ++k) {
+      differences += expected[k] != bytes[begin + kRecordHeaderBytes + k];
+    }
+    if (differences > 4) return false;
+    ++next_local_id;
+    return true;
+  };
+  for (size_t i = 0; i < records.size(); ++i) {
+    const Found& f = records[i];
+    if (f.after_damage) {
+      if (!only_a_known_definition(f.damage_begin, f.offset)) {
+        block_ok = false;
+      } else if (block_ok) {
+        segment.blocks.back().skips_damage = true;
       }
     }
-    if (!problem.empty()) break;
-    offset += record.size;
-    ++records;
+    if (end_count) {  // nothing is written after the end record
+      ++bad_records;
+      continue;
+    }
+    ++records_read;
+    if (f.record.type == RecordType::kSeriesDef) {
+      SeriesDef def;
+      if (DecodeSeriesDef(f.record.payload, &def)) next_local_id = def.local_id + 1;
+    }
+    switch (f.record.type) {
+      case RecordType::kSegmentHeader: {
+        SegmentHeader header;
+        if (i != 0 || !DecodeSegmentHeader(f.record.payload, &header)) {
+          ++bad_records;
+          break;
+        }
+        have_header = true;
+        segment.newest_wall_time_ms = std::max(segment.newest_wall_time_ms, header.created_wall_time_ms);
+        if (header.sequence != sequence) {
+          Report(where + "header says sequence " + std::to_string(header.sequence) +
+                 "; using the file name");
+        }
+        break;
+      }
+      case RecordType::kBlockStart:
+        segment.blocks.push_back(Block{f.offset, next_ordinal_, f.offset + f.record.size});
+        codec.Reset();
+        block_ok = true;
+        break;
+      case RecordType::kSeriesDef:
+      case RecordType::kSeriesTable:
+        break;  // pass 2
+      case RecordType::kPoints: {
+        // Local ids beyond the known definitions belong to lost ones (the
+        // checksum vouches for the record itself).
+        const uint32_t series_defined =
+            static_cast<uint32_t>(std::max<size_t>(ids.size(), damaged_regions > 0 ? data.size() : 0));
+        if (block_ok && codec.Decode(f.record.payload, series_defined, &points_scratch_)) {
+          for (const LocalPoint& lp : points_scratch_) {
+            if (lp.local_id >= ids.size()) ids.resize(lp.local_id + 1, kUnknownSeries);
+            if (ids[lp.local_id] == kUnknownSeries) {
+              // Its definition was lost: the point keeps its place in the
+              // block (reads count points by position) but belongs to no series.
+              ++orphan_points;
+              segment.end_ordinal = ++next_ordinal_;
+            } else {
+              IndexPointLocked(segment, ids[lp.local_id], lp.local_id, lp.point);
+              ++stats_.recovered_points;
+            }
+          }
+          segment.blocks.back().end = f.offset + f.record.size;
+        } else {
+          if (block_ok) ++bad_records;  // well framed, but does not decode
+          block_ok = false;
+          std::string_view payload = f.record.payload;
+          uint64_t count = 0;
+          if (GetVarint64(&payload, &count)) skipped_points += count;
+        }
+        break;
+      }
+      case RecordType::kEvent: {
+        EventRecord event;
+        if (!DecodeEvent(f.record.payload, &event)) {
+          ++bad_records;
+          break;
+        }
+        IndexEventLocked(event.kind, event.bytes);
+        segment.newest_wall_time_ms = std::max(segment.newest_wall_time_ms, event.wall_time_ms);
+        ++stats_.recovered_events;
+        break;
+      }
+      case RecordType::kSegmentEnd: {
+        uint64_t points;
+        if (!DecodeSegmentEnd(f.record.payload, &points)) {
+          ++bad_records;
+        } else {
+          end_count = points;
+        }
+        break;
+      }
+    }
   }
-  segment.valid_bytes = offset;
-  stats_.recovered_records += records;
-  const uint64_t rest = data.size() - offset;
-  const std::string where = "segment " + name + ": ";
+  stats_.recovered_records += records_read;
+  if (!have_header && segment.newest_wall_time_ms == 0) {
+    // No header and no timestamps: date it now rather than let age retention
+    // take it for ancient.
+    segment.newest_wall_time_ms = Now();
+  }
+  segment.valid_bytes = valid_end;
 
-  if (newest && (!problem.empty() || !sealed)) {
+  const uint64_t read = segment.end_ordinal - segment.first_ordinal - orphan_points;
+  uint64_t lost = skipped_points + orphan_points;
+  bool lost_exact = false;
+  if (end_count && *end_count >= read) {
+    // The end record counts every point written: the loss is known exactly.
+    lost = *end_count - read;
+    lost_exact = true;
+  }
+  const bool damaged = damaged_regions > 0 || bad_records > 0 || lost > 0 || !have_header;
+  std::string summary;
+  if (damaged) {
+    ++stats_.corrupt_segments;
+    stats_.corrupt_records += damaged_regions + bad_records;
+    stats_.skipped_bytes += damaged_bytes;
+    stats_.lost_points += lost;
+    summary = std::to_string(damaged_regions + bad_records) + " damaged record(s)" +
+              (first_damage != std::string_view::npos
+                   ? " (first at offset " + std::to_string(first_damage) + ")"
+                   : std::string()) +
+              ", " + std::to_string(damaged_bytes) + " bytes skipped, " +
+              (lost_exact ? "" : "at least ") + std::to_string(lost) + " point(s) lost, " +
+              std::to_string(read) + " read";
+    if (!have_header) summary += "; no valid segment header";
+  }
+
+  if (newest && !end_count) {
     // The newest segment is where an interrupted write lands: cut the torn
-    // tail and seal the segment, so that later opens see a complete one.
+    // tail (no valid record follows it), then seal the segment so that later
+    // opens see a complete one.
+    std::vector<SeriesDef> defs;
+    for (uint32_t local_id = 0; local_id < ids.size(); ++local_id) {
+      if (ids[local_id] != kUnknownSeries) defs.push_back(SeriesDef{local_id, series_[ids[local_id]].key});
+    }
     std::string seal;
+    AppendRecord(&seal, RecordType::kSeriesTable, EncodeSeriesTable(defs));
     AppendRecord(&seal, RecordType::kSegmentEnd,
                  EncodeSegmentEnd(segment.end_ordinal - segment.first_ordinal));
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
     std::string write_error;
+    const int fd = OpenRegularFile(path, O_WRONLY, &write_error);
     bool repaired = fd >= 0;
-    if (fd < 0) write_error = ErrnoMessage("cannot open", path);
-    if (repaired && ::ftruncate(fd, static_cast<off_t>(offset)) != 0) {
+    if (repaired && ::ftruncate(fd, static_cast<off_t>(valid_end)) != 0) {
       write_error = ErrnoMessage("cannot truncate", path);
       repaired = false;
     }
-    repaired = repaired && WriteAllAt(fd, seal, offset, &write_error);
+    repaired = repaired && WriteAllAt(fd, seal, valid_end, &write_error);
     if (repaired && ::fsync(fd) != 0) {
       write_error = ErrnoMessage("cannot fsync", path);
       repaired = false;
     }
     if (fd >= 0) ::close(fd);
+    const std::string tail =
+        tail_bytes > 0 ? "truncated a torn tail of " + std::to_string(tail_bytes) +
+                             " bytes at offset " + std::to_string(valid_end) +
+                             " (an interrupted write)"
+                       : std::string("not closed cleanly");
     if (repaired) {
-      segment.valid_bytes = segment.file_bytes = offset + seal.size();
-      stats_.truncated_bytes += rest;
-      Report(where +
-             (problem.empty() ? std::string("not closed cleanly")
-                              : problem + " at offset " + std::to_string(offset) + "; truncated " +
-                                    std::to_string(rest) + " bytes (an interrupted write)") +
-             "; sealed it");
+      segment.valid_bytes = segment.file_bytes = valid_end + seal.size();
+      stats_.truncated_bytes += tail_bytes;
+      Report(where + (summary.empty() ? "" : summary + "; ") + tail + "; sealed it");
     } else {
-      ++stats_.corrupt_segments;
-      stats_.skipped_bytes += rest;
-      Report(where + (problem.empty() ? "not closed cleanly" : problem) + "; cannot repair: " +
+      ++stats_.write_errors;
+      Report(where + (summary.empty() ? "" : summary + "; ") + tail + "; cannot seal it: " +
              write_error);
     }
-  } else if (!problem.empty()) {
-    ++stats_.corrupt_records;
-    ++stats_.corrupt_segments;
-    stats_.skipped_bytes += rest;
-    Report(where + problem + " at offset " + std::to_string(offset) + "; skipped the remaining " +
-           std::to_string(rest) + " bytes of this segment");
-  } else if (!sealed) {
-    ++stats_.corrupt_segments;
-    Report(where + "ends at offset " + std::to_string(offset) +
-           " without an end record: truncated at a record boundary; kept what is there");
+  } else if (tail_bytes > 0 || !end_count) {
+    // An older segment is never modified: what cannot be read is reported.
+    if (!damaged) ++stats_.corrupt_segments;
+    stats_.skipped_bytes += tail_bytes;
+    Report(where + (summary.empty() ? "" : summary + "; ") +
+           (end_count ? std::to_string(tail_bytes) + " unreadable bytes after the end record"
+                      : "ends at offset " + std::to_string(valid_end) +
+                            " without an end record (cut short" +
+                            (tail_bytes > 0 ? ", " + std::to_string(tail_bytes) +
+                                                  " unreadable bytes after it"
+                                            : std::string(" at a record boundary")) +
+                            "); kept what is there"));
+  } else if (damaged) {
+    Report(where + summary + "; kept everything else");
   }
   ++stats_.recovered_segments;
   total_segment_bytes_ += segment.file_bytes;
@@ -397,25 +569,71 @@ void DurableSeriesStore::IndexEventLocked(std::string_view kind, std::string_vie
   it->second.push_back(std::string(bytes));
 }
 
-bool DurableSeriesStore::EnsureWritableLocked() {
-  if (failed_ || abandoned_) return false;
-  if (!active_ || roll_pending_ || active_->segment->valid_bytes >= options_.segment_bytes) {
-    return RollSegmentLocked();
-  }
-  return true;
+int DurableSeriesStore::InjectedFault(StoreFileOp op) const {
+  return options_.inject_fault ? options_.inject_fault(op) : 0;
 }
 
-bool DurableSeriesStore::RollSegmentLocked() {
-  if (active_) SealActiveLocked();
-  if (failed_) return false;
-  const uint64_t sequence = next_sequence_++;
-  const std::string path = SegmentPath(sequence);
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    ++stats_.write_errors;
-    Report(ErrnoMessage("cannot create segment", path));
-    return false;
+absl::Status DurableSeriesStore::WriteFailed(int error, const std::string& what) {
+  if (error == 0) error = EIO;
+  write_errors_.fetch_add(1);
+  const bool disk_full = error == ENOSPC || error == EDQUOT;
+  if (disk_full) disk_full_errors_.fetch_add(1);
+  const std::string message = what + ": " + std::strerror(error);
+  {
+    std::lock_guard<std::mutex> lock(write_error_mu_);
+    write_error_ = message;
   }
+  write_error_at_ms_ = SteadyMillis();
+  // Reported when writing starts failing, not for every refused append.
+  if (write_errno_.exchange(error) == 0) Report(message + "; refusing appends until writes succeed");
+  return disk_full ? absl::ResourceExhaustedError(message) : absl::UnavailableError(message);
+}
+
+void DurableSeriesStore::WriteSucceeded() {
+  if (write_errno_.load(std::memory_order_relaxed) != 0 && write_errno_.exchange(0) != 0) {
+    Report("writes succeed again");
+  }
+}
+
+absl::Status DurableSeriesStore::WriteHealth() const {
+  const int error = write_errno_.load();
+  if (error == 0) return absl::OkStatus();
+  // After the retry interval the next append may try again (and clear it).
+  if (SteadyMillis() - write_error_at_ms_.load() >= options_.write_retry_interval.count()) {
+    return absl::OkStatus();
+  }
+  std::string message;
+  {
+    std::lock_guard<std::mutex> lock(write_error_mu_);
+    message = write_error_;
+  }
+  return error == ENOSPC || error == EDQUOT ? absl::ResourceExhaustedError(message)
+                                            : absl::UnavailableError(message);
+}
+
+absl::Status DurableSeriesStore::EnsureWritableLocked() {
+  if (abandoned_) return absl::UnavailableError("the store is closed");
+  if (active_ && !abandon_pending_ && !roll_pending_ &&
+      active_->segment->valid_bytes < options_.segment_bytes) {
+    return absl::OkStatus();
+  }
+  absl::Status status = RollSegmentLocked();
+  // A full segment can take more while no new one can be made.
+  if (!status.ok() && active_ && !abandon_pending_) return absl::OkStatus();
+  return status;
+}
+
+absl::Status DurableSeriesStore::RollSegmentLocked() {
+  // The new segment first: while it cannot be created, the active one stays
+  // open (and unsealed).
+  const uint64_t sequence = next_sequence_;
+  const std::string path = SegmentPath(sequence);
+  if (int error = InjectedFault(StoreFileOp::kCreate); error != 0) {
+    return WriteFailed(error, "cannot create segment " + path);
+  }
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+  if (fd < 0) return WriteFailed(errno, "cannot create segment " + path);
+  ++next_sequence_;
   auto file = std::make_shared<FileHandle>(fd);
   const int64_t now = Now();
   std::string bytes(kSegmentMagic);
@@ -424,24 +642,31 @@ bool DurableSeriesStore::RollSegmentLocked() {
   const uint64_t block_offset = bytes.size();
   AppendRecord(&bytes, RecordType::kBlockStart, {});
   std::string error;
+  int error_number = InjectedFault(StoreFileOp::kWrite);
   // With any fsync policy but none, the new directory entry must be durable
   // before points acknowledged in it are.
-  if (!WriteAllAt(fd, bytes, 0, &error) ||
+  if (error_number != 0 || !WriteAllAt(fd, bytes, 0, &error, &error_number) ||
       (options_.fsync != FsyncPolicy::kNone && !SyncDirectory(segments_dir_, &error))) {
-    ++stats_.write_errors;
-    Report("cannot start segment " + path + ": " + error);
+    if (error_number == 0) error_number = errno;
     file.reset();
     ::unlink(path.c_str());
-    return false;
+    return WriteFailed(error_number, "cannot start segment " + path);
   }
 
+  if (active_) {
+    if (abandon_pending_) {
+      active_.reset();  // left unsealed: what reached its disk is unknown
+    } else {
+      SealActiveLocked();
+    }
+  }
   Segment segment;
   segment.sequence = sequence;
   segment.path = path;
   segment.file_bytes = segment.valid_bytes = bytes.size();
   segment.first_ordinal = segment.end_ordinal = next_ordinal_;
   segment.newest_wall_time_ms = now;
-  segment.blocks.push_back(Block{block_offset, next_ordinal_});
+  segment.blocks.push_back(Block{block_offset, next_ordinal_, bytes.size()});
   Segment& stored = segments_.emplace(sequence, std::move(segment)).first->second;
   total_segment_bytes_ += bytes.size();
   stats_.bytes_written += bytes.size();
@@ -451,89 +676,111 @@ bool DurableSeriesStore::RollSegmentLocked() {
   active_->segment = &stored;
   active_->file = std::move(file);
   active_->block_offset = block_offset;
-  roll_pending_ = false;
+  roll_pending_ = abandon_pending_ = restart_block_ = false;
   EnforceRetentionLocked();
-  return true;
+  return absl::OkStatus();
 }
 
 void DurableSeriesStore::SealActiveLocked() {
-  // After an fsync error nothing more is written; an abandoned store acts
-  // as a killed process.
-  if (abandoned_ || failed_) {
+  // An abandoned store acts as a killed process.
+  if (abandoned_) {
     active_.reset();
     return;
   }
   Segment& segment = *active_->segment;
+  // The series table repeats every definition, so that a damaged kSeriesDef
+  // earlier in the segment orphans none of its points.
+  std::vector<SeriesDef> defs;
+  defs.reserve(segment.series_ids.size());
+  for (uint32_t local_id = 0; local_id < segment.series_ids.size(); ++local_id) {
+    defs.push_back(SeriesDef{local_id, series_[segment.series_ids[local_id]].key});
+  }
   std::string seal, error;
+  AppendRecord(&seal, RecordType::kSeriesTable, EncodeSeriesTable(defs));
   AppendRecord(&seal, RecordType::kSegmentEnd,
                EncodeSegmentEnd(segment.end_ordinal - segment.first_ordinal));
-  if (WriteAllAt(active_->file->fd(), seal, segment.valid_bytes, &error)) {
+  int error_number = InjectedFault(StoreFileOp::kWrite);
+  if (error_number == 0 &&
+      WriteAllAt(active_->file->fd(), seal, segment.valid_bytes, &error, &error_number)) {
     segment.valid_bytes = segment.file_bytes = segment.valid_bytes + seal.size();
     total_segment_bytes_ += seal.size();
     stats_.bytes_written += seal.size();
   } else {
-    ++stats_.write_errors;
-    Report("cannot seal segment " + segment.path + ": " + error);
+    // Left unsealed: the next open reports it and keeps what is there.
+    ::ftruncate(active_->file->fd(), static_cast<off_t>(segment.valid_bytes));
+    (void)WriteFailed(error_number, "cannot seal segment " + segment.path);
   }
-  // Sealed segments are on disk whatever the policy, so Sync() only ever
+  // Sealed segments are on disk whatever the policy, so SyncTo only ever
   // has the active segment to flush.
-  if (::fdatasync(active_->file->fd()) == 0) {
-    ++fsyncs_;
-  } else {
-    failed_ = true;
-    Report(ErrnoMessage("fsync failed; no longer writing:", segment.path));
+  error_number = InjectedFault(StoreFileOp::kSync);
+  if (error_number == 0 && ::fdatasync(active_->file->fd()) != 0) error_number = errno;
+  ++fsyncs_;
+  if (error_number != 0) {
+    {
+      std::lock_guard<std::mutex> sync_lock(sync_mu_);
+      MarkUnsyncedLocked(stats_.bytes_written);
+    }
+    (void)WriteFailed(error_number, "fsync failed for segment " + segment.path);
   }
   active_.reset();
 }
 
-bool DurableSeriesStore::WriteLocked(const std::string& bytes) {
+void DurableSeriesStore::MarkUnsyncedLocked(uint64_t written) {
+  if (written <= synced_bytes_) return;
+  constexpr size_t kMaxUnsyncedRanges = 16;
+  if (unsynced_ranges_.size() >= kMaxUnsyncedRanges) unsynced_ranges_.erase(unsynced_ranges_.begin());
+  unsynced_ranges_.emplace_back(synced_bytes_, written);
+}
+
+absl::Status DurableSeriesStore::WriteLocked(const std::string& bytes) {
   Segment& segment = *active_->segment;
   std::string error;
-  if (!WriteAllAt(active_->file->fd(), bytes, segment.valid_bytes, &error)) {
-    ++stats_.write_errors;
-    // Cut the partial record so that the segment stays readable to its end,
-    // and continue in a new segment: the encoder state includes this write.
-    if (::ftruncate(active_->file->fd(), static_cast<off_t>(segment.valid_bytes)) != 0) {
-      Report(ErrnoMessage("cannot truncate after a failed write:", segment.path));
-    }
-    Report("segment " + segment.path + ": " + error + "; dropped " +
-           std::to_string(bytes.size()) + " bytes, continuing in a new segment");
-    roll_pending_ = true;
-    return false;
+  int error_number = InjectedFault(StoreFileOp::kWrite);
+  if (error_number == 0 &&
+      WriteAllAt(active_->file->fd(), bytes, segment.valid_bytes, &error, &error_number)) {
+    segment.valid_bytes += bytes.size();
+    segment.file_bytes = segment.valid_bytes;
+    total_segment_bytes_ += bytes.size();
+    stats_.bytes_written += bytes.size();
+    return absl::OkStatus();
   }
-  segment.valid_bytes += bytes.size();
-  segment.file_bytes = segment.valid_bytes;
-  total_segment_bytes_ += bytes.size();
-  stats_.bytes_written += bytes.size();
-  return true;
+  // Cut the partial record so that the segment stays readable to its end
+  // (should this fail, the next write overwrites it from the same offset),
+  // and restart point encoding: the encoder state includes this write.
+  ::ftruncate(active_->file->fd(), static_cast<off_t>(segment.valid_bytes));
+  restart_block_ = true;
+  return WriteFailed(error_number, "segment " + segment.path + ": cannot write " +
+                                       std::to_string(bytes.size()) + " bytes");
 }
 
-void DurableSeriesStore::AppendBatch(const std::vector<KeyedPoint>& batch) {
-  if (batch.empty()) return;
-  AppendInternal(batch, std::nullopt);
+absl::Status DurableSeriesStore::AppendBatch(const std::vector<KeyedPoint>& batch) {
+  if (batch.empty()) return absl::OkStatus();
+  return AppendInternal(batch, std::nullopt);
 }
 
-void DurableSeriesStore::AppendBatchWithEvent(const std::vector<KeyedPoint>& points,
-                                              std::string_view kind, std::string_view bytes) {
+absl::Status DurableSeriesStore::AppendBatchWithEvent(const std::vector<KeyedPoint>& points,
+                                                      std::string_view kind,
+                                                      std::string_view bytes) {
   if (kind.size() + bytes.size() + 32 > kMaxRecordPayloadBytes) {
-    AppendBatch(points);
-    AppendEvent(kind, bytes);  // reports and drops it
-    return;
+    return absl::InvalidArgumentError("event of kind '" + std::string(kind) + "' too large (" +
+                                      std::to_string(bytes.size()) + " bytes)");
   }
-  AppendInternal(points, std::make_pair(kind, bytes));
+  return AppendInternal(points, std::make_pair(kind, bytes));
 }
 
-void DurableSeriesStore::AppendInternal(
+absl::Status DurableSeriesStore::AppendInternal(
     const std::vector<KeyedPoint>& batch,
     const std::optional<std::pair<std::string_view, std::string_view>>& event) {
   uint64_t written = 0;
   {
     std::unique_lock lock(mu_);
-    if (!EnsureWritableLocked()) {
+    auto refuse = [&](absl::Status status) {
       stats_.points_dropped += batch.size();
       if (event) ++stats_.events_dropped;
-      return;
-    }
+      ++stats_.appends_refused;
+      return status;
+    };
+    if (absl::Status status = EnsureWritableLocked(); !status.ok()) return refuse(status);
     const int64_t now = Now();
     ActiveSegment& active = *active_;
     Segment& segment = *active.segment;
@@ -544,8 +791,9 @@ void DurableSeriesStore::AppendInternal(
 
     const uint64_t block_size = segment.valid_bytes - active.block_offset;
     const bool new_block =
-        !batch.empty() && block_size >= options_.block_bytes &&
-        block_size >= options_.block_bytes_per_series * active.codec.series_started();
+        !batch.empty() &&
+        (restart_block_ || (block_size >= options_.block_bytes &&
+                            block_size >= options_.block_bytes_per_series * active.codec.series_started()));
     if (new_block) {
       AppendRecord(&scratch_, RecordType::kBlockStart, {});
       active.codec.Reset();
@@ -575,10 +823,10 @@ void DurableSeriesStore::AppendInternal(
     }
 
     const uint64_t block_offset = segment.valid_bytes;
-    if (!WriteLocked(scratch_)) {
-      stats_.points_dropped += batch.size();
-      if (event) ++stats_.events_dropped;
-      return;
+    if (absl::Status status = WriteLocked(scratch_); !status.ok()) {
+      // The definitions did not reach the file: the next write repeats them.
+      for (uint32_t series : new_series_scratch_) active.local_ids[series] = kNoLocalId;
+      return refuse(status);
     }
     if (event) {
       IndexEventLocked(event->first, event->second);
@@ -587,8 +835,9 @@ void DurableSeriesStore::AppendInternal(
     }
     // The write succeeded: now the index may refer to it.
     if (new_block) {
-      segment.blocks.push_back(Block{block_offset, next_ordinal_});
+      segment.blocks.push_back(Block{block_offset, next_ordinal_, block_offset});
       active.block_offset = block_offset;
+      restart_block_ = false;
     }
     segment.series_ids.insert(segment.series_ids.end(), new_series_scratch_.begin(),
                               new_series_scratch_.end());
@@ -596,41 +845,34 @@ void DurableSeriesStore::AppendInternal(
       IndexPointLocked(segment, series_scratch_[i], points_scratch_[i].local_id,
                        points_scratch_[i].point);
     }
+    if (!batch.empty()) segment.blocks.back().end = segment.valid_bytes;
     stats_.points_appended += batch.size();
     if (!batch.empty()) ++stats_.batches_appended;
     written = stats_.bytes_written;
   }
-  if (options_.fsync == FsyncPolicy::kEvery) SyncTo(written);
+  WriteSucceeded();
+  if (options_.fsync != FsyncPolicy::kEvery) return absl::OkStatus();
+  absl::Status synced = SyncTo(written);
+  if (!synced.ok()) {
+    std::unique_lock lock(mu_);
+    stats_.points_dropped += batch.size();
+    if (event) ++stats_.events_dropped;
+    ++stats_.appends_refused;
+  }
+  return synced;
 }
 
-void DurableSeriesStore::AppendEvent(std::string_view kind, std::string_view bytes) {
-  uint64_t written = 0;
-  {
-    std::unique_lock lock(mu_);
-    if (kind.size() + bytes.size() + 32 > kMaxRecordPayloadBytes) {
+absl::Status DurableSeriesStore::AppendEvent(std::string_view kind, std::string_view bytes) {
+  if (kind.size() + bytes.size() + 32 > kMaxRecordPayloadBytes) {
+    {
+      std::unique_lock lock(mu_);
       ++stats_.events_dropped;
-      Report("event of kind '" + std::string(kind) + "' too large (" +
-             std::to_string(bytes.size()) + " bytes); dropped");
-      return;
     }
-    if (!EnsureWritableLocked()) {
-      ++stats_.events_dropped;
-      return;
-    }
-    const int64_t now = Now();
-    scratch_.clear();
-    AppendRecord(&scratch_, RecordType::kEvent, EncodeEvent(EventRecord{kind, now, bytes}));
-    if (!WriteLocked(scratch_)) {
-      ++stats_.events_dropped;
-      return;
-    }
-    IndexEventLocked(kind, bytes);
-    Segment& segment = *active_->segment;
-    segment.newest_wall_time_ms = std::max(segment.newest_wall_time_ms, now);
-    ++stats_.events_appended;
-    written = stats_.bytes_written;
+    Report("event of kind '" + std::string(kind) + "' too large (" +
+           std::to_string(bytes.size()) + " bytes); dropped");
+    return absl::InvalidArgumentError("event too large");
   }
-  if (options_.fsync == FsyncPolicy::kEvery) SyncTo(written);
+  return AppendInternal({}, std::make_pair(kind, bytes));
 }
 
 std::vector<std::string> DurableSeriesStore::Events(std::string_view kind) const {
@@ -641,10 +883,21 @@ std::vector<std::string> DurableSeriesStore::Events(std::string_view kind) const
   return out;
 }
 
-bool DurableSeriesStore::SyncTo(uint64_t target) {
+bool DurableSeriesStore::InUnsyncedRangeLocked(uint64_t target) const {
+  for (const auto& [from, to] : unsynced_ranges_) {
+    if (target > from && target <= to) return true;
+  }
+  return false;
+}
+
+absl::Status DurableSeriesStore::SyncTo(uint64_t target) {
   std::unique_lock sync_lock(sync_mu_);
-  while (synced_bytes_ < target) {
-    if (failed_ || abandoned_) return false;
+  while (true) {
+    if (InUnsyncedRangeLocked(target)) {
+      return absl::UnavailableError("fsync failed: the write may not be on disk");
+    }
+    if (synced_bytes_ >= target) return absl::OkStatus();
+    if (abandoned_) return absl::UnavailableError("the store is closed");
     if (sync_running_) {  // someone else's fsync may cover us: wait for it
       sync_cv_.wait(sync_lock);
       continue;
@@ -662,22 +915,30 @@ bool DurableSeriesStore::SyncTo(uint64_t target) {
       }
       covered = stats_.bytes_written;  // earlier segments were synced when sealed
     }
-    bool ok = true;
+    int error = 0;
     if (file) {
-      ok = ::fdatasync(file->fd()) == 0;
+      error = InjectedFault(StoreFileOp::kSync);
+      if (error == 0 && ::fdatasync(file->fd()) != 0) error = errno;
       ++fsyncs_;
-      if (!ok) {
-        failed_ = true;
-        Report(ErrnoMessage("fsync failed; no longer writing:", path));
-      }
     }
     sync_lock.lock();
     sync_running_ = false;
-    if (ok) synced_bytes_ = std::max(synced_bytes_, covered);
+    if (error == 0) {
+      synced_bytes_ = std::max(synced_bytes_, covered);
+    } else {
+      MarkUnsyncedLocked(covered);
+    }
     sync_cv_.notify_all();
-    if (!ok) return false;
+    if (error != 0) {
+      sync_lock.unlock();
+      {
+        // What reached this segment's disk is unknown: write on in a new one.
+        std::unique_lock lock(mu_);
+        if (active_ && active_->file == file) abandon_pending_ = true;
+      }
+      return WriteFailed(error, "fsync failed for segment " + path);
+    }
   }
-  return true;
 }
 
 bool DurableSeriesStore::Sync() {
@@ -686,7 +947,7 @@ bool DurableSeriesStore::Sync() {
     std::shared_lock lock(mu_);
     written = stats_.bytes_written;
   }
-  return SyncTo(written) && !failed_;
+  return SyncTo(written).ok();
 }
 
 void DurableSeriesStore::MaintenanceLoop() {
@@ -744,6 +1005,7 @@ void DurableSeriesStore::DropOldestSegmentLocked() {
            "; forgetting it anyway (it will be read again on the next open)");
   }
   for (uint32_t id : segment.series_ids) {
+    if (id == kUnknownSeries) continue;
     SeriesState& s = series_[id];
     if (!s.spans.empty() && s.spans.front().segment == segment.sequence) {
       s.spans.erase(s.spans.begin());
@@ -796,12 +1058,12 @@ std::vector<Point> DurableSeriesStore::Range(const SeriesKey& key, int64_t from_
         const Block& block = segment.blocks[b];
         if (block.first_ordinal >= cache_start) break;
         if (!Overlaps(block.min_step, block.max_step, from_step, to_step)) continue;
-        const uint64_t end =
-            b + 1 < segment.blocks.size() ? segment.blocks[b + 1].offset : segment.valid_bytes;
+        const uint64_t end = block.end;
         if (!read.ranges.empty() && read.ranges.back().end == block.offset) {
           read.ranges.back().end = end;  // adjacent blocks: one read
+          read.ranges.back().skips_damage |= block.skips_damage;
         } else {
-          read.ranges.push_back(ByteRange{block.offset, end, block.first_ordinal});
+          read.ranges.push_back(ByteRange{block.offset, end, block.first_ordinal, block.skips_damage});
         }
       }
       if (!read.ranges.empty()) reads.push_back(std::move(read));
@@ -822,11 +1084,12 @@ std::vector<Point> DurableSeriesStore::Range(const SeriesKey& key, int64_t from_
 void DurableSeriesStore::ReadFromSegment(const SegmentRead& read, int64_t from_step,
                                          int64_t to_step, uint64_t cache_start,
                                          std::vector<Point>* out) const {
-  const int fd = ::open(read.path.c_str(), O_RDONLY | O_CLOEXEC);
+  std::string open_error;
+  const int fd = OpenRegularFile(read.path, O_RDONLY, &open_error);
   if (fd < 0) {
     if (errno != ENOENT) {  // ENOENT: retention deleted it since we planned
       ++read_errors_;
-      Report(ErrnoMessage("cannot open for reading", read.path));
+      Report("reading: " + open_error);
     }
     return;
   }
@@ -845,7 +1108,17 @@ void DurableSeriesStore::ReadFromSegment(const SegmentRead& read, int64_t from_s
     size_t offset = 0;
     Record record;
     ParseResult result;
-    while ((result = ParseRecord(bytes, offset, &record)) == ParseResult::kOk) {
+    while (true) {
+      result = ParseRecord(bytes, offset, &record);
+      if (result != ParseResult::kOk && result != ParseResult::kEnd && range.skips_damage) {
+        // A damaged series definition that recovery found safe to step over.
+        const size_t next = FindNextRecord(bytes, offset + 1);
+        if (next != std::string_view::npos) {
+          offset = next;
+          continue;
+        }
+      }
+      if (result != ParseResult::kOk) break;
       offset += record.size;
       if (record.type == RecordType::kBlockStart) {
         codec.Reset();
@@ -945,6 +1218,8 @@ DurableStoreStats DurableSeriesStore::Stats() const {
   stats.read_errors = read_errors_.load();
   stats.disk_bytes_read = disk_bytes_read_.load();
   stats.checkpoints_written = checkpoints_written_.load();
+  stats.write_errors += write_errors_.load();
+  stats.disk_full_errors = disk_full_errors_.load();
   stats.corrupt_checkpoints = corrupt_checkpoints_.load();
   stats.segments = segments_.size();
   stats.segment_bytes_on_disk = total_segment_bytes_;

@@ -12,14 +12,30 @@
 // (concurrent appenders share fsyncs: group commit).
 //
 // Recovery (Open): segments are scanned in order and every record's CRC32C
-// checked. A bad or torn record in the newest segment is taken for an
-// interrupted write: the file is truncated to the last good record. A bad
-// record in an older segment is reported and the rest of that segment
-// skipped; recovery goes on with the next one. A sealed segment ends with an
-// end record, so an older segment that lost its tail at a record boundary is
-// reported too. Opening never fails because of segment contents, only on I/O
-// errors (or a held lock). Open seals the newest segment if it was not closed
-// cleanly and always starts a new one: sealed segments are never modified.
+// checked. Damage is skipped, not followed: after a bad record the scan looks
+// for the next record that checks out and goes on from there, so one flipped
+// bit costs the points of its own block (point encoding state restarts at the
+// next block start), never what follows. Series definitions and events after
+// the damage are kept; a sealed segment repeats its series definitions at its
+// end (kSeriesTable), so a damaged definition orphans nothing. Only bytes
+// after the last valid record of the newest segment, with no valid record
+// after them, are taken for an interrupted write and cut off. What was lost is
+// reported (Problems, Stats: corrupt_records, lost_points); a segment with no
+// valid record at all is moved to quarantine/, never deleted. Only regular
+// files are opened (no links, FIFOs or devices). Opening never fails because
+// of segment contents or a full disk, only on a held lock or an unreadable
+// directory. Open seals the newest segment if it was not closed cleanly and
+// starts a new one: sealed segments are never modified.
+//
+// Write errors: an append that cannot be written (ENOSPC, EIO, EROFS, ...) or
+// made durable (an fsync error, with FsyncPolicy::kEvery) returns an error
+// status and is not in the store; nothing after it is lost. A failed write is
+// cut back and the next one starts a new block; after a failed fsync the
+// segment is abandoned (what reached its disk is unknown) and writing goes on
+// in a new one. WriteHealth() reports the failure for write_retry_interval,
+// then lets the next append try again, so the store resumes by itself when
+// space returns. A store that cannot create a segment at Open (a full disk)
+// opens anyway: it serves what it holds and starts writing once it can.
 //
 // Reads: each series keeps its most recent `cache_points_per_series` points in
 // memory; older points are read back from the segment files. Point encoding
@@ -77,6 +93,8 @@ enum class FsyncPolicy {
 std::optional<FsyncPolicy> ParseFsyncPolicy(std::string_view name);  // every|interval|none
 std::string_view FsyncPolicyName(FsyncPolicy policy);
 
+enum class StoreFileOp { kCreate, kWrite, kSync };
+
 struct DurableStoreOptions {
   std::string data_dir = "./foreshock-data";
   uint64_t segment_bytes = uint64_t{64} << 20;
@@ -85,8 +103,8 @@ struct DurableStoreOptions {
   // make reads of old data cheaper (a read decodes whole blocks, all series
   // in them); larger ones compress better (a restart codes each series' next
   // point in full, ~12 bytes: 400 bytes per series keeps that near 3%).
-  uint64_t block_bytes = uint64_t{64} << 10;
-  uint64_t block_bytes_per_series = 400;
+  uint64_t block_bytes = uint64_t{8} << 10;
+  uint64_t block_bytes_per_series = 200;
   FsyncPolicy fsync = FsyncPolicy::kInterval;
   std::chrono::milliseconds fsync_interval{1000};
   size_t cache_points_per_series = 2048;
@@ -97,6 +115,12 @@ struct DurableStoreOptions {
   // Unix milliseconds for segment creation times and age retention; empty:
   // the system clock. Tests inject one.
   std::function<int64_t()> clock;
+  // After a failed write, how long WriteHealth reports the failure before it
+  // lets the next append try again.
+  std::chrono::milliseconds write_retry_interval{1000};
+  // Test hook, a fault-injecting file layer: called before each segment
+  // create, write and fsync; a non-zero errno makes that call fail with it.
+  std::function<int(StoreFileOp)> inject_fault;
 };
 
 struct DurableStoreStats {
@@ -104,12 +128,14 @@ struct DurableStoreStats {
   uint64_t points_appended = 0;
   uint64_t batches_appended = 0;
   uint64_t events_appended = 0;
-  uint64_t points_dropped = 0;  // appends lost to a write error
+  uint64_t points_dropped = 0;  // in appends refused for a write error
   uint64_t events_dropped = 0;
+  uint64_t appends_refused = 0;  // AppendBatch/AppendEvent calls that failed
   uint64_t bytes_written = 0;   // log bytes, headers included
   uint64_t segments_created = 0;
   uint64_t fsyncs = 0;
-  uint64_t write_errors = 0;
+  uint64_t write_errors = 0;      // failed writes, creates and fsyncs
+  uint64_t disk_full_errors = 0;  // of which ENOSPC or EDQUOT
   uint64_t read_errors = 0;       // segment reads for Range that failed
   uint64_t disk_bytes_read = 0;   // by Range, for points not in the cache
   uint64_t checkpoints_written = 0;
@@ -124,9 +150,11 @@ struct DurableStoreStats {
   uint64_t recovered_points = 0;
   uint64_t recovered_events = 0;
   uint64_t truncated_bytes = 0;   // torn tail cut off the newest segment
-  uint64_t corrupt_records = 0;   // bad records in older segments
-  uint64_t corrupt_segments = 0;  // segments with a bad record or header
-  uint64_t skipped_bytes = 0;     // unreadable bytes after a corruption
+  uint64_t corrupt_records = 0;   // damaged regions skipped (bad records, garbage)
+  uint64_t corrupt_segments = 0;  // segments with damage
+  uint64_t skipped_bytes = 0;     // bytes of the damaged regions
+  uint64_t lost_points = 0;       // points known lost to damage (at least)
+  uint64_t quarantined_segments = 0;  // moved to quarantine/: no valid record
   // Retention.
   uint64_t retention_deleted_segments = 0;
   uint64_t retention_deleted_bytes = 0;
@@ -140,15 +168,16 @@ class DurableSeriesStore final : public SeriesStore {
   // Clean close: fsyncs and releases the directory.
   ~DurableSeriesStore() override;
 
-  void AppendBatch(const std::vector<KeyedPoint>& points) override;
+  absl::Status AppendBatch(const std::vector<KeyedPoint>& points) override;
+  absl::Status WriteHealth() const override;
   std::vector<Point> Range(const SeriesKey& key, int64_t from_step,
                            int64_t to_step) const override;
   std::vector<RunInfo> ListRuns() const override;
   std::vector<SeriesInfo> ListSeries(const std::string& run) const override;
-  void AppendEvent(std::string_view kind, std::string_view bytes) override;
+  absl::Status AppendEvent(std::string_view kind, std::string_view bytes) override;
   // One write holds the points' records and the event record.
-  void AppendBatchWithEvent(const std::vector<KeyedPoint>& points, std::string_view kind,
-                            std::string_view bytes) override;
+  absl::Status AppendBatchWithEvent(const std::vector<KeyedPoint>& points, std::string_view kind,
+                                    std::string_view bytes) override;
   std::vector<std::string> Events(std::string_view kind) const override;
   bool WriteCheckpoint(std::string_view name, std::string_view bytes) override;
   std::optional<std::string> ReadCheckpoint(std::string_view name) const override;
@@ -162,9 +191,8 @@ class DurableSeriesStore final : public SeriesStore {
   // What recovery found and what went wrong since (write errors, corrupt
   // checkpoints), one human-readable line each, oldest first; the last 256.
   std::vector<std::string> Problems() const;
-  // False after an fsync error: appends are then dropped (and counted),
-  // since what reached the disk is unknown.
-  bool healthy() const { return !failed_.load(); }
+  // False while the last write, create or fsync failed (WriteHealth says why).
+  bool healthy() const { return write_errno_.load() == 0; }
   // Heap bytes held (see the bound at the top of this file).
   size_t ApproxMemoryBytes() const;
   const DurableStoreOptions& options() const { return options_; }
@@ -177,6 +205,8 @@ class DurableSeriesStore final : public SeriesStore {
   struct Block {
     uint64_t offset = 0;         // of its kBlockStart record
     uint64_t first_ordinal = 0;  // of its first point (see SeriesState::cache)
+    uint64_t end = 0;            // after its last readable kPoints record
+    bool skips_damage = false;   // holds a damaged series definition to step over
     int64_t min_step = std::numeric_limits<int64_t>::max();
     int64_t max_step = std::numeric_limits<int64_t>::min();
   };
@@ -219,6 +249,7 @@ class DurableSeriesStore final : public SeriesStore {
   };
   // The segment being written.
   struct ActiveSegment {
+    ActiveSegment() {}  // user-provided: clang checks optional<> before the initializers below
     Segment* segment = nullptr;
     std::shared_ptr<FileHandle> file;
     std::vector<uint32_t> local_ids;  // series index -> local id, kNoLocalId if none
@@ -232,6 +263,7 @@ class DurableSeriesStore final : public SeriesStore {
     uint64_t begin = 0;  // a block start
     uint64_t end = 0;
     uint64_t first_ordinal = 0;
+    bool skips_damage = false;
   };
   struct SegmentRead {
     std::string path;
@@ -243,6 +275,7 @@ class DurableSeriesStore final : public SeriesStore {
   explicit DurableSeriesStore(DurableStoreOptions options);
   absl::Status OpenImpl();
   void RecoverSegmentLocked(uint64_t sequence, const std::string& path, bool newest);
+  void QuarantineLocked(const std::string& path, const std::string& why);
   void StopMaintenance();
   int64_t Now() const;
   std::string SegmentPath(uint64_t sequence) const;
@@ -252,16 +285,24 @@ class DurableSeriesStore final : public SeriesStore {
   void IndexPointLocked(Segment& segment, uint32_t series, uint32_t local_id, const Point& point);
   void IndexEventLocked(std::string_view kind, std::string_view bytes);
   // AppendBatch, with an event record in the same write when `kind` is set.
-  void AppendInternal(const std::vector<KeyedPoint>& batch,
-                      const std::optional<std::pair<std::string_view, std::string_view>>& event);
-  bool EnsureWritableLocked();
-  bool RollSegmentLocked();
+  absl::Status AppendInternal(
+      const std::vector<KeyedPoint>& batch,
+      const std::optional<std::pair<std::string_view, std::string_view>>& event);
+  absl::Status EnsureWritableLocked();
+  absl::Status RollSegmentLocked();
   void SealActiveLocked();
-  bool WriteLocked(const std::string& bytes);
+  absl::Status WriteLocked(const std::string& bytes);
+  // Records a failed create/write/fsync (errno `error`) and returns its status.
+  absl::Status WriteFailed(int error, const std::string& what);
+  void WriteSucceeded();
+  int InjectedFault(StoreFileOp op) const;
+  absl::Status SyncTo(uint64_t written_bytes);
+  // With sync_mu_: bytes up to `written` failed to sync (see unsynced_ranges_).
+  void MarkUnsyncedLocked(uint64_t written);
+  bool InUnsyncedRangeLocked(uint64_t target) const;
   size_t EnforceRetentionLocked();
   void DropOldestSegmentLocked();
   void RecomputeSeriesStatsLocked(SeriesState& s);
-  bool SyncTo(uint64_t written_bytes);
   void MaintenanceLoop();
   void ReadFromSegment(const SegmentRead& read, int64_t from_step, int64_t to_step,
                        uint64_t cache_start, std::vector<Point>* out) const;
@@ -279,7 +320,9 @@ class DurableSeriesStore final : public SeriesStore {
   uint64_t next_sequence_ = 1;
   uint64_t next_ordinal_ = 0;
   uint64_t total_segment_bytes_ = 0;
-  bool roll_pending_ = false;
+  bool roll_pending_ = false;       // the active segment is full
+  bool abandon_pending_ = false;    // after an fsync error: leave it unsealed
+  bool restart_block_ = false;      // after a failed write: encoder state unknown
   std::map<std::string, BoundedRing<std::string>, std::less<>> events_;
   DurableStoreStats stats_;  // the counters below are kept apart
   std::string scratch_;
@@ -288,13 +331,19 @@ class DurableSeriesStore final : public SeriesStore {
   std::vector<uint32_t> series_scratch_;
   std::vector<uint32_t> new_series_scratch_;
 
-  std::atomic<bool> failed_{false};
   std::atomic<bool> abandoned_{false};
+  // The last create/write/fsync failure (0: the last one succeeded) and when.
+  std::atomic<int> write_errno_{0};
+  std::atomic<int64_t> write_error_at_ms_{0};  // steady clock
+  mutable std::mutex write_error_mu_;
+  std::string write_error_;
   mutable std::atomic<uint64_t> fsyncs_{0};
   mutable std::atomic<uint64_t> read_errors_{0};
   mutable std::atomic<uint64_t> disk_bytes_read_{0};
   mutable std::atomic<uint64_t> corrupt_checkpoints_{0};
   std::atomic<uint64_t> checkpoints_written_{0};
+  std::atomic<uint64_t> write_errors_{0};
+  std::atomic<uint64_t> disk_full_errors_{0};
 
   // Group commit: bytes_written (stats_) known durable, and whether an fsync
   // is running. Never held while taking mu_.
@@ -302,6 +351,9 @@ class DurableSeriesStore final : public SeriesStore {
   std::condition_variable sync_cv_;
   uint64_t synced_bytes_ = 0;
   bool sync_running_ = false;
+  // Byte ranges (of bytes_written) whose fsync failed: never durable, even
+  // after a later fsync of another segment succeeds. The newest few.
+  std::vector<std::pair<uint64_t, uint64_t>> unsynced_ranges_;
 
   std::mutex checkpoint_mu_;  // serializes checkpoint writes
 

@@ -42,11 +42,13 @@ bool SyncDirectory(const std::string& path, std::string* error) {
   return ok;
 }
 
-bool WriteAllAt(int fd, std::string_view bytes, uint64_t offset, std::string* error) {
+bool WriteAllAt(int fd, std::string_view bytes, uint64_t offset, std::string* error,
+                int* error_number) {
   while (!bytes.empty()) {
     const ssize_t n = ::pwrite(fd, bytes.data(), bytes.size(), static_cast<off_t>(offset));
     if (n < 0) {
       if (errno == EINTR) continue;
+      if (error_number != nullptr) *error_number = errno;
       *error = std::string("write failed: ") + std::strerror(errno);
       return false;
     }
@@ -76,12 +78,38 @@ bool ReadExactlyAt(int fd, uint64_t offset, size_t size, std::string* out, std::
   return true;
 }
 
-bool ReadWholeFile(const std::string& path, std::string* out, std::string* error) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+int OpenRegularFile(const std::string& path, int flags, std::string* error) {
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer.
+  const int fd = ::open(path.c_str(), flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) {
-    *error = ErrnoMessage("cannot open", path);
-    return false;
+    *error = errno == ELOOP ? "not a regular file (a symbolic link): " + path
+                            : ErrnoMessage("cannot open", path);
+    return -1;
   }
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    *error = ErrnoMessage("cannot stat", path);
+    ::close(fd);
+    return -1;
+  }
+  if (!S_ISREG(st.st_mode)) {
+    *error = "not a regular file: " + path;
+    ::close(fd);
+    return -1;
+  }
+  // Regular files ignore O_NONBLOCK for reads and writes; clear it anyway.
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  return fd;
+}
+
+bool IsRegularFile(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+bool ReadWholeFile(const std::string& path, std::string* out, std::string* error) {
+  const int fd = OpenRegularFile(path, O_RDONLY, error);
+  if (fd < 0) return false;
   struct stat st;
   bool ok = ::fstat(fd, &st) == 0;
   if (!ok) {

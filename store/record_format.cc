@@ -31,13 +31,30 @@ ParseResult ParseRecord(std::string_view data, size_t offset, Record* record) {
     return ParseResult::kCorrupt;
   }
   if (type < static_cast<uint8_t>(RecordType::kSegmentHeader) ||
-      type > static_cast<uint8_t>(RecordType::kSegmentEnd)) {
+      type > static_cast<uint8_t>(RecordType::kSeriesTable)) {
     return ParseResult::kCorrupt;
   }
   record->type = static_cast<RecordType>(type);
   record->payload = payload;
   record->size = kRecordHeaderBytes + length;
   return ParseResult::kOk;
+}
+
+size_t FindNextRecord(std::string_view data, size_t from) {
+  Record record;
+  for (size_t offset = from; offset + kRecordHeaderBytes <= data.size(); ++offset) {
+    // Cheap tests first: most offsets fail on the type or the length before
+    // any checksum is computed.
+    const uint8_t type = static_cast<uint8_t>(data[offset + 8]);
+    if (type < static_cast<uint8_t>(RecordType::kSegmentHeader) ||
+        type > static_cast<uint8_t>(RecordType::kSeriesTable)) {
+      continue;
+    }
+    const uint32_t length = DecodeFixed32(data.data() + offset + 4);
+    if (length > data.size() - offset - kRecordHeaderBytes) continue;
+    if (ParseRecord(data, offset, &record) == ParseResult::kOk) return offset;
+  }
+  return std::string_view::npos;
 }
 
 std::string EncodeSegmentHeader(const SegmentHeader& header) {
@@ -100,6 +117,26 @@ bool DecodeSeriesDef(std::string_view payload, SeriesDef* def) {
   def->key = SeriesKey{std::string(run), std::string(signal), static_cast<int>(layer),
                        static_cast<int>(head)};
   return true;
+}
+
+std::string EncodeSeriesTable(const std::vector<SeriesDef>& defs) {
+  std::string out;
+  PutVarint64(&out, defs.size());
+  for (const SeriesDef& def : defs) PutLengthPrefixed(&out, EncodeSeriesDef(def));
+  return out;
+}
+
+bool DecodeSeriesTable(std::string_view payload, std::vector<SeriesDef>* defs) {
+  uint64_t count;
+  if (!GetVarint64(&payload, &count) || count > payload.size()) return false;
+  defs->clear();
+  for (uint64_t i = 0; i < count; ++i) {
+    std::string_view bytes;
+    SeriesDef def;
+    if (!GetLengthPrefixed(&payload, &bytes) || !DecodeSeriesDef(bytes, &def)) return false;
+    defs->push_back(std::move(def));
+  }
+  return payload.empty();
 }
 
 std::string EncodeEvent(const EventRecord& event) {

@@ -9,8 +9,8 @@
 //            payload
 //
 // The first record is a kSegmentHeader, the second a kBlockStart; a sealed
-// segment ends with a kSegmentEnd, so an older segment cut at a record
-// boundary is still recognised as truncated. A series
+// segment ends with a kSeriesTable and a kSegmentEnd, so an older segment cut
+// at a record boundary is still recognised as truncated. A series
 // is introduced in each segment by a kSeriesDef before its first point there,
 // so every segment decodes on its own: deleting older segments orphans
 // nothing. Points (kPoints, store/point_codec.h) refer to series by their
@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "store/series_store.h"
 
@@ -39,6 +40,9 @@ enum class RecordType : uint8_t {
   kPoints = 4,         // one AppendBatch (or a part of a very large one)
   kEvent = 5,          // kind, wall time, opaque bytes
   kSegmentEnd = 6,     // number of points in the segment; nothing follows
+  kSeriesTable = 7,    // every series definition of the segment again, written
+                       // just before kSegmentEnd: a damaged kSeriesDef does not
+                       // orphan the series' points in a sealed segment
 };
 
 void AppendRecord(std::string* out, RecordType type, std::string_view payload);
@@ -59,6 +63,11 @@ struct Record {
 // Parses the record starting at `data[offset]`.
 ParseResult ParseRecord(std::string_view data, size_t offset, Record* record);
 
+// The offset of the first valid record (ParseRecord == kOk) at or after
+// `from`, or std::string_view::npos. Used to resynchronise after damage: a
+// record that checks out there is real with odds of 2^-32 against.
+size_t FindNextRecord(std::string_view data, size_t from);
+
 struct SegmentHeader {
   uint32_t version = kSegmentFormatVersion;
   uint64_t sequence = 0;
@@ -76,6 +85,10 @@ struct SeriesDef {
 };
 std::string EncodeSeriesDef(const SeriesDef& def);
 bool DecodeSeriesDef(std::string_view payload, SeriesDef* def);
+
+// kSeriesTable: varint count, then count length-prefixed EncodeSeriesDef's.
+std::string EncodeSeriesTable(const std::vector<SeriesDef>& defs);
+bool DecodeSeriesTable(std::string_view payload, std::vector<SeriesDef>* defs);
 
 struct EventRecord {
   std::string_view kind;

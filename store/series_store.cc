@@ -107,7 +107,7 @@ InMemorySeriesStore::Stripe& InMemorySeriesStore::StripeFor(const SeriesKey& key
   return stripes_[SeriesKeyHash()(key) % kStripes];
 }
 
-void InMemorySeriesStore::AppendBatch(const std::vector<KeyedPoint>& points) {
+absl::Status InMemorySeriesStore::AppendBatch(const std::vector<KeyedPoint>& points) {
   for (const auto& [key, point] : points) {
     Stripe& stripe = StripeFor(key);
     std::lock_guard<std::mutex> lock(stripe.mu);
@@ -117,6 +117,7 @@ void InMemorySeriesStore::AppendBatch(const std::vector<KeyedPoint>& points) {
     }
     it->second.push_back(point);
   }
+  return absl::OkStatus();
 }
 
 std::vector<Point> InMemorySeriesStore::Range(const SeriesKey& key, int64_t from_step,
@@ -192,13 +193,14 @@ std::vector<SeriesInfo> InMemorySeriesStore::ListSeries(const std::string& run) 
   return out;
 }
 
-void InMemorySeriesStore::AppendEvent(std::string_view kind, std::string_view bytes) {
+absl::Status InMemorySeriesStore::AppendEvent(std::string_view kind, std::string_view bytes) {
   std::lock_guard<std::mutex> lock(blobs_mu_);
   auto it = events_.find(kind);
   if (it == events_.end()) {
     it = events_.emplace(std::string(kind), BoundedRing<std::string>(events_per_kind_)).first;
   }
   it->second.push_back(std::string(bytes));
+  return absl::OkStatus();
 }
 
 std::vector<std::string> InMemorySeriesStore::Events(std::string_view kind) const {

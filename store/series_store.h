@@ -7,6 +7,8 @@
 // Pure storage: no gRPC, no Prometheus, no math beyond downsampling.
 #pragma once
 
+#include "absl/status/status.h"
+
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -24,7 +26,7 @@ namespace foreshock::store {
 
 struct SeriesKey {
   std::string run;
-  std::string signal;  // metric name without the foreshock_ prefix (DESIGN.md 4)
+  std::string signal;  // metric name without the foreshock_ prefix (docs/DESIGN.md §4.3)
   int layer = -1;      // -1: run-level signal
   int head = -1;       // -1: aggregated over heads
 
@@ -88,9 +90,20 @@ class SeriesStore {
   virtual ~SeriesStore() = default;
 
   // Appends all observations of one processed sample at once; a durable store
-  // writes them as one log record.
-  virtual void AppendBatch(const std::vector<KeyedPoint>& points) = 0;
-  void Append(const SeriesKey& key, const Point& point) { AppendBatch({{key, point}}); }
+  // writes them as one log record. A non-OK status means the points are not
+  // stored (a durable store: RESOURCE_EXHAUSTED when the disk is full,
+  // UNAVAILABLE on another I/O error); whoever acknowledges data must not
+  // acknowledge them.
+  virtual absl::Status AppendBatch(const std::vector<KeyedPoint>& points) = 0;
+  absl::Status Append(const SeriesKey& key, const Point& point) {
+    return AppendBatch({{key, point}});
+  }
+
+  // OK while appends are expected to succeed. After a failed write a durable
+  // store answers with that failure for a short while (then lets the next
+  // append try again), so that callers can refuse work up front instead of
+  // processing it and failing to store it.
+  virtual absl::Status WriteHealth() const { return absl::OkStatus(); }
 
   // Every stored point with from_step <= step <= to_step, in ascending step
   // order; points with equal steps (a run resumed from a checkpoint) keep
@@ -108,16 +121,18 @@ class SeriesStore {
 
   // Opaque records (alert transitions, serialized by the caller). The store
   // keeps the most recent N per kind in memory; Events returns them oldest first.
-  virtual void AppendEvent(std::string_view kind, std::string_view bytes) = 0;
+  virtual absl::Status AppendEvent(std::string_view kind, std::string_view bytes) = 0;
   virtual std::vector<std::string> Events(std::string_view kind) const = 0;
 
   // AppendBatch and AppendEvent together. A durable store writes both in one
   // log write, so that after a crash both are there or neither (the ingest
   // service's dedup marks rely on it). The default appends one after the other.
-  virtual void AppendBatchWithEvent(const std::vector<KeyedPoint>& points, std::string_view kind,
-                                    std::string_view bytes) {
-    if (!points.empty()) AppendBatch(points);
-    AppendEvent(kind, bytes);
+  virtual absl::Status AppendBatchWithEvent(const std::vector<KeyedPoint>& points,
+                                            std::string_view kind, std::string_view bytes) {
+    if (!points.empty()) {
+      if (absl::Status status = AppendBatch(points); !status.ok()) return status;
+    }
+    return AppendEvent(kind, bytes);
   }
 
   // Named blobs that replace each other whole (e.g. alert engine state).
@@ -137,12 +152,12 @@ class InMemorySeriesStore final : public SeriesStore {
  public:
   explicit InMemorySeriesStore(size_t capacity_per_series, size_t events_per_kind = 1024);
 
-  void AppendBatch(const std::vector<KeyedPoint>& points) override;
+  absl::Status AppendBatch(const std::vector<KeyedPoint>& points) override;
   std::vector<Point> Range(const SeriesKey& key, int64_t from_step,
                            int64_t to_step) const override;
   std::vector<RunInfo> ListRuns() const override;
   std::vector<SeriesInfo> ListSeries(const std::string& run) const override;
-  void AppendEvent(std::string_view kind, std::string_view bytes) override;
+  absl::Status AppendEvent(std::string_view kind, std::string_view bytes) override;
   std::vector<std::string> Events(std::string_view kind) const override;
   bool WriteCheckpoint(std::string_view name, std::string_view bytes) override;
   std::optional<std::string> ReadCheckpoint(std::string_view name) const override;

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Builds and runs the libFuzzer target over request decoding and validation
-# (request_fuzzer.cc) with clang, -fsanitize=fuzzer,address,undefined, in its
-# own build directory (build-fuzz/, or $FORESHOCK_FUZZ_BUILD).
+# Builds and runs a libFuzzer target with clang, -fsanitize=fuzzer,address,
+# undefined, in its own build directory (build-fuzz/, or $FORESHOCK_FUZZ_BUILD):
+# FORESHOCK_FUZZ_TARGET=request (default) fuzzes request decoding and
+# validation (request_fuzzer.cc, seeded from tests/fuzz/corpus);
+# FORESHOCK_FUZZ_TARGET=store_recovery fuzzes the store's recovery from
+# mutated segment files (store_recovery_fuzzer.cc, which mutates a segment it
+# writes itself).
 #
 #   tests/fuzz/run.sh build              # build only
 #   tests/fuzz/run.sh smoke [RUNS]       # the corpus, then RUNS more executions (default
@@ -18,7 +22,8 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
 BUILD="${FORESHOCK_FUZZ_BUILD:-$ROOT/build-fuzz}"
 CXX="${FORESHOCK_FUZZ_CXX:-clang++}"
-BIN="$BUILD/request_fuzzer"
+TARGET="${FORESHOCK_FUZZ_TARGET:-request}"
+BIN="$BUILD/${TARGET}_fuzzer"
 
 if ! command -v "$CXX" >/dev/null 2>&1; then
   echo "tests/fuzz/run.sh: $CXX not found; the fuzz target needs clang with libFuzzer" \
@@ -41,16 +46,23 @@ build() {
   fi
   local flags=(-std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all
                -fno-omit-frame-pointer -I"$ROOT" -I"$BUILD/gen")
-  local srcs=("$HERE/request_fuzzer.cc" "$ROOT/server/validation.cc"
-              "$BUILD/gen/foreshock/v1/ingest.pb.cc")
+  local srcs deps
+  if [[ "$TARGET" == store_recovery ]]; then
+    srcs=("$HERE/store_recovery_fuzzer.cc" "$ROOT"/store/*.cc)
+    deps=("$ROOT"/store/*.h)
+  else
+    srcs=("$HERE/request_fuzzer.cc" "$ROOT/server/validation.cc"
+          "$BUILD/gen/foreshock/v1/ingest.pb.cc")
+    deps=("$ROOT/server/validation.h" "$ROOT/detectors/sample.h")
+  fi
   local newest=0 src
-  for src in "${srcs[@]}" "$ROOT/server/validation.h" "$ROOT/detectors/sample.h" "$0"; do
+  for src in "${srcs[@]}" "${deps[@]}" "$0"; do
     [[ "$src" -nt "$BIN" ]] && newest=1
   done
   [[ -x "$BIN" && $newest == 0 ]] && return 0
   echo "building $BIN with $CXX" >&2
   # shellcheck disable=SC2046
-  "$CXX" "${flags[@]}" "${srcs[@]}" -o "$BIN" $(pkg-config --libs protobuf absl_strings) -lpthread
+  "$CXX" "${flags[@]}" "${srcs[@]}" -o "$BIN" $(pkg-config --libs protobuf absl_strings absl_status absl_statusor) -lpthread
 }
 
 mode="${1:-smoke}"
@@ -63,8 +75,10 @@ case "$mode" in
     scratch="$(mktemp -d)"
     trap 'rm -rf "$scratch"' EXIT
     # New inputs go to a scratch directory; the committed corpus is only read.
+    corpus=("$HERE/corpus")
+    [[ "$TARGET" == store_recovery ]] && corpus=()
     "$BIN" -runs="$runs" -artifact_prefix="$BUILD/" -max_len=65536 -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
-      "$scratch" "$HERE/corpus"
+      "$scratch" "${corpus[@]}"
     ;;
   fuzz)
     mkdir -p "$BUILD/corpus"
