@@ -12,23 +12,69 @@ namespace {
 
 namespace v1 = foreshock::v1;
 
+// Length of the well-formed UTF-8 sequence at text[i] (RFC 3629: no
+// overlongs, no surrogates, nothing above U+10FFFF); 0 if there is none.
+size_t Utf8SequenceLength(const std::string& text, size_t i) {
+  const auto byte = [&](size_t k) { return static_cast<unsigned char>(text[k]); };
+  const unsigned char b0 = byte(i);
+  size_t n;
+  unsigned char lo = 0x80, hi = 0xBF;  // range of the second byte
+  if (b0 < 0x80) return 1;
+  if (b0 >= 0xC2 && b0 <= 0xDF) {
+    n = 2;
+  } else if (b0 >= 0xE0 && b0 <= 0xEF) {
+    n = 3;
+    if (b0 == 0xE0) lo = 0xA0;
+    if (b0 == 0xED) hi = 0x9F;
+  } else if (b0 >= 0xF0 && b0 <= 0xF4) {
+    n = 4;
+    if (b0 == 0xF0) lo = 0x90;
+    if (b0 == 0xF4) hi = 0x8F;
+  } else {
+    return 0;
+  }
+  if (i + n > text.size()) return 0;
+  if (byte(i + 1) < lo || byte(i + 1) > hi) return 0;
+  for (size_t k = 2; k < n; ++k) {
+    if (byte(i + k) < 0x80 || byte(i + k) > 0xBF) return 0;
+  }
+  return n;
+}
+
+// A JSON string literal for any bytes: quotes, backslashes and control
+// characters escaped, each byte that does not start a well-formed UTF-8
+// sequence replaced by U+FFFD. Error messages quote client input (run names,
+// query parameters), which may be anything.
 std::string JsonString(const std::string& text) {
   std::string out = "\"";
-  for (const char c : text) {
+  for (size_t i = 0; i < text.size();) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    const size_t n = Utf8SequenceLength(text, i);
+    if (n == 0) {
+      out += "\\ufffd";
+      ++i;
+      continue;
+    }
+    if (n > 1) {
+      out.append(text, i, n);
+      i += n;
+      continue;
+    }
     switch (c) {
       case '"': out += "\\\""; break;
       case '\\': out += "\\\\"; break;
       case '\n': out += "\\n"; break;
       case '\t': out += "\\t"; break;
       default:
-        if (static_cast<unsigned char>(c) < 0x20) {
+        if (c < 0x20 || c == 0x7F) {
           char buffer[8];
           std::snprintf(buffer, sizeof buffer, "\\u%04x", c);
           out += buffer;
         } else {
-          out += c;
+          out += static_cast<char>(c);
         }
     }
+    ++i;
   }
   return out + "\"";
 }
