@@ -80,6 +80,7 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
       options_.record_dir);
   delivery_ = std::make_unique<DeliveryTracker>(*store_);
   ingest_->SetDeliveryTracker(delivery_.get());
+  ingest_->SetStore(store_.get());
   memory_ = std::make_unique<MemoryGuard>(options_.max_memory_bytes);
   ingest_->SetMemoryGuard(memory_.get());
   http_ = std::make_unique<HttpServer>(registry_, [this] {
@@ -107,8 +108,10 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
     return HttpResponse{200, "text/html; charset=utf-8", std::string(kWebUiHtml, kWebUiHtmlSize)};
   });
   if (init_status_.ok()) RestoreFromStore();
-  // Recovered runs count toward --max_runs.
-  for (const RunTracker::RunSummary& run : runs_->Runs()) ingest_->NoteKnownRun(run.run);
+  // Recovered runs count toward --max_runs; --max_step_jump counts from their last step.
+  for (const RunTracker::RunSummary& run : runs_->Runs()) {
+    ingest_->NoteKnownRun(run.run, run.last_step);
+  }
   if (init_status_.ok()) delivery_->Restore();
   alerts_->SetEventLog([store = store_.get()](const foreshock::v1::AlertEvent& event) {
     store->AppendEvent(kAlertEvents, event.SerializeAsString());
@@ -211,7 +214,9 @@ absl::Status Daemon::Start() {
   if (!grpc_server_ || grpc_port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot serve gRPC on ", options_.listen));
   }
-  if (absl::Status status = http_->Start(options_.metrics_listen, options_.tls); !status.ok()) {
+  if (absl::Status status =
+          http_->Start(options_.metrics_listen, options_.tls, options_.http_limits);
+      !status.ok()) {
     grpc_server_->Shutdown();
     grpc_server_.reset();
     return status;

@@ -14,6 +14,7 @@
 #include "alerts/config.h"
 #include "detectors/detector.h"
 #include "server/auth.h"
+#include "server/http_server.h"
 #include "server/memory_guard.h"
 #include "server/series_store.h"
 #include "server/validation.h"
@@ -50,6 +51,9 @@ struct DaemonOptions {
   }
   std::string listen = "127.0.0.1:50051";
   std::string metrics_listen = "127.0.0.1:9464";
+  // Threads, request timeout and per-address connection bound of the HTTP
+  // port (server/http_server.h).
+  HttpLimits http_limits;
   int workers = 0;  // 0: one per core
   bool per_head_metrics = false;
   size_t series_capacity = 4096;

@@ -21,6 +21,21 @@ ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "/-/healthy, the JSON API under /api/v1/ and the web UI at /. HTTPS (with client "
           "certificates under --tls_client_ca) when --tls_cert is set. Port 0 picks a free port "
           "(logged at start).");
+ABSL_FLAG(int32_t, http_threads, 32,
+          "Worker threads of the HTTP port (--metrics_listen). An open connection holds one "
+          "from when a worker takes it until it is closed (one request per connection: no "
+          "keep-alive); further connections wait in a queue. Idle or slow connections from "
+          "fewer than --http_threads / --http_max_connections_per_ip client addresses cannot "
+          "keep /metrics, /-/healthy and the API from answering.");
+ABSL_FLAG(int32_t, http_request_timeout_ms, 5000,
+          "How long an HTTP connection may take to send its complete request (however slowly "
+          "it trickles in); then it is closed and its worker thread freed.");
+ABSL_FLAG(int32_t, http_max_connections_per_ip, 8,
+          "HTTP connections one client address may hold at once. A further one is answered "
+          "503 and closed before its request is read, and counted in "
+          "foreshock_http_connections_refused_total, so that one address cannot take every "
+          "--http_threads worker. Clients behind one proxy or NAT share an address. 0: no "
+          "limit.");
 ABSL_FLAG(int, workers, 0,
           "Detector worker threads. Samples are sharded by (run, layer), so each series is "
           "processed in order by one worker. 0 means one per CPU core.");
@@ -43,7 +58,11 @@ ABSL_FLAG(int64_t, max_heads, 256,
           "Largest head count accepted in a QK sample (reason shape_over_limit above it).");
 ABSL_FLAG(int64_t, max_layers, 1024,
           "Largest layer count a Hello may declare; layers are checked against n_layers from "
-          "the Hello, or against this limit when the Hello does not say.");
+          "the Hello, or against this limit when the Hello does not say: a QK or router layer "
+          "outside [0, n_layers) is rejected with reason layer_out_of_range, a curvature "
+          "sample with more layer_rayleigh values than n_layers with reason too_many_layers, "
+          "and a Hello whose moe_layers are more than n_layers or out of range with bad_hello. "
+          "So every per-layer series of a run has a layer below n_layers.");
 ABSL_FLAG(int64_t, max_experts, 1024,
           "Largest expert count accepted in a router sample (reason shape_over_limit above "
           "it).");
@@ -87,6 +106,37 @@ ABSL_FLAG(int64_t, hello_timeout_ms, 10000,
           "opened ends with DEADLINE_EXCEEDED (\"hello_timeout: ...\", counted in "
           "foreshock_ingest_rejected_total{reason=\"hello_timeout\"}), so that connections that "
           "never speak do not hold --max_streams slots. 0: no timeout.");
+ABSL_FLAG(int64_t, stream_idle_timeout_ms, 300000,
+          "An ingest stream that has sent its Hello and then no message for this long, while "
+          "nothing of it is in progress (no batch waiting for the queue or being processed; the "
+          "time counts from the last message or Ack), ends with DEADLINE_EXCEEDED "
+          "(\"stream_idle_timeout: ...\", counted in "
+          "foreshock_ingest_rejected_total{reason=\"stream_idle_timeout\"}), so that streams "
+          "that say Hello and then nothing do not hold --max_streams slots for ever. HTTP/2 "
+          "keepalive pings are not messages. Nothing is lost: every batch of such a stream was "
+          "acknowledged, and a batch that crosses the end is not acked, so the client still has "
+          "it. Clients that are alive but have nothing to send should open a new stream (and "
+          "resend their unacknowledged batches) when they next have data, as the Python and C++ "
+          "clients do, or send a Batch (an empty one is acked too) within the timeout. 0: no "
+          "timeout.");
+ABSL_FLAG(int64_t, max_streams_per_tenant, -1,
+          "Ingest streams one tenant may hold open at once, so that no tenant can take every "
+          "--max_streams slot. With --token_file a tenant is a token, counted when the stream "
+          "opens (before its Hello); without it, a run_id, counted at the Hello. A stream "
+          "beyond it ends with RESOURCE_EXHAUSTED (\"too_many_streams_for_tenant: ... retry "
+          "after 1000 ms\", trailing metadata retry-after-ms), counted in "
+          "foreshock_ingest_rejected_total{reason=\"too_many_streams_for_tenant\"}; the "
+          "clients retry after the hint. A job whose ranks share one token (or one run) and "
+          "that sends more streams than this to one daemon needs a higher value. -1: a quarter "
+          "of --max_streams, at least 64 (256 with the default --max_streams). 0: no limit.");
+ABSL_FLAG(int64_t, max_step_jump, 100000000,
+          "A record whose step is more than this beyond the highest step accepted for its run "
+          "(0 before the run's first; after a restart, the last step in --data_dir) is "
+          "rejected with reason step_out_of_range, so that one corrupt step (2^63-1, a "
+          "timestamp, a token count) cannot become the run's last step and make every real "
+          "later step stale. Steps may still go back (a run resumed from a checkpoint). Real "
+          "training runs take far fewer than 10^8 steps; raise it if yours counts steps "
+          "otherwise. 0: no bound.");
 ABSL_FLAG(int64_t, max_memory_mb, -1,
           "Resident memory, in MiB, at which the daemon stops taking ingest data: new streams "
           "and batches end with RESOURCE_EXHAUSTED (\"memory_limit: ...\", trailing metadata "
@@ -183,6 +233,11 @@ int main(int argc, char** argv) {
   foreshock::server::DaemonOptions options;
   options.listen = absl::GetFlag(FLAGS_listen);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options.http_limits.threads = std::clamp(absl::GetFlag(FLAGS_http_threads), 1, 4096);
+  options.http_limits.request_timeout_ms =
+      std::max(1, absl::GetFlag(FLAGS_http_request_timeout_ms));
+  options.http_limits.max_connections_per_ip =
+      std::max(0, absl::GetFlag(FLAGS_http_max_connections_per_ip));
   options.workers = absl::GetFlag(FLAGS_workers);
   options.per_head_metrics = absl::GetFlag(FLAGS_per_head_metrics);
   options.series_capacity = static_cast<size_t>(std::max<int64_t>(1, absl::GetFlag(FLAGS_series_capacity)));
@@ -198,6 +253,11 @@ int main(int argc, char** argv) {
       std::max<int64_t>(0, absl::GetFlag(FLAGS_max_probe_ids_per_run));
   options.limits.hello_timeout =
       std::chrono::milliseconds(std::max<int64_t>(0, absl::GetFlag(FLAGS_hello_timeout_ms)));
+  options.limits.stream_idle_timeout =
+      std::chrono::milliseconds(std::max<int64_t>(0, absl::GetFlag(FLAGS_stream_idle_timeout_ms)));
+  options.limits.max_streams_per_tenant =
+      std::max<int64_t>(-1, absl::GetFlag(FLAGS_max_streams_per_tenant));
+  options.limits.max_step_jump = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_step_jump));
   options.max_series_per_run = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_series_per_run));
   options.max_queue_bytes = static_cast<size_t>(std::max<int64_t>(1, absl::GetFlag(FLAGS_max_queue_mb))) << 20;
   if (const int64_t mb = absl::GetFlag(FLAGS_max_memory_mb); mb >= 0) {

@@ -43,31 +43,76 @@ int64_t NowUnixMicros() {
 // --record_dir), then parsed here.
 class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
+  // `tenant`: the --max_streams_per_tenant slot the stream already holds
+  // (with --token_file, taken when the stream opened); empty: none yet.
   IngestReactor(IngestService& service, grpc::CallbackServerContext* context, uint64_t session,
-                AccessCheck access = {})
-      : service_(service), call_(context), session_(session), access_(std::move(access)) {
+                AccessCheck access = {}, std::string tenant = {})
+      : service_(service),
+        call_(context),
+        session_(session),
+        access_(std::move(access)),
+        tenant_(std::move(tenant)) {
     service_.metrics_.ingest_streams_total.Add({}).Increment();
     service_.metrics_.ingest_active_streams.Add({}).Increment();
-    service_.AwaitFirstMessage(this);
+    last_activity_ = std::chrono::steady_clock::now();
+    service_.WatchStream(this);
     StartRead(&received_);
   }
 
-  // The watchdog thread, with the service's awaiting_mu_ held (so OnDone cannot
-  // delete this meanwhile): ends a stream whose first message is overdue.
-  // Returns whether it did.
-  bool ExpireFirstMessage(const std::string& detail) {
+  // The watchdog thread, with the service's watch_mu_ held (so OnDone cannot
+  // delete this meanwhile): ends the stream with DEADLINE_EXCEEDED when its
+  // first message is overdue (--hello_timeout_ms), or when after the Hello it
+  // has sent nothing for --stream_idle_timeout_ms while nothing of it is in
+  // progress (a parked batch or one being processed keeps it alive: the wait
+  // is the daemon's, and the idle time counts from its Ack). Returns when to
+  // look again; nullopt: no more (it ended, is ending, or no timeout applies).
+  std::optional<std::chrono::steady_clock::time_point> CheckSilence(
+      std::chrono::steady_clock::time_point now) {
+    const IngestLimits& limits = service_.limits_;
     std::optional<grpc::Status> finish;
+    bool cancel = false;
+    std::string_view code;
+    std::string detail;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (first_message_seen_ || finish_status_) return false;
-      first_message_expired_ = true;
+      if (finished_ || finish_status_) return std::nullopt;
+      if (!first_message_seen_) {
+        if (limits.hello_timeout.count() <= 0) {  // only the idle timeout, after the Hello
+          return now + limits.stream_idle_timeout;
+        }
+        const auto deadline = last_activity_ + limits.hello_timeout;
+        if (now < deadline) return deadline;
+        code = reason::kHelloTimeout;
+        detail = absl::StrCat("no Hello within ", limits.hello_timeout.count(),
+                              " ms of opening the stream (--hello_timeout_ms)");
+      } else {
+        if (limits.stream_idle_timeout.count() <= 0) return std::nullopt;
+        if (parked_ || !unacked_.empty()) return now + limits.stream_idle_timeout;
+        const auto deadline = last_activity_ + limits.stream_idle_timeout;
+        if (now < deadline) return deadline;
+        code = reason::kStreamIdleTimeout;
+        detail = absl::StrCat(
+            "no message for ", limits.stream_idle_timeout.count(),
+            " ms (--stream_idle_timeout_ms); every batch of the stream was acknowledged, so "
+            "nothing is lost: open a new stream when there is data to send");
+      }
+      silence_expired_ = true;
       reads_done_ = true;
-      finish_status_ = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, detail);
+      finish_status_ = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                                    absl::StrCat(std::string(code), ": ", detail));
       finish = TakeFinishLocked();
+      // Acks the client has not read (it stopped reading too): end it anyway.
+      cancel = !finish && !pending_writes_.empty();
     }
+    service_.metrics_.CountRejection(code);
+    service_.LogRefusal(code, detail);
     // The outstanding read then completes with ok=false.
-    if (finish) Finish(*finish);
-    return true;
+    if (finish) {
+      Finish(*finish);
+    } else if (cancel) {
+      call_->TryCancel();
+    }
+    return std::nullopt;
   }
 
   void OnReadDone(bool ok) override {
@@ -80,8 +125,11 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (first_message_expired_) return;  // the watchdog already ended the stream
+      // The watchdog already ended the stream: the message is not acked, so
+      // the client still has it (and resends it on its next stream).
+      if (silence_expired_) return;
       first_message_seen_ = true;
+      last_activity_ = std::chrono::steady_clock::now();
     }
     const int64_t recv_unix_us = NowUnixMicros();
     // Shares the slices with what is parsed below; no bytes are copied.
@@ -146,6 +194,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     service_.StreamDone(this);
     if (recording_) service_.recorder_->Close(session_);
     if (context_) service_.ReleaseRun(context_->run_id);
+    if (!tenant_.empty()) service_.ReleaseTenant(tenant_);
     service_.metrics_.ingest_active_streams.Add({}).Decrement();
     service_.open_streams_.fetch_sub(1);
     delete this;
@@ -186,6 +235,22 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         !allowed.ok()) {
       DenyStream(allowed);
       return;
+    }
+    // --max_streams_per_tenant without --token_file: the tenant is the run.
+    if (tenant_.empty() && service_.tenant_limit_ > 0 && service_.authorizer_ == nullptr) {
+      std::string tenant = absl::StrCat("run '", request_.hello().run_id(), "'");
+      if (!service_.AcquireTenant(tenant)) {
+        call_->AddTrailingMetadata("retry-after-ms",
+                                   std::to_string(IngestService::kRetryAfterMs));
+        RefuseStream(reason::kTooManyStreamsForTenant,
+                     absl::StrCat(tenant, " already has ", service_.tenant_limit_,
+                                  " ingest streams open (--max_streams_per_tenant; without "
+                                  "--token_file a tenant is a run_id); retry after ",
+                                  IngestService::kRetryAfterMs,
+                                  " ms (trailing metadata retry-after-ms)"));
+        return;
+      }
+      tenant_ = std::move(tenant);
     }
     if (!service_.AdmitRun(request_.hello().run_id())) {
       RefuseStream(reason::kTooManyRuns,
@@ -231,6 +296,14 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                                  " ms (trailing metadata retry-after-ms)"));
       return;
     }
+    if (service_.store_ != nullptr) {
+      if (absl::Status health = service_.store_->WriteHealth(); !health.ok()) {
+        // Not processed, not acked: the client resends it after the hint.
+        request_.Clear();
+        RefuseForStore(health);
+        return;
+      }
+    }
     DaemonMetrics& metrics = service_.metrics_;
     v1::Batch& batch = *request_.mutable_batch();
     metrics.ingest_bytes_total.Add({}).Increment(static_cast<double>(batch.ByteSizeLong()));
@@ -253,10 +326,12 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     } else if (last_seq_ = batch.seq(); dedup_ && BeginDedup(batch)) {
       // A resend of a batch already stored (or being stored): acked, not stored again.
     } else {
+      bool raised_max_step = false;  // run_max_step_ grew: tell the service once
       for (int i = 0; i < batch.records_size(); ++i) {
         WorkItem item;
         auto rejection = ValidateRecord(*batch.mutable_records(i), *context_, service_.limits_,
                                         item.sample);
+        if (!rejection) rejection = CheckStep(item.sample.step);
         if (!rejection) rejection = CheckProbeId(item.sample);
         if (rejection) {
           auto* r = ack.add_rejections();
@@ -265,11 +340,16 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
           metrics.CountRejection(rejection->code);
           continue;
         }
+        if (item.sample.step > run_max_step_) {
+          run_max_step_ = item.sample.step;
+          raised_max_step = true;
+        }
         metrics.records_accepted(item.sample.kind()).Increment();
         item.bytes = SampleBytes(item.sample);
         bytes += item.bytes;
         items_.push_back(std::move(item));
       }
+      if (raised_max_step) service_.NoteStep(context_->run_id, run_max_step_);
     }
     ack.set_accepted(static_cast<uint32_t>(items_.size()));
     request_.Clear();
@@ -290,6 +370,27 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       metrics.streams_waiting_for_queue.Add({}).Decrement();
       Admitted();
     }
+  }
+
+  // --max_step_jump: a step more than that beyond the run's highest accepted
+  // step (0 before the first) is refused, so that one corrupt step cannot
+  // become the run's last and make every real later step look stale. The
+  // stream's own view of the run's highest step is a lower bound; the
+  // service is asked only when a step looks too far ahead of it.
+  std::optional<Rejection> CheckStep(int64_t step) {
+    const int64_t jump = service_.limits_.max_step_jump;
+    if (jump <= 0) return std::nullopt;
+    // step >= 0 (negative_step is checked first): no overflow.
+    auto too_far = [&] { return step - std::max<int64_t>(run_max_step_, 0) > jump; };
+    if (!too_far()) return std::nullopt;
+    run_max_step_ = std::max(run_max_step_, service_.RunMaxStep(context_->run_id));
+    if (!too_far()) return std::nullopt;
+    return Rejection{reason::kStepOutOfRange,
+                     absl::StrCat("step ", step, " is more than ", jump,
+                                  " beyond the highest step accepted for run '",
+                                  context_->run_id, "' (", std::max<int64_t>(run_max_step_, 0),
+                                  "; --max_step_jump): a corrupt step or a counter that is not "
+                                  "the training step")};
   }
 
   // --max_probe_ids_per_run; this stream remembers the probe_ids it got
@@ -321,14 +422,15 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool BeginDedup(const v1::Batch& batch) {
     auto wait = std::make_shared<DuplicateWait>();
     const auto admission = service_.delivery_->Begin(
-        sender_, batch.seq(), [this, wait](bool) {
+        sender_, batch.seq(), [this, wait](bool committed) {
           std::optional<uint64_t> ticket;
           {
             std::lock_guard<std::mutex> lock(wait->mu);
             wait->settled = true;
+            wait->committed = committed;
             ticket = wait->ticket;
           }
-          if (ticket) AckDone(*ticket);
+          if (ticket) AckDone(*ticket, wait->Outcome());
         });
     if (admission == DeliveryTracker::Admission::kNew) {
       dedup_seq_ = batch.seq();
@@ -352,7 +454,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         wait->ticket = ticket;
         settled = wait->settled;
       }
-      if (settled) AckDone(ticket);
+      if (settled) AckDone(ticket, wait->Outcome());
       FinishAdmission();
       return;
     }
@@ -362,8 +464,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       const uint64_t ticket = QueueAck(std::move(ack_), /*done=*/false);
       DeliveryTracker* delivery = service_.delivery_;
       if (items_.empty()) {
-        delivery->Commit(sender_, seq, {});
-        AckDone(ticket);
+        AckDone(ticket, delivery->Commit(sender_, seq, {}));
       } else {
         auto completion = std::make_shared<BatchCompletion>(static_cast<int>(items_.size()),
                                                             std::function<void()>());
@@ -374,8 +475,14 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
             std::lock_guard<std::mutex> lock(c->points_mu);
             points.swap(c->points);
           }
-          delivery->Commit(sender_, seq, points);
-          AckDone(ticket);
+          // A sample whose points could not be collected failed already.
+          absl::Status stored = c->Failure();
+          if (stored.ok()) {
+            stored = delivery->Commit(sender_, seq, points);
+          } else {
+            delivery->Abort(sender_, seq);
+          }
+          AckDone(ticket, stored);
         };
         for (WorkItem& item : items_) item.completion = completion;
         service_.pool_.Dispatch(std::move(items_));
@@ -387,8 +494,9 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     const uint64_t ticket = QueueAck(std::move(ack_), /*done=*/items_.empty());
     if (!items_.empty()) {
       // The last worker to finish one of the batch's samples releases its ack.
-      auto completion = std::make_shared<BatchCompletion>(
-          static_cast<int>(items_.size()), [this, ticket] { AckDone(ticket); });
+      auto completion = std::make_shared<BatchCompletion>(static_cast<int>(items_.size()),
+                                                          std::function<void()>());
+      completion->done = [this, ticket, c = completion.get()] { AckDone(ticket, c->Failure()); };
       for (WorkItem& item : items_) item.completion = completion;
       service_.pool_.Dispatch(std::move(items_));
       items_.clear();
@@ -432,13 +540,17 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     return ticket;
   }
 
-  // Called on a worker thread when the batch's last sample is stored.
-  void AckDone(uint64_t ticket) {
+  // Called on a worker thread when the batch's last sample is stored, or
+  // (`stored` not OK) when the store refused its points.
+  void AckDone(uint64_t ticket, absl::Status stored = absl::OkStatus()) {
     std::optional<grpc::Status> finish;
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (PendingAck& pending : unacked_) {
-        if (pending.ticket == ticket) pending.done = true;
+        if (pending.ticket == ticket) {
+          pending.done = true;
+          pending.stored = std::move(stored);
+        }
       }
       FlushAcksLocked();
       finish = TakeFinishLocked();
@@ -446,11 +558,53 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     if (finish) Finish(*finish);
   }
 
+  // Acks go out in order. A batch the store refused is never acked: the
+  // stream ends there (RESOURCE_EXHAUSTED disk_full or UNAVAILABLE
+  // store_unavailable, retry-after-ms) and no later ack goes out, so the
+  // client resends everything from it on.
   void FlushAcksLocked() {
     while (!unacked_.empty() && unacked_.front().done) {
-      WriteLocked(unacked_.front().response);
+      PendingAck& front = unacked_.front();
+      if (!front.stored.ok() && !store_refused_) {
+        store_refused_ = true;
+        const bool full = front.stored.code() == absl::StatusCode::kResourceExhausted;
+        const char* code = full ? reason::kDiskFull : reason::kStoreUnavailable;
+        const std::string detail = StoreRefusalDetail(front.stored);
+        service_.metrics_.CountRejection(code, std::max<int>(1, front.response.ack().accepted()));
+        service_.LogRefusal(code, detail);
+        if (!finished_) {
+          call_->AddTrailingMetadata("retry-after-ms", std::to_string(IngestService::kRetryAfterMs));
+        }
+        reads_done_ = true;
+        finish_status_ = grpc::Status(
+            full ? grpc::StatusCode::RESOURCE_EXHAUSTED : grpc::StatusCode::UNAVAILABLE,
+            absl::StrCat(code, ": ", detail));
+      }
+      if (!store_refused_) WriteLocked(front.response);
       unacked_.pop_front();
     }
+  }
+
+  static std::string StoreRefusalDetail(const absl::Status& status) {
+    return absl::StrCat("the daemon could not store the batch (", status.message(),
+                        "); not acknowledged, retry after ", IngestService::kRetryAfterMs,
+                        " ms (trailing metadata retry-after-ms)");
+  }
+
+  // Before processing: the store is failing, so the batch is refused now.
+  void RefuseForStore(const absl::Status& health) {
+    const bool full = health.code() == absl::StatusCode::kResourceExhausted;
+    const char* code = full ? reason::kDiskFull : reason::kStoreUnavailable;
+    const std::string detail = StoreRefusalDetail(health);
+    service_.metrics_.CountRejection(code);
+    service_.LogRefusal(code, detail);
+    call_->AddTrailingMetadata("retry-after-ms", std::to_string(IngestService::kRetryAfterMs));
+    std::lock_guard<std::mutex> lock(mu_);
+    reads_done_ = true;
+    finish_status_ = grpc::Status(
+        full ? grpc::StatusCode::RESOURCE_EXHAUSTED : grpc::StatusCode::UNAVAILABLE,
+        absl::StrCat(code, ": ", detail));
+    MaybeFinishLocked();
   }
 
   // Ends the stream with INVALID_ARGUMENT once queued acks are written.
@@ -492,6 +646,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   void WriteLocked(const v1::StreamResponse& response) {
+    last_activity_ = std::chrono::steady_clock::now();  // --stream_idle_timeout_ms counts from here
     // Acks of accepted batches still go out after a rejection ends the stream
     // (the client learns what was stored); nothing does once the client is gone.
     if (finished_ || client_gone_) return;
@@ -519,6 +674,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   grpc::CallbackServerContext* const call_;
   const uint64_t session_;
   const AccessCheck access_;
+  std::string tenant_;  // the --max_streams_per_tenant slot held; empty: none
   grpc::ByteBuffer received_;
   v1::StreamRequest request_;
   bool recording_ = false;    // the recorder has a file for this stream
@@ -526,11 +682,19 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   std::optional<StreamContext> context_;
   std::unordered_set<std::string> admitted_probe_ids_;  // --max_probe_ids_per_run
   std::optional<uint64_t> last_seq_;
+  int64_t run_max_step_ = -1;  // --max_step_jump: the run's highest step as this stream knows it
   bool dedup_ = false;                 // Hello.first_seq: resends are deduplicated
   DeliveryTracker::Sender sender_;     // with dedup_: whose seqs these are
   std::optional<uint64_t> dedup_seq_;  // the new batch in progress of a dedup stream
   struct DuplicateWait {
+    // Acked as a duplicate only if the first copy was stored.
+    absl::Status Outcome() {
+      std::lock_guard<std::mutex> lock(mu);
+      return committed ? absl::OkStatus()
+                       : absl::UnavailableError("the first copy of this batch was not stored");
+    }
     std::mutex mu;
+    bool committed = true;            // false: the first copy's store write failed
     bool settled = false;             // the first copy is stored
     std::optional<uint64_t> ticket;   // the resend's queued ack
   };
@@ -548,14 +712,18 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     uint64_t ticket;
     v1::StreamResponse response;
     bool done;
+    absl::Status stored = absl::OkStatus();  // not OK: the store refused the batch
   };
   std::deque<PendingAck> unacked_;  // acks of batches still being processed, in order
   uint64_t next_ticket_ = 0;
   bool client_gone_ = false;
+  bool store_refused_ = false;  // a batch was not stored: no more acks
   std::optional<grpc::Status> finish_status_;
   bool reads_done_ = false;
-  bool first_message_seen_ = false;     // the watchdog leaves this stream alone
-  bool first_message_expired_ = false;  // the watchdog ended this stream
+  bool first_message_seen_ = false;  // the Hello (or what came instead) arrived
+  bool silence_expired_ = false;     // the watchdog ended this stream
+  // Opening, the latest message received or response written: silence counts from here.
+  std::chrono::steady_clock::time_point last_activity_;
   bool parked_ = false;
   bool finished_ = false;
 };
@@ -567,7 +735,8 @@ IngestService::IngestService(const IngestLimits& limits, AdmissionGate& gate, Wo
       gate_(gate),
       pool_(pool),
       metrics_(metrics),
-      on_hello_(std::move(on_hello)) {
+      on_hello_(std::move(on_hello)),
+      tenant_limit_(TenantStreamLimit(limits)) {
   if (!record_dir.empty()) {
     StreamRecorderOptions options;
     options.dir = std::move(record_dir);
@@ -577,45 +746,54 @@ IngestService::IngestService(const IngestLimits& limits, AdmissionGate& gate, Wo
 
 IngestService::~IngestService() {
   {
-    std::lock_guard<std::mutex> lock(awaiting_mu_);
+    std::lock_guard<std::mutex> lock(watch_mu_);
     stop_watchdog_ = true;
   }
   watchdog_cv_.notify_all();
   if (watchdog_.joinable()) watchdog_.join();
 }
 
-void IngestService::AwaitFirstMessage(IngestReactor* stream) {
-  if (limits_.hello_timeout.count() <= 0) return;
-  std::lock_guard<std::mutex> lock(awaiting_mu_);
-  awaiting_[stream] = std::chrono::steady_clock::now() + limits_.hello_timeout;
-  if (!watchdog_.joinable()) watchdog_ = std::thread([this] { HelloWatchdog(); });
+namespace {
+bool WatchesSilence(const IngestLimits& limits) {
+  return limits.hello_timeout.count() > 0 || limits.stream_idle_timeout.count() > 0;
+}
+}  // namespace
+
+void IngestService::WatchStream(IngestReactor* stream) {
+  if (!WatchesSilence(limits_)) return;
+  std::lock_guard<std::mutex> lock(watch_mu_);
+  // Checked on the watchdog's next round, which works out the real deadline.
+  watched_[stream] = std::chrono::steady_clock::now();
+  if (!watchdog_.joinable()) watchdog_ = std::thread([this] { SilenceWatchdog(); });
 }
 
 void IngestService::StreamDone(IngestReactor* stream) {
-  if (limits_.hello_timeout.count() <= 0) return;
-  std::lock_guard<std::mutex> lock(awaiting_mu_);
-  awaiting_.erase(stream);
+  if (!WatchesSilence(limits_)) return;
+  std::lock_guard<std::mutex> lock(watch_mu_);
+  watched_.erase(stream);
 }
 
-void IngestService::HelloWatchdog() {
-  std::unique_lock<std::mutex> lock(awaiting_mu_);
-  const auto period = std::min<std::chrono::steady_clock::duration>(
-      limits_.hello_timeout / 4 + std::chrono::milliseconds(1), std::chrono::seconds(1));
+void IngestService::SilenceWatchdog() {
+  std::unique_lock<std::mutex> lock(watch_mu_);
+  // A quarter of the shortest timeout, at most a second: a stream ends at
+  // most that much after its deadline.
+  std::chrono::steady_clock::duration shortest = std::chrono::seconds(4);
+  for (auto timeout : {limits_.hello_timeout, limits_.stream_idle_timeout}) {
+    if (timeout.count() > 0) shortest = std::min<std::chrono::steady_clock::duration>(shortest, timeout);
+  }
+  const auto period = shortest / 4 + std::chrono::milliseconds(1);
   while (!watchdog_cv_.wait_for(lock, period, [this] { return stop_watchdog_; })) {
     const auto now = std::chrono::steady_clock::now();
-    for (auto it = awaiting_.begin(); it != awaiting_.end();) {
+    for (auto it = watched_.begin(); it != watched_.end();) {
       if (now < it->second) {
         ++it;
         continue;
       }
-      IngestReactor* stream = it->first;
-      it = awaiting_.erase(it);
-      const std::string detail = absl::StrCat(
-          "no Hello within ", limits_.hello_timeout.count(),
-          " ms of opening the stream (--hello_timeout_ms)");
-      if (stream->ExpireFirstMessage(absl::StrCat(reason::kHelloTimeout, ": ", detail))) {
-        metrics_.CountRejection(reason::kHelloTimeout);
-        LogRefusal(reason::kHelloTimeout, detail);
+      if (auto next = it->first->CheckSilence(now)) {
+        it->second = *next;
+        ++it;
+      } else {
+        it = watched_.erase(it);
       }
     }
   }
@@ -696,9 +874,41 @@ bool IngestService::AdmitProbeId(const std::string& run_id, const std::string& p
   return true;
 }
 
-void IngestService::NoteKnownRun(const std::string& run_id) {
+void IngestService::NoteKnownRun(const std::string& run_id, int64_t last_step) {
   std::lock_guard<std::mutex> lock(runs_mu_);
-  runs_.try_emplace(run_id, RunSlot{0, std::chrono::steady_clock::now(), {}});
+  auto [it, _] = runs_.try_emplace(run_id, RunSlot{0, std::chrono::steady_clock::now(), {}});
+  it->second.max_step = std::max(it->second.max_step, last_step);
+}
+
+int64_t IngestService::RunMaxStep(const std::string& run_id) {
+  std::lock_guard<std::mutex> lock(runs_mu_);
+  auto it = runs_.find(run_id);
+  return it == runs_.end() ? -1 : it->second.max_step;
+}
+
+void IngestService::NoteStep(const std::string& run_id, int64_t step) {
+  std::lock_guard<std::mutex> lock(runs_mu_);
+  int64_t& max_step = runs_[run_id].max_step;
+  max_step = std::max(max_step, step);
+}
+
+bool IngestService::AcquireTenant(const std::string& tenant) {
+  if (tenant_limit_ <= 0) return true;
+  std::lock_guard<std::mutex> lock(tenants_mu_);
+  int64_t& open = tenant_streams_[tenant];
+  if (open >= tenant_limit_) {
+    if (open == 0) tenant_streams_.erase(tenant);
+    return false;
+  }
+  ++open;
+  return true;
+}
+
+void IngestService::ReleaseTenant(const std::string& tenant) {
+  if (tenant_limit_ <= 0) return;
+  std::lock_guard<std::mutex> lock(tenants_mu_);
+  auto it = tenant_streams_.find(tenant);
+  if (it != tenant_streams_.end() && --it->second <= 0) tenant_streams_.erase(it);
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::Stream(
@@ -721,15 +931,28 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::Stre
   if (memory_ != nullptr && memory_->over_limit()) {
     return RefuseStream(context, reason::kMemoryLimit, MemoryLimitDetail());
   }
+  // --max_streams_per_tenant with --token_file: the tenant is the token, so
+  // that one tenant's streams (silent ones too) cannot take every slot.
+  std::string tenant;
+  if (access && tenant_limit_ > 0) {
+    tenant = absl::StrCat("token ", access->name());
+    if (!AcquireTenant(tenant)) {
+      return RefuseStream(context, reason::kTooManyStreamsForTenant,
+                          absl::StrCat(tenant, " already has ", tenant_limit_,
+                                       " ingest streams open (--max_streams_per_tenant)"));
+    }
+  }
   if (const int64_t open = open_streams_.fetch_add(1);
       limits_.max_streams > 0 && open >= limits_.max_streams) {
     open_streams_.fetch_sub(1);
+    if (!tenant.empty()) ReleaseTenant(tenant);
     return RefuseStream(context, reason::kTooManyStreams,
                         absl::StrCat(limits_.max_streams,
                                      " ingest streams are open (--max_streams)"));
   }
   if (!access) return new IngestReactor(*this, context, next_session_.fetch_add(1));
-  return new IngestReactor(*this, context, next_session_.fetch_add(1), *std::move(access));
+  return new IngestReactor(*this, context, next_session_.fetch_add(1), *std::move(access),
+                           std::move(tenant));
 }
 
 }  // namespace foreshock::server

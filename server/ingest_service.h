@@ -55,8 +55,9 @@ class IngestService final
   }
 
   // A run the daemon already has (recovered from its data directory): it
-  // counts toward --max_runs, and its Hellos are always admitted.
-  void NoteKnownRun(const std::string& run_id);
+  // counts toward --max_runs, and its Hellos are always admitted. Its
+  // `last_step` (-1: none) is where --max_step_jump counts from.
+  void NoteKnownRun(const std::string& run_id, int64_t last_step = -1);
 
   // --max_memory_mb: at the bound new streams and batches are refused
   // (RESOURCE_EXHAUSTED memory_limit, retry-after-ms). Call before the server
@@ -69,6 +70,11 @@ class IngestService final
   // Deduplication of resent batches (server/delivery.h) for streams whose
   // Hello has first_seq. Call before the server starts. Null: none.
   void SetDeliveryTracker(DeliveryTracker* delivery) { delivery_ = delivery; }
+  // The store the batches' points go to: while it reports a write failure
+  // (SeriesStore::WriteHealth), batches are refused up front (disk_full or
+  // store_unavailable, retry-after-ms), and a batch whose points it refuses
+  // is never acknowledged.
+  void SetStore(const SeriesStore* store) { store_ = store; }
 
  private:
   friend class IngestReactor;
@@ -91,16 +97,29 @@ class IngestService final
   void ReleaseRun(const std::string& run_id);  // its stream ended
   // false: `probe_id` would be one more than --max_probe_ids_per_run for the run.
   bool AdmitProbeId(const std::string& run_id, const std::string& probe_id);
+  // --max_step_jump: the highest step accepted for the run so far (-1: none),
+  // and raising it.
+  int64_t RunMaxStep(const std::string& run_id);
+  void NoteStep(const std::string& run_id, int64_t step);
   // A run with no open stream for this long stops counting toward --max_runs,
   // so that a long-lived sidecar keeps admitting new runs as old ones finish.
   static constexpr std::chrono::hours kIdleRunRelease{24};
-  // --hello_timeout (limits_.hello_timeout): streams that have not sent their
-  // first message, and the thread that ends those that take too long.
-  void AwaitFirstMessage(IngestReactor* stream);
+  // --max_streams_per_tenant: takes one of `tenant`'s stream slots (false:
+  // it holds them all), and gives it back when the stream ends.
+  bool AcquireTenant(const std::string& tenant);
+  void ReleaseTenant(const std::string& tenant);
+  const int64_t tenant_limit_;  // TenantStreamLimit(limits_); 0: none
+  std::mutex tenants_mu_;
+  std::unordered_map<std::string, int64_t> tenant_streams_;  // open streams by tenant
+  // Silent streams: --hello_timeout_ms before the first message,
+  // --stream_idle_timeout_ms after the Hello. Every stream is watched (when
+  // either is set) until it ends; the watchdog thread asks each, when its
+  // deadline comes, whether it is overdue (IngestReactor::CheckSilence).
+  void WatchStream(IngestReactor* stream);
   void StreamDone(IngestReactor* stream);
-  void HelloWatchdog();
-  std::mutex awaiting_mu_;  // held while the watchdog ends a stream: OnDone waits
-  std::unordered_map<IngestReactor*, std::chrono::steady_clock::time_point> awaiting_;
+  void SilenceWatchdog();
+  std::mutex watch_mu_;  // held while the watchdog checks a stream: OnDone waits
+  std::unordered_map<IngestReactor*, std::chrono::steady_clock::time_point> watched_;
   std::condition_variable watchdog_cv_;
   bool stop_watchdog_ = false;
   std::thread watchdog_;
@@ -111,10 +130,12 @@ class IngestService final
     int open_streams = 0;
     std::chrono::steady_clock::time_point last_seen;
     std::unordered_set<std::string> probe_ids;  // seen since start
+    int64_t max_step = -1;  // highest step accepted (or recovered); -1: none
   };
   std::unordered_map<std::string, RunSlot> runs_;  // admitted or recovered runs
   DeliveryTracker* delivery_ = nullptr;
   const MemoryGuard* memory_ = nullptr;
+  const SeriesStore* store_ = nullptr;
   const Authorizer* authorizer_ = nullptr;
   AuthMetrics* auth_metrics_ = nullptr;
 };

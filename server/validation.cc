@@ -205,6 +205,19 @@ std::optional<Rejection> ValidateHello(const v1::Hello& hello, const IngestLimit
     return Reject(reason::kBadHello, absl::StrCat("model.n_experts ", m.n_experts(),
                                                   " is outside [0, ", limits.max_experts, "]"));
   }
+  // moe_layers names layers: as many as the model has at most, each in range.
+  const int64_t n_layers = m.n_layers() > 0 ? m.n_layers() : limits.max_layers;
+  if (m.moe_layers_size() > n_layers) {
+    return Reject(reason::kBadHello, absl::StrCat("model.moe_layers has ", m.moe_layers_size(),
+                                                  " entries; the model has ", n_layers,
+                                                  " layers"));
+  }
+  for (int32_t layer : m.moe_layers()) {
+    if (layer < 0 || layer >= n_layers) {
+      return Reject(reason::kBadHello, absl::StrCat("model.moe_layers has layer ", layer,
+                                                    ", outside [0, ", n_layers, ")"));
+    }
+  }
   if (m.n_experts() > 0 && (m.top_k() < 0 || m.top_k() >= m.n_experts())) {
     return Reject(reason::kBadHello, absl::StrCat("model.top_k ", m.top_k(), " must be below n_experts ",
                                                   m.n_experts()));
@@ -244,6 +257,17 @@ std::optional<Rejection> ValidateRecord(v1::Record& record, const StreamContext&
                       absl::StrCat("layer_rayleigh has ", c.layer_rayleigh_size(),
                                    " values; the limit is ", limits.max_tensor_elements,
                                    " (--max_tensor_elements)"));
+      }
+      // One value per layer, and each becomes a series (curvature_block_rayleigh
+      // with block = its index): no more values than the run has layers.
+      const int64_t n_layers =
+          context.model.n_layers() > 0 ? context.model.n_layers() : limits.max_layers;
+      if (c.layer_rayleigh_size() > n_layers) {
+        return Reject(reason::kTooManyLayers,
+                      absl::StrCat("layer_rayleigh has ", c.layer_rayleigh_size(),
+                                   " values, one per layer; the run has ", n_layers, " layers",
+                                   context.model.n_layers() > 0 ? " (n_layers from Hello)"
+                                                                : " (--max_layers)"));
       }
       detectors::CurvatureSample sample;
       sample.lambda_max = c.lambda_max();

@@ -39,12 +39,37 @@ struct IngestLimits {
   // DEADLINE_EXCEEDED (reason hello_timeout), so that connections that never
   // speak do not hold --max_streams slots. 0: no timeout.
   std::chrono::milliseconds hello_timeout{10000};
+  // A stream that has had its Hello and then sends no message for this long,
+  // with nothing of it in progress (no batch parked or being processed), ends
+  // with DEADLINE_EXCEEDED (reason stream_idle_timeout), freeing its
+  // --max_streams slot. Every batch of it was acknowledged, so nothing is
+  // lost; clients reconnect when they next have data. 0: no timeout.
+  std::chrono::milliseconds stream_idle_timeout{300000};
+  // Streams one tenant may hold open at once (--max_streams_per_tenant): a
+  // token with --token_file (checked when the stream opens), else a run_id
+  // (checked at its Hello). Beyond it: RESOURCE_EXHAUSTED
+  // too_many_streams_for_tenant with retry-after-ms. -1: a quarter of
+  // max_streams, at least 64 (TenantStreamLimit). 0: no limit.
+  int64_t max_streams_per_tenant = -1;
+  // A record whose step is more than this beyond the highest step the run
+  // has had accepted (0 before its first) is rejected with reason
+  // step_out_of_range, so that one corrupt step (2^63-1, a timestamp) cannot
+  // become the run's last step (--max_step_jump). 0: no bound.
+  int64_t max_step_jump = 100000000;
   // Distinct probe_ids (QK and router) one run may use: the detectors keep
   // the previous sample per (run, layer, probe_id), so this bounds their
   // state per run. Records with a further new probe_id are rejected with
   // reason too_many_probe_ids (--max_probe_ids_per_run). 0: no limit.
   int64_t max_probe_ids_per_run = 64;
 };
+
+// The --max_streams_per_tenant in force: the configured one, or for -1 a
+// quarter of max_streams but at least 64 (0 when max_streams is 0). 0: none.
+inline int64_t TenantStreamLimit(const IngestLimits& limits) {
+  if (limits.max_streams_per_tenant >= 0) return limits.max_streams_per_tenant;
+  if (limits.max_streams <= 0) return 0;
+  return std::max<int64_t>(64, limits.max_streams / 4);
+}
 
 // The gRPC receive limit for a --max_message_mb of `max_message_bytes`.
 inline int TransportMessageLimit(int64_t max_message_bytes) {
@@ -77,6 +102,11 @@ inline constexpr char kBadId[] = "bad_id";
 inline constexpr char kNonIncreasingSeq[] = "non_increasing_seq";
 inline constexpr char kNegativeStep[] = "negative_step";
 inline constexpr char kTensorTooLarge[] = "tensor_too_large";
+// More per-layer values than the run has layers (curvature layer_rayleigh
+// longer than the Hello's n_layers, or --max_layers when it does not say).
+inline constexpr char kTooManyLayers[] = "too_many_layers";
+// A step more than --max_step_jump beyond the run's highest accepted step.
+inline constexpr char kStepOutOfRange[] = "step_out_of_range";
 // Stream-level (the stream ends with INVALID_ARGUMENT).
 inline constexpr char kBatchBeforeHello[] = "batch_before_hello";
 inline constexpr char kDuplicateHello[] = "duplicate_hello";
@@ -87,8 +117,16 @@ inline constexpr char kTooManyStreams[] = "too_many_streams";
 inline constexpr char kTooManyRuns[] = "too_many_runs";
 inline constexpr char kMessageTooLarge[] = "message_too_large";
 inline constexpr char kMemoryLimit[] = "memory_limit";
+// The store cannot write (a full disk: disk_full; another I/O error:
+// store_unavailable). The batch is not acknowledged; clients resend it after
+// the retry hint, and the daemon resumes by itself when writes succeed.
+inline constexpr char kDiskFull[] = "disk_full";
+inline constexpr char kStoreUnavailable[] = "store_unavailable";
+inline constexpr char kTooManyProbeIds[] = "too_many_probe_ids";  // record-level
+inline constexpr char kTooManyStreamsForTenant[] = "too_many_streams_for_tenant";
+// Stream-level, DEADLINE_EXCEEDED: a stream silent for too long.
 inline constexpr char kHelloTimeout[] = "hello_timeout";
-inline constexpr char kTooManyProbeIds[] = "too_many_probe_ids";
+inline constexpr char kStreamIdleTimeout[] = "stream_idle_timeout";
 }  // namespace reason
 
 // What a stream's Hello established; records are checked against it.
