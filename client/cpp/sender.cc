@@ -90,6 +90,13 @@ void Sender::Run() {
     std::chrono::milliseconds hint{0};
     const bool had_hello = RunStream(&hint);
     if (had_hello) backoff = options_.backoff_initial;
+    if (idle_ended_) {
+      // The daemon ended a stream with nothing pending: the next one opens
+      // when there is something to send (or to flush at Close).
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return abort_ || closing_ || !DrainedLocked(); });
+      continue;
+    }
     // Full jitter on the upper half, so that many ranks do not reconnect in
     // lock step; a daemon at a limit says when to come back.
     const std::chrono::milliseconds base = hint.count() > 0 ? hint : backoff;
@@ -201,6 +208,10 @@ bool Sender::RunStream(std::chrono::milliseconds* retry_hint) {
   if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
     DropTooLarge(status.error_message());
   }
+  // --stream_idle_timeout_ms: the daemon acked everything it got; a batch
+  // written as the stream ended stays unacked here and is resent.
+  idle_ended_ = status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+                status.error_message().rfind("stream_idle_timeout", 0) == 0;
   return hello_acked;
 }
 

@@ -19,6 +19,9 @@ class FakeIngest(pb_grpc.IngestServicer):
         self.reject = reject          # record -> reason string or None
         self.fail_hellos = 0          # fail this many streams (UNAVAILABLE) instead of a HelloAck
         self.hello_delay_s = 0.0      # wait this long before answering a Hello
+        # End this many streams as the daemon ends an idle one (DEADLINE_EXCEEDED
+        # stream_idle_timeout), each when a batch arrives, without acking it.
+        self.idle_end_on_batch = 0
         self.streams = []             # one dict per stream: {"hello": Hello, "batches": [Batch]}
         self.release_acks = threading.Event()
         self.release_acks.set()       # clear() to hold acks back
@@ -41,6 +44,11 @@ class FakeIngest(pb_grpc.IngestServicer):
             batch = request.batch
             with self.lock:
                 stream["batches"].append(batch)
+                idle_end, self.idle_end_on_batch = (self.idle_end_on_batch > 0,
+                                                    max(0, self.idle_end_on_batch - 1))
+            if idle_end:
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              "stream_idle_timeout: no message for 300000 ms")
             while not self.release_acks.wait(0.05):
                 if not context.is_active():
                     return

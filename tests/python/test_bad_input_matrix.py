@@ -393,3 +393,143 @@ def test_ten_thousand_run_ids_beyond_max_runs_are_refused(daemon):
         _, code, details, _ = run_stream(daemon.endpoint, [hello_bytes(f"run-{admitted[0][2]}")])
         assert code == grpc.StatusCode.OK, details
         good.assert_flowing()
+
+
+# -- issue 16: no client can starve the others; bad input never costs others --
+
+def _rss_mb(daemon):
+    with open(f"/proc/{daemon.process.pid}/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0]) / 1024
+
+
+def _open_hello_then_silence(endpoint, run_id, release, timeout=30):
+    """A stream that sends its Hello and then nothing; returns (channel, call) after the HelloAck."""
+    def messages():
+        yield hello_bytes(run_id)
+        release.wait(timeout)
+
+    channel = grpc.insecure_channel(endpoint)
+    fn = channel.stream_stream(METHOD, request_serializer=None,
+                               response_deserializer=pb.StreamResponse.FromString)
+    call = fn(messages(), timeout=timeout)
+    try:
+        assert next(call).HasField("hello_ack")
+    except grpc.RpcError:
+        channel.close()
+        raise
+    return channel, call
+
+
+def test_hello_then_silence_streams_end_on_the_idle_timeout_and_free_their_slots(start_foreshockd):
+    # The finding: 1,024 streams that said Hello and then nothing held every
+    # --max_streams slot for ever. Here 16 of them fill --max_streams=16; with
+    # --stream_idle_timeout_ms=1000 they end with DEADLINE_EXCEEDED, counted,
+    # and a well-behaved client then connects and gets acks.
+    daemon = start_foreshockd("--max_streams=16", "--stream_idle_timeout_ms=1000", "--workers=2")
+    release = threading.Event()
+    held = [_open_hello_then_silence(daemon.endpoint, f"silent-{i}", release) for i in range(16)]
+    try:
+        _, code, details, _ = run_stream(daemon.endpoint, [hello_bytes("locked-out")])
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith("too_many_streams:")
+        started = time.monotonic()
+        for _, call in held:
+            with pytest.raises(grpc.RpcError) as info:
+                list(call)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value
+            assert info.value.details().startswith("stream_idle_timeout: "), info.value.details()
+        assert time.monotonic() - started < 10
+        wait_counter(daemon, "stream_idle_timeout", 16)
+        with GoodClient(daemon.endpoint) as good:
+            good.assert_flowing()
+    finally:
+        release.set()
+        for channel, _ in held:
+            channel.close()
+
+
+def test_one_run_opening_streams_is_refused_while_another_run_gets_acks(start_foreshockd):
+    # Without --token_file the tenant is the run_id: one run opening streams
+    # is stopped at --max_streams_per_tenant, far below --max_streams, and
+    # another run's client still connects and gets acks.
+    daemon = start_foreshockd("--max_streams=64", "--max_streams_per_tenant=4", "--workers=2")
+    release = threading.Event()
+    held, refusal = [], None
+    try:
+        for _ in range(64):
+            try:
+                held.append(_open_hello_then_silence(daemon.endpoint, "greedy", release))
+            except grpc.RpcError as e:
+                refusal = (e.code(), e.details(), e.trailing_metadata() or ())
+                break
+        assert len(held) == 4 and refusal is not None, (len(held), refusal)
+        code, details, trailing = refusal
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        assert details.startswith("too_many_streams_for_tenant: run 'greedy'"), details
+        assert ("retry-after-ms", "1000") in tuple(trailing), trailing
+        wait_counter(daemon, "too_many_streams_for_tenant", 1)
+        with GoodClient(daemon.endpoint, run_id="polite") as good:
+            good.assert_flowing()
+    finally:
+        release.set()
+        for channel, _ in held:
+            channel.close()
+
+
+def test_a_huge_layer_rayleigh_is_rejected_and_creates_no_series(start_foreshockd):
+    # The finding: a CurvatureSample with 100,000 layer_rayleigh values (800 KB)
+    # created 100,000 series; six such messages took the daemon from 24 MB to
+    # 741 MB resident, 1.19 GB after one scrape, and /metrics to 39 MB. Now each
+    # value must name one of the Hello's n_layers layers.
+    daemon = start_foreshockd("--workers=2")
+    hello = pb.StreamRequest(hello=pb.Hello(run_id="rayleigh", job="matrix",
+                                            model=pb.ModelInfo(n_layers=32))).SerializeToString()
+    huge = pb.Record(step=1, curvature=pb.CurvatureSample(
+        lambda_max=10.0, residual=0.01, lr=1e-3, beta1=0.9, preconditioned=True,
+        layer_rayleigh=[float(i) for i in range(100000)]))
+    rss_before = _rss_mb(daemon)
+    text_before = daemon.metrics_text()
+    for i in range(6):
+        message = batch_bytes(1, [huge])
+        assert len(message) > 800000
+        responses, code, details, _ = run_stream(daemon.endpoint, [hello, message], timeout=30)
+        assert code == grpc.StatusCode.OK, details
+        ack = responses[-1].ack
+        assert ack.accepted == 0 and len(ack.rejections) == 1, ack
+        assert ack.rejections[0].reason.startswith(
+            "too_many_layers: layer_rayleigh has 100000 values"), ack.rejections[0].reason
+    wait_counter(daemon, "too_many_layers", 6)
+    text = daemon.metrics_text()
+    assert "foreshock_curvature_block_rayleigh{" not in text
+    assert len(text) < len(text_before) + 4000, (len(text_before), len(text))
+    assert _rss_mb(daemon) - rss_before < 64, (rss_before, _rss_mb(daemon))
+    # A sample with one value per layer is accepted: 32 block series, no more.
+    good = pb.Record(step=2, curvature=pb.CurvatureSample(
+        lambda_max=10.0, residual=0.01, lr=1e-3, beta1=0.9, preconditioned=True,
+        layer_rayleigh=[0.5] * 32))
+    responses, code, details, _ = run_stream(daemon.endpoint, [hello, batch_bytes(1, [good])])
+    assert code == grpc.StatusCode.OK and responses[-1].ack.accepted == 1, details
+    samples, ok = daemon.wait_for(lambda s: sum(
+        1 for n, l, _ in s if n == "foreshock_curvature_block_rayleigh") == 32, timeout_s=10)
+    assert ok, [x for x in samples if x[0] == "foreshock_curvature_block_rayleigh"][:5]
+
+
+def test_a_step_far_beyond_the_run_is_rejected_and_later_steps_are_not_stale(daemon):
+    # The finding: one record with step 2^63-1 was accepted and became the
+    # run's last step, so every real later step could be taken as stale.
+    def scalars(step):
+        return pb.Record(step=step, scalars=pb.StepScalars(loss=1.0 + 0.01 * (step % 7)))
+
+    messages = [hello_bytes("steps"), batch_bytes(1, [scalars(5)]),
+                batch_bytes(2, [scalars(2 ** 63 - 1)]),
+                batch_bytes(3, [scalars(step) for step in range(6, 31)])]
+    responses, code, details, _ = run_stream(daemon.endpoint, messages)
+    assert code == grpc.StatusCode.OK, details
+    acks = [r.ack for r in responses if r.WhichOneof("kind") == "ack"]
+    assert [a.accepted for a in acks] == [1, 0, 25], acks
+    assert acks[1].rejections[0].reason.startswith(
+        "step_out_of_range: step 9223372036854775807 is more than 100000000 beyond"), acks[1]
+    wait_counter(daemon, "step_out_of_range", 1)
+    samples, ok = daemon.wait_for(
+        lambda s: prometheus.value(s, "foreshock_last_step", run="steps") == 30)
+    assert ok, prometheus.value(samples, "foreshock_last_step", run="steps")
+    assert (prometheus.value(samples, "foreshock_alert_points_total", outcome="stale") or 0) == 0

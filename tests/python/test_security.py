@@ -420,3 +420,66 @@ def test_safe_defaults(tmp_path, certs):
     proc = subprocess.run([foreshockd_binary(), "--data_dir=", f"--tls_cert={certs['server']}.pem"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=30)
     assert proc.returncode == 2, proc.stdout
+
+
+def test_one_tokens_streams_cannot_take_every_slot(tmp_path):
+    # Issue 16: with --token_file a tenant is a token. One token opening
+    # streams (for any of its runs, or silent ones that never send a Hello)
+    # is refused at --max_streams_per_tenant, well below --max_streams, while
+    # another token still connects and gets acks.
+    import threading
+    token_file = tmp_path / "tokens"
+    token_file.write_text(TOKEN_FILE)
+    token_file.chmod(0o600)
+    d = Daemon([f"--token_file={token_file}", "--max_streams=64", "--max_streams_per_tenant=3"],
+               str(tmp_path / "tenants.log"))
+    release = threading.Event()
+    channels, calls, refusal = [], [], None
+    try:
+        d.wait_started()
+        sec_a = Security(token=TOKENS["a"])
+
+        def hello_then_silence(run):
+            yield ingest_pb2.StreamRequest(hello=ingest_pb2.Hello(run_id=run, job="sec"))
+            release.wait(30)
+
+        def silence():
+            release.wait(30)
+            return
+            yield
+
+        # One silent stream (no Hello: it holds a slot of the token all the same) ...
+        channel = sec_a.channel(d.endpoint)
+        channels.append(channel)
+        silent = ingest_pb2_grpc.IngestStub(channel).Stream(silence(), timeout=30,
+                                                           metadata=sec_a.metadata)
+        # ... then Hellos for different runs of the same token, until refused.
+        for i in range(64):
+            channel = sec_a.channel(d.endpoint)
+            channels.append(channel)
+            call = ingest_pb2_grpc.IngestStub(channel).Stream(
+                hello_then_silence(f"team-a/run{i}"), timeout=30, metadata=sec_a.metadata)
+            calls.append(call)  # held open
+            try:
+                assert next(call).HasField("hello_ack")
+            except grpc.RpcError as e:
+                refusal = (i, e.code(), e.details(), dict(e.trailing_metadata() or ()))
+                break
+        assert refusal is not None
+        i, code, details, trailing = refusal
+        assert i == 2, refusal  # the silent stream and two more: 3
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        assert details.startswith("too_many_streams_for_tenant: token token@2 "), details
+        assert trailing.get("retry-after-ms") == "1000", trailing
+        # The other tenant is served.
+        responses = _ingest(d, Security(token=TOKENS["b"]), "team-b/run1")
+        assert responses[0].HasField("hello_ack") and responses[-1].ack.accepted == 3
+        assert TOKENS["a"] not in d.text()
+        silent.cancel()
+        for call in calls:
+            call.cancel()
+    finally:
+        release.set()
+        for channel in channels:
+            channel.close()
+        d.stop()

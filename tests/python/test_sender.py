@@ -231,3 +231,44 @@ def test_record_queue_bounds_records_and_bytes_and_keeps_order():
     assert queue.take_batch(max_bytes=10, timeout=0) == [("c", 20)]
     assert queue.take_batch(max_bytes=10, timeout=0.01) == [] and len(queue) == 0
     assert queue.put_nowait("e", 100)  # the byte budget was given back
+
+
+def test_a_stream_the_daemon_ends_for_idleness_is_reopened_only_with_data(start_foreshockd):
+    # Issue 16: foreshockd --stream_idle_timeout_ms ends streams that send
+    # nothing. The sender must not lose anything, and must not reopen a stream
+    # (to be ended again) while it has nothing to send.
+    from foreshock import prometheus
+    daemon = start_foreshockd("--stream_idle_timeout_ms=300")
+    monitor = scalar_monitor(daemon.endpoint)
+    try:
+        monitor.step(0, loss=1.0)
+        assert wait_until(lambda: monitor.stats()["acked_records"] == 1)
+        time.sleep(1.5)  # five timeouts' worth of nothing to send
+        stats = monitor.stats()
+        assert stats["idle_closes"] == 1 and stats["reconnects"] == 0, stats
+        assert not stats["connected"]
+        assert prometheus.value(daemon.scrape(), "foreshock_ingest_rejected_total",
+                                reason="stream_idle_timeout") == 1
+        for step in range(1, 4):
+            monitor.step(step, loss=1.0)
+        assert wait_until(lambda: monitor.stats()["acked_records"] == 4)
+        assert monitor.stats()["reconnects"] == 1
+    finally:
+        monitor.close(timeout=5)
+    stats = monitor.stats()
+    assert stats["unsent_at_close"] == 0 and stats["resent"] == 0, stats
+
+
+def test_a_batch_sent_as_the_daemon_ends_an_idle_stream_is_resent(server):
+    # The race: the daemon ends the stream for idleness just as a batch goes
+    # out; that batch is never acked, so the sender resends it on a new stream.
+    server.servicer.idle_end_on_batch = 1
+    monitor = scalar_monitor(server.endpoint)
+    try:
+        monitor.step(0, loss=1.0)
+        assert wait_until(lambda: monitor.stats()["acked_records"] == 1)
+    finally:
+        monitor.close(timeout=5)
+    stats = monitor.stats()
+    assert stats["idle_closes"] == 1 and stats["resent"] == 1 and stats["reconnects"] == 1, stats
+    assert [r.step for r in server.servicer.records()] == [0, 0]  # sent, then resent

@@ -212,5 +212,45 @@ TEST(ValidateHelloTest, ChecksIdsAndModelShape) {
   EXPECT_EQ(ValidateHello(hello, limits)->code, reason::kBadHello);
 }
 
+TEST(ValidateHelloTest, MoeLayersAreLayersOfTheModel) {
+  IngestLimits limits;
+  limits.max_layers = 8;
+  v1::Hello hello;
+  hello.set_run_id("r");
+  hello.mutable_model()->set_n_layers(4);
+  for (int layer : {0, 3}) hello.mutable_model()->add_moe_layers(layer);
+  EXPECT_FALSE(ValidateHello(hello, limits).has_value());
+  hello.mutable_model()->add_moe_layers(4);  // == n_layers
+  EXPECT_EQ(ValidateHello(hello, limits)->code, reason::kBadHello);
+  hello.mutable_model()->set_moe_layers(2, 1);
+  hello.mutable_model()->add_moe_layers(2);
+  hello.mutable_model()->add_moe_layers(2);  // five entries for four layers
+  EXPECT_EQ(ValidateHello(hello, limits)->code, reason::kBadHello);
+  hello.mutable_model()->clear_moe_layers();
+  hello.mutable_model()->set_n_layers(0);  // not declared: --max_layers bounds them
+  hello.mutable_model()->add_moe_layers(7);
+  EXPECT_FALSE(ValidateHello(hello, limits).has_value());
+  hello.mutable_model()->add_moe_layers(8);
+  EXPECT_EQ(ValidateHello(hello, limits)->code, reason::kBadHello);
+}
+
+TEST_F(ValidationTest, CurvatureHasAtMostOneValuePerLayer) {
+  v1::Record curvature;
+  curvature.set_step(1);
+  for (int i = 0; i < 5; ++i) curvature.mutable_curvature()->add_layer_rayleigh(1.0);
+  auto rejection = Validate(curvature);  // n_layers 4
+  ASSERT_TRUE(rejection.has_value());
+  EXPECT_EQ(rejection->code, reason::kTooManyLayers);
+  EXPECT_NE(rejection->detail.find("n_layers from Hello"), std::string::npos);
+  curvature.mutable_curvature()->mutable_layer_rayleigh()->RemoveLast();
+  EXPECT_FALSE(Validate(curvature).has_value());
+  context_.model.set_n_layers(0);
+  limits_.max_layers = 3;
+  rejection = Validate(curvature);
+  ASSERT_TRUE(rejection.has_value());
+  EXPECT_EQ(rejection->code, reason::kTooManyLayers);
+  EXPECT_NE(rejection->detail.find("--max_layers"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace foreshock::server

@@ -14,6 +14,9 @@
 //   unacknowledged batch with its old seq first; the daemon deduplicates.
 // - A batch over the daemon's --max_message_mb (message_too_large) is dropped,
 //   not resent forever (counted: dropped_too_large).
+// - A stream the daemon ended for idleness (stream_idle_timeout: nothing was
+//   sent for --stream_idle_timeout_ms, and everything sent was acked) is
+//   reopened only once there is something to send.
 //
 //   foreshock::client::Sender sender("127.0.0.1:50051", hello);
 //   sender.Enqueue(record);              // in the training loop
@@ -104,6 +107,7 @@ class Sender {
   bool abort_ = false;    // stop now
   grpc::ClientContext* live_context_ = nullptr;  // to cancel a blocked stream
   std::atomic<bool> connected_{false};
+  bool idle_ended_ = false;  // sender thread only: the last stream ended for idleness
   std::thread thread_;
 };
 

@@ -20,10 +20,13 @@ One sender thread owns the gRPC stream `foreshock.v1.Ingest/Stream`:
   jitter; the new stream sends Hello (first_seq: the oldest unacked seq), then
   resends every unacked batch with its old seq (counted as `resent` records),
   then new ones. The training thread never waits for any of this;
-- a daemon at one of its limits (too_many_streams, memory_limit) sends
-  retry-after-ms, which replaces the backoff for that wait; a batch over the
-  daemon's --max_message_mb (message_too_large) is dropped, not resent, and its
-  records counted as `dropped_too_large`.
+- a daemon at one of its limits (too_many_streams, too_many_streams_for_tenant,
+  memory_limit) sends retry-after-ms, which replaces the backoff for that wait;
+  a batch over the daemon's --max_message_mb (message_too_large) is dropped,
+  not resent, and its records counted as `dropped_too_large`;
+- a stream the daemon ended for idleness (stream_idle_timeout: nothing sent
+  for its --stream_idle_timeout_ms, everything sent acked) is reopened only
+  once there is something to send (counted as `idle_closes`).
 """
 import collections
 import logging
@@ -123,10 +126,11 @@ class Sender:
         self._call = None
         self._counts = dict(sent=0, batches_sent=0, acked_records=0, duplicates=0, resent=0,
                             dropped_unacked=0, unacked=0, reconnects=0, unsent_at_close=0,
-                            dropped_too_large=0)
+                            dropped_too_large=0, idle_closes=0)
         # Batches sent and not acked, oldest first: seq -> [(record, size)].
         self._max_unacked_bytes = max_unacked_bytes
         self._retry_after_s = None  # the last refusal's retry hint, for the next wait
+        self._idle_ended = False    # the last stream was ended by the daemon for idleness
         self._unacked = collections.OrderedDict()
         self._unacked_bytes = 0
         self._next_seq = time.time_ns() // 1000
@@ -186,6 +190,14 @@ class Sender:
                 failures = 0
             else:
                 failures += 1
+            if self._idle_ended:
+                # Nothing was pending: open the next stream when there is
+                # something to send (or to flush at close).
+                self._idle_ended = False
+                while not (self._abort.is_set() or self._closing.is_set()
+                           or len(self._queue) > 0 or not self._settled()):
+                    self._abort.wait(_POLL_S)
+                continue
             # Full jitter on the upper half keeps many ranks from reconnecting in lockstep.
             # A daemon at a limit says when to come back (trailing retry-after-ms).
             wait_s, self._retry_after_s = self._retry_after_s or backoff, None
@@ -218,7 +230,16 @@ class Sender:
             finished = self._closing.is_set()
         except grpc.RpcError as err:
             self._after_refusal(err)
-            if not self._abort.is_set():
+            if (err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                    and (err.details() or "").startswith("stream_idle_timeout")):
+                # Everything sent was acked (a batch that crossed the end stays
+                # unacked here and is resent): an ordinary end, not a failure.
+                self._idle_ended = True
+                with self._lock:
+                    self._counts["idle_closes"] += 1
+                log.info("foreshock: the daemon closed the idle stream to %s; reopening it "
+                         "when there is data", self._endpoint)
+            elif not self._abort.is_set():
                 log.log(logging.DEBUG if quiet and not stream.hello_acked.is_set()
                         else logging.WARNING,
                         "foreshock: stream to %s ended: %s %s; reconnecting", self._endpoint,
