@@ -8,19 +8,19 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "server/admission.h"
-#include "server/alert_hub.h"
-#include "server/query_service.h"
-#include "server/export_sink.h"
-#include "server/http_api.h"
-#include "server/http_server.h"
-#include "server/query_backend.h"
-#include "server/ingest_service.h"
+#include "server/ingest/admission.h"
+#include "server/alerting/alert_hub.h"
+#include "server/query/query_service.h"
+#include "server/pipeline/export_sink.h"
+#include "server/query/http_api.h"
+#include "server/http/http_server.h"
+#include "server/query/query_backend.h"
+#include "server/ingest/ingest_service.h"
 #include "server/metrics.h"
-#include "server/run_tracker.h"
-#include "server/series_limit.h"
-#include "server/series_store.h"
-#include "server/worker_pool.h"
+#include "server/pipeline/run_tracker.h"
+#include "server/ingest/series_limit.h"
+#include "server/pipeline/series_store.h"
+#include "server/pipeline/worker_pool.h"
 
 namespace foreshock::server {
 

@@ -13,11 +13,11 @@
 #include "absl/status/status.h"
 #include "alerts/config.h"
 #include "detectors/detector.h"
-#include "server/auth.h"
-#include "server/http_server.h"
-#include "server/memory_guard.h"
-#include "server/series_store.h"
-#include "server/validation.h"
+#include "server/security/auth.h"
+#include "server/http/http_server.h"
+#include "server/ingest/memory_guard.h"
+#include "server/pipeline/series_store.h"
+#include "server/ingest/validation.h"
 #include "store/durable_store.h"
 
 namespace grpc {
@@ -52,19 +52,19 @@ struct DaemonOptions {
   std::string listen = "127.0.0.1:50051";
   std::string metrics_listen = "127.0.0.1:9464";
   // Threads, request timeout and per-address connection bound of the HTTP
-  // port (server/http_server.h).
+  // port (server/http/http_server.h).
   HttpLimits http_limits;
   int workers = 0;  // 0: one per core
   bool per_head_metrics = false;
   size_t series_capacity = 4096;
   size_t max_queue_bytes = size_t{256} << 20;
   int max_message_bytes = 64 << 20;
-  // Resident memory at which ingest refuses new data (server/memory_guard.h).
+  // Resident memory at which ingest refuses new data (server/ingest/memory_guard.h).
   // 0: no bound.
   int64_t max_memory_bytes = 0;
   IngestLimits limits;
   // Distinct (signal, layer, head) series a run may create; observations
-  // of further new series are dropped and counted (server/series_limit.h).
+  // of further new series are dropped and counted (server/ingest/series_limit.h).
   // 0: no limit.
   int64_t max_series_per_run = 100000;
   detectors::DetectorOptions detector_options;
@@ -82,7 +82,7 @@ struct DaemonOptions {
   // How often detector and alert-engine state is checkpointed into the store
   // (also at a clean shutdown); a restarted daemon continues from it.
   std::chrono::milliseconds checkpoint_interval{30000};
-  // TLS for both ports (server/auth.h). Empty cert: plaintext.
+  // TLS for both ports (server/security/auth.h). Empty cert: plaintext.
   TlsFiles tls;
   // Bearer-token authorization (--token_file). Null: every client is trusted.
   std::shared_ptr<const Authorizer> authorizer;

@@ -16,7 +16,7 @@
 #include <thread>
 
 #include "server/daemon.h"
-#include "server/series_store.h"
+#include "server/pipeline/series_store.h"
 #include "tests/server/metric_reader.h"
 
 namespace foreshock::client {

@@ -1,6 +1,6 @@
 // libFuzzer target over the daemon's request decoding and validation: the
 // bytes of one ingest message are parsed as a StreamRequest (as
-// server/ingest_service.cc does for every message it reads), then run through
+// server/ingest/ingest_service.cc does for every message it reads), then run through
 // the same checks: ValidateHello for a Hello; ValidateRecord (and SampleBytes
 // for accepted records) for each record of a Batch, against two stream
 // contexts, one whose Hello declared nothing and one that declared a model.
@@ -12,7 +12,7 @@
 #include <google/protobuf/stubs/logging.h>
 
 #include "foreshock/v1/ingest.pb.h"
-#include "server/validation.h"
+#include "server/ingest/validation.h"
 
 namespace {
 

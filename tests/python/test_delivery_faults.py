@@ -6,7 +6,7 @@ enqueue never blocked.
 Clients use the real background sender (foreshock.sender: unacked buffer,
 reconnect with backoff, resend with the same seqs) with synthetic step scalars
 and small QK samples. The daemon deduplicates resends by (run, rank, seq)
-(server/delivery.h). Bounded: about 30-60 s.
+(server/ingest/delivery.h). Bounded: about 30-60 s.
 """
 import collections
 import random

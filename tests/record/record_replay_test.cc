@@ -17,7 +17,7 @@
 #include "foreshock/v1/ingest.pb.h"
 #include "record/recording.h"
 #include "server/daemon.h"
-#include "server/stream_recorder.h"
+#include "server/ingest/stream_recorder.h"
 #include "tests/server/metric_reader.h"
 
 namespace foreshock {

@@ -1,0 +1,259 @@
+#include "server/alerting/alert_hub.h"
+
+#include <spdlog/spdlog.h>
+
+#include "detectors/state_codec.h"
+#include "server/clock.h"
+
+namespace foreshock::server {
+namespace {
+
+namespace v1 = foreshock::v1;
+
+
+std::string AlertKey(const alerts::Alert& alert) {
+  return alert.alertname + '\x1f' + alert.run + '\x1f' + alert.layer;
+}
+
+}  // namespace
+
+AlertHub::AlertHub(alerts::AlertConfig config, DaemonMetrics& metrics,
+                   std::unique_ptr<AlertmanagerNotifier> notifier)
+    : metrics_(metrics), notifier_(std::move(notifier)), engine_(std::move(config)) {}
+
+AlertHub::~AlertHub() = default;
+
+void AlertHub::OnObservation(const detectors::Sample& sample,
+                             const detectors::Observation& observation) {
+  // Only layer aggregates and run-level values drive alerts (the worst head).
+  if (observation.head != detectors::kAllHeads || !observation.for_detection) return;
+  alerts::SignalPoint point;
+  point.run = sample.run;
+  point.step = sample.step;
+  point.signal = observation.signal;
+  point.layer = observation.layer;
+  point.head = observation.head;
+  point.value = observation.value;
+  point.for_detection = observation.for_detection;
+  std::lock_guard<std::mutex> lock(mu_);
+  DeliverLocked(engine_.Observe(point));
+}
+
+void AlertHub::OnNonFinite(const detectors::Sample& sample, detectors::SampleKind kind,
+                           int64_t count) {
+  alerts::NonFiniteEvent event;
+  event.run = sample.run;
+  event.step = sample.step;
+  event.kind = kind;
+  event.count = count;
+  event.layer = sample.layer();
+  std::lock_guard<std::mutex> lock(mu_);
+  DeliverLocked(engine_.ObserveNonFinite(event));
+}
+
+void AlertHub::DeliverLocked(const std::vector<alerts::AlertTransition>& transitions) {
+  for (const alerts::AlertTransition& t : transitions) {
+    const alerts::Alert& alert = t.alert;
+    alerted_runs_.insert(alert.run);
+    Times& times = times_[AlertKey(alert)];
+    if (t.to == alerts::AlertState::kFiring && t.from != alerts::AlertState::kFiring) {
+      times = Times{NowUnixMillis(), 0};
+    } else if (t.to == alerts::AlertState::kResolved) {
+      times.ends_ms = NowUnixMillis();
+    }
+
+    metrics_.alert_active
+        .Add({{"alertname", alert.alertname}, {"run", alert.run}, {"layer", alert.layer},
+              {"severity", alert.severity}})
+        .Set(t.to == alerts::AlertState::kFiring ? 1.0 : 0.0);
+    metrics_.alert_transitions_total
+        .Add({{"alertname", alert.alertname}, {"to", std::string(alerts::AlertStateName(t.to))}})
+        .Increment();
+    // One structured line per transition (key=value, values quoted).
+    spdlog::info(
+        "alert transition alertname={} run=\"{}\" layer={} signal={} severity={} from={} to={} "
+        "step={} first_step={} probable_cause={} cause_status={} value={} baseline={} z={}",
+        alert.alertname, alert.run, alert.layer, alert.signal, alert.severity,
+        alerts::AlertStateName(t.from), alerts::AlertStateName(t.to), t.step, alert.first_step,
+        alert.probable_cause, alert.probable_cause_settled ? "settled" : "provisional",
+        alert.value, alert.baseline, alert.z);
+
+    const bool deliver = t.to == alerts::AlertState::kFiring ||
+                         (t.to == alerts::AlertState::kResolved && t.from == alerts::AlertState::kFiring);
+    if (notifier_ && deliver) {
+      AlertmanagerAlert out;
+      out.labels = alert.Labels();
+      out.annotations = alert.Annotations();
+      out.starts_at_ms = times.starts_ms;
+      out.ends_at_ms = t.to == alerts::AlertState::kResolved ? times.ends_ms : 0;
+      notifier_->Notify(std::move(out));
+    }
+
+    if (!watchers_.empty() || event_log_) {
+      v1::AlertEvent event;
+      *event.mutable_alert() = ToProtoLocked(alert);
+      event.set_from_state(std::string(alerts::AlertStateName(t.from)));
+      event.set_to_state(std::string(alerts::AlertStateName(t.to)));
+      event.set_step(t.step);
+      for (auto& [id, watcher] : watchers_) {
+        if (watcher.run.empty() || watcher.run == alert.run) watcher.subscriber(event);
+      }
+      if (event_log_) event_log_(event);
+    }
+  }
+}
+
+v1::Alert AlertHub::ToProtoLocked(const alerts::Alert& alert) const {
+  v1::Alert out;
+  out.set_alertname(alert.alertname);
+  out.set_run(alert.run);
+  out.set_layer(alert.layer);
+  out.set_signal(alert.signal);
+  out.set_severity(alert.severity);
+  out.set_state(std::string(alerts::AlertStateName(alert.state)));
+  for (const auto& [k, v] : alert.Labels()) (*out.mutable_labels())[k] = v;
+  for (const auto& [k, v] : alert.Annotations()) (*out.mutable_annotations())[k] = v;
+  out.set_summary(alert.summary);
+  out.set_description(alert.description);
+  out.set_probable_cause(alert.probable_cause);
+  out.set_probable_cause_settled(alert.probable_cause_settled);
+  out.set_probable_cause_evidence(alert.probable_cause_evidence);
+  out.set_suggested_action(alert.suggested_action);
+  out.set_first_step(alert.first_step);
+  out.set_firing_step(alert.firing_step);
+  out.set_resolved_step(alert.resolved_step);
+  out.set_value(alert.value);
+  out.set_baseline(alert.baseline);
+  out.set_z(alert.z);
+  auto it = times_.find(AlertKey(alert));
+  if (it != times_.end()) {
+    out.set_starts_at_unix_ms(it->second.starts_ms);
+    out.set_ends_at_unix_ms(it->second.ends_ms);
+  }
+  return out;
+}
+
+std::vector<v1::Alert> AlertHub::Alerts(const std::string& run, bool include_resolved) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<v1::Alert> out;
+  if (include_resolved) {
+    const std::vector<std::string> runs =
+        run.empty() ? std::vector<std::string>(alerted_runs_.begin(), alerted_runs_.end())
+                    : std::vector<std::string>{run};
+    for (const std::string& r : runs)
+      for (const alerts::Alert& alert : engine_.AllAlerts(r)) out.push_back(ToProtoLocked(alert));
+  } else {
+    for (const alerts::Alert& alert : engine_.ActiveAlerts())
+      if (run.empty() || alert.run == run) out.push_back(ToProtoLocked(alert));
+  }
+  return out;
+}
+
+void AlertHub::ExportCounters() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const alerts::AlertEngineCounters& now = engine_.counters();
+  auto add = [&](const char* outcome, uint64_t current, uint64_t& exported) {
+    metrics_.alert_points_total.Add({{"outcome", outcome}})
+        .Increment(static_cast<double>(current - exported));
+    exported = current;
+  };
+  add("scored", now.points_scored, exported_.points_scored);
+  add("stale", now.points_stale, exported_.points_stale);
+  add("duplicate", now.points_duplicate, exported_.points_duplicate);
+  add("nonfinite", now.points_nonfinite, exported_.points_nonfinite);
+}
+
+uint64_t AlertHub::Subscribe(const std::string& run, bool send_active, Subscriber subscriber) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (send_active) {
+    for (const alerts::Alert& alert : engine_.ActiveAlerts()) {
+      if (!run.empty() && alert.run != run) continue;
+      v1::AlertEvent event;
+      *event.mutable_alert() = ToProtoLocked(alert);
+      event.set_from_state(std::string(alerts::AlertStateName(alert.state)));
+      event.set_to_state(std::string(alerts::AlertStateName(alert.state)));
+      event.set_step(alert.firing_step >= 0 ? alert.firing_step : alert.first_step);
+      subscriber(event);
+    }
+  }
+  const uint64_t id = next_watcher_++;
+  watchers_.emplace(id, Watcher{run, std::move(subscriber)});
+  return id;
+}
+
+void AlertHub::SetEventLog(std::function<void(const v1::AlertEvent&)> log) {
+  std::lock_guard<std::mutex> lock(mu_);
+  event_log_ = std::move(log);
+}
+
+namespace {
+constexpr std::string_view kHubStateMagic = "FSHKHUB";
+constexpr uint32_t kHubStateVersion = 1;
+}  // namespace
+
+std::string AlertHub::SaveState() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  codec::StateWriter out;
+  out.PutHeader(kHubStateMagic, kHubStateVersion);
+  out.PutBytes(engine_.SaveState());
+  out.PutU64(times_.size());
+  for (const auto& [key, times] : times_) {
+    out.PutString(key);
+    out.PutI64(times.starts_ms);
+    out.PutI64(times.ends_ms);
+  }
+  out.PutU64(alerted_runs_.size());
+  for (const std::string& run : alerted_runs_) out.PutString(run);
+  return out.Take();
+}
+
+bool AlertHub::RestoreState(std::string_view bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  codec::StateReader in(bytes);
+  std::string engine_state;
+  uint64_t n = 0;
+  std::map<std::string, Times> times;
+  std::set<std::string> runs;
+  uint32_t version = 0;
+  bool ok = in.GetHeader(kHubStateMagic, kHubStateVersion, kHubStateVersion, version) &&
+            in.GetBytes(engine_state) && in.GetCount(n, 20);
+  for (uint64_t i = 0; ok && i < n; ++i) {
+    std::string key;
+    Times t;
+    ok = in.GetString(key) && in.GetI64(t.starts_ms) && in.GetI64(t.ends_ms);
+    if (ok) times.emplace(std::move(key), t);
+  }
+  ok = ok && in.GetCount(n, 4);
+  for (uint64_t i = 0; ok && i < n; ++i) {
+    std::string run;
+    ok = in.GetString(run);
+    if (ok) runs.insert(std::move(run));
+  }
+  if (!ok || !engine_.RestoreState(engine_state)) return false;
+  times_ = std::move(times);
+  alerted_runs_ = std::move(runs);
+  // The point counters are this process's (Prometheus counters restart at 0).
+  exported_ = engine_.counters();
+  // Announce what is active again: the gauge, and Alertmanager (re-sent from now on).
+  for (const alerts::Alert& alert : engine_.ActiveAlerts()) {
+    metrics_.alert_active
+        .Add({{"alertname", alert.alertname}, {"run", alert.run}, {"layer", alert.layer},
+              {"severity", alert.severity}})
+        .Set(alert.state == alerts::AlertState::kFiring ? 1.0 : 0.0);
+    if (notifier_ && alert.state == alerts::AlertState::kFiring) {
+      AlertmanagerAlert out;
+      out.labels = alert.Labels();
+      out.annotations = alert.Annotations();
+      out.starts_at_ms = times_[AlertKey(alert)].starts_ms;
+      notifier_->Notify(std::move(out));
+    }
+  }
+  return true;
+}
+
+void AlertHub::Unsubscribe(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  watchers_.erase(id);
+}
+
+}  // namespace foreshock::server

@@ -1,0 +1,958 @@
+#include "server/ingest/ingest_service.h"
+
+#include <grpcpp/support/proto_buffer_reader.h>
+#include <grpcpp/support/proto_buffer_writer.h>
+
+#include <chrono>
+#include <deque>
+#include <mutex>
+#include <optional>
+
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace foreshock::server {
+
+namespace v1 = foreshock::v1;
+
+namespace {
+
+// A message that is not a parseable StreamRequest (with the typed API gRPC
+// would end such a stream itself). Counted like the codes in validation.h.
+constexpr char kMalformedRequest[] = "malformed_request";
+
+int64_t NowUnixMicros() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+// One stream's state machine. Reads are issued one at a time; a Batch whose
+// samples do not fit the admission budget leaves the stream parked (no read
+// outstanding) until a worker frees room, which is what pushes back on the
+// client. A batch is acknowledged only once every accepted sample in it has
+// been processed and its points appended to the store (durable as --fsync
+// says): an Ack means the data is safe. Acks go out in seq order through a
+// small queue, since gRPC allows one outstanding write per stream; the stream
+// does not finish while a batch of it is still being processed.
+//
+// Messages travel as raw ByteBuffers: each one is recorded as received (with
+// --record_dir), then parsed here.
+class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  // `tenant`: the --max_streams_per_tenant slot the stream already holds
+  // (with --token_file, taken when the stream opened); empty: none yet.
+  IngestReactor(IngestService& service, grpc::CallbackServerContext* context, uint64_t session,
+                AccessCheck access = {}, std::string tenant = {})
+      : service_(service),
+        call_(context),
+        session_(session),
+        access_(std::move(access)),
+        tenant_(std::move(tenant)) {
+    service_.metrics_.ingest_streams_total.Add({}).Increment();
+    service_.metrics_.ingest_active_streams.Add({}).Increment();
+    last_activity_ = std::chrono::steady_clock::now();
+    service_.WatchStream(this);
+    StartRead(&received_);
+  }
+
+  // The watchdog thread, with the service's watch_mu_ held (so OnDone cannot
+  // delete this meanwhile): ends the stream with DEADLINE_EXCEEDED when its
+  // first message is overdue (--hello_timeout_ms), or when after the Hello it
+  // has sent nothing for --stream_idle_timeout_ms while nothing of it is in
+  // progress (a parked batch or one being processed keeps it alive: the wait
+  // is the daemon's, and the idle time counts from its Ack). Returns when to
+  // look again; nullopt: no more (it ended, is ending, or no timeout applies).
+  std::optional<std::chrono::steady_clock::time_point> CheckSilence(
+      std::chrono::steady_clock::time_point now) {
+    const IngestLimits& limits = service_.limits_;
+    std::optional<grpc::Status> finish;
+    bool cancel = false;
+    std::string_view code;
+    std::string detail;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finished_ || finish_status_) return std::nullopt;
+      if (!first_message_seen_) {
+        if (limits.hello_timeout.count() <= 0) {  // only the idle timeout, after the Hello
+          return now + limits.stream_idle_timeout;
+        }
+        const auto deadline = last_activity_ + limits.hello_timeout;
+        if (now < deadline) return deadline;
+        code = reason::kHelloTimeout;
+        detail = absl::StrCat("no Hello within ", limits.hello_timeout.count(),
+                              " ms of opening the stream (--hello_timeout_ms)");
+      } else {
+        if (limits.stream_idle_timeout.count() <= 0) return std::nullopt;
+        if (parked_ || !unacked_.empty()) return now + limits.stream_idle_timeout;
+        const auto deadline = last_activity_ + limits.stream_idle_timeout;
+        if (now < deadline) return deadline;
+        code = reason::kStreamIdleTimeout;
+        detail = absl::StrCat(
+            "no message for ", limits.stream_idle_timeout.count(),
+            " ms (--stream_idle_timeout_ms); every batch of the stream was acknowledged, so "
+            "nothing is lost: open a new stream when there is data to send");
+      }
+      silence_expired_ = true;
+      reads_done_ = true;
+      finish_status_ = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                                    absl::StrCat(std::string(code), ": ", detail));
+      finish = TakeFinishLocked();
+      // Acks the client has not read (it stopped reading too): end it anyway.
+      cancel = !finish && !pending_writes_.empty();
+    }
+    service_.metrics_.CountRejection(code);
+    service_.LogRefusal(code, detail);
+    // The outstanding read then completes with ok=false.
+    if (finish) {
+      Finish(*finish);
+    } else if (cancel) {
+      call_->TryCancel();
+    }
+    return std::nullopt;
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // client half-closed, or the call is cancelled
+      std::lock_guard<std::mutex> lock(mu_);
+      reads_done_ = true;
+      if (!finish_status_) finish_status_ = grpc::Status::OK;
+      MaybeFinishLocked();
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // The watchdog already ended the stream: the message is not acked, so
+      // the client still has it (and resends it on its next stream).
+      if (silence_expired_) return;
+      first_message_seen_ = true;
+      last_activity_ = std::chrono::steady_clock::now();
+    }
+    const int64_t recv_unix_us = NowUnixMicros();
+    // Shares the slices with what is parsed below; no bytes are copied.
+    std::optional<grpc::ByteBuffer> raw;
+    if (service_.recorder_) raw.emplace(received_);
+    const size_t received_bytes = received_.Valid() ? received_.Length() : 0;
+    if (service_.limits_.max_message_bytes > 0 &&
+        static_cast<int64_t>(received_bytes) > service_.limits_.max_message_bytes) {
+      received_.Clear();
+      RefuseStream(reason::kMessageTooLarge,
+                   absl::StrCat("a message of ", received_bytes, " bytes; the limit is ",
+                                service_.limits_.max_message_bytes,
+                                " (--max_message_mb); send smaller batches"));
+      return;
+    }
+    grpc::Status parsed;
+    if (received_.Valid()) {
+      parsed = grpc::SerializationTraits<v1::StreamRequest>::Deserialize(&received_, &request_);
+    } else {
+      request_.Clear();  // a zero-length message: an empty StreamRequest
+    }
+    if (raw) RecordReceived(*raw, recv_unix_us, parsed.ok());
+    if (!parsed.ok()) {
+      FailStream(kMalformedRequest,
+                 absl::StrCat("the message is not a StreamRequest (", received_bytes,
+                              " bytes): not protobuf, or a string field (run_id, job, a "
+                              "label, probe_id) that is not valid UTF-8"));
+      return;
+    }
+    switch (request_.kind_case()) {
+      case v1::StreamRequest::kHello:
+        HandleHello();
+        break;
+      case v1::StreamRequest::kBatch:
+        HandleBatch();
+        break;
+      case v1::StreamRequest::KIND_NOT_SET:
+        FailStream(reason::kEmptyRequest, "StreamRequest carries neither hello nor batch");
+        break;
+    }
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_writes_.pop_front();
+    if (!ok) {  // the client is gone; nothing more will be delivered
+      pending_writes_.clear();
+      client_gone_ = true;
+      if (!finish_status_) finish_status_ = grpc::Status::CANCELLED;
+      reads_done_ = true;
+    }
+    if (!pending_writes_.empty()) {
+      StartWrite(&pending_writes_.front());
+      return;
+    }
+    MaybeFinishLocked();
+  }
+
+  void OnCancel() override {}
+
+  void OnDone() override {
+    service_.StreamDone(this);
+    if (recording_) service_.recorder_->Close(session_);
+    if (context_) service_.ReleaseRun(context_->run_id);
+    if (!tenant_.empty()) service_.ReleaseTenant(tenant_);
+    service_.metrics_.ingest_active_streams.Add({}).Decrement();
+    service_.open_streams_.fetch_sub(1);
+    delete this;
+  }
+
+ private:
+  // The first message names the file: run and rank from its Hello (a stream
+  // that starts otherwise is recorded too, as run "unknown").
+  void RecordReceived(const grpc::ByteBuffer& raw, int64_t recv_unix_us, bool parsed) {
+    StreamRecorder& recorder = *service_.recorder_;
+    const bool first = !recording_;
+    if (first) {
+      const bool hello = parsed && request_.kind_case() == v1::StreamRequest::kHello;
+      recorder.Open(session_, StreamRecorder::FileName(
+                                  recv_unix_us, hello ? request_.hello().run_id() : "",
+                                  hello ? request_.hello().rank() : -1, session_));
+      recording_ = true;
+    }
+    if (!recorder.Record(session_, raw, recv_unix_us, /*force=*/first) && !drop_logged_) {
+      drop_logged_ = true;
+      spdlog::warn("stream {}: the recorder is behind (--record_dir on a slow disk?); dropping "
+                   "messages from the recording of this stream",
+                   session_);
+    }
+  }
+
+  void HandleHello() {
+    if (context_) {
+      FailStream(reason::kDuplicateHello, "a stream sends exactly one Hello, first");
+      return;
+    }
+    if (auto rejection = ValidateHello(request_.hello(), service_.limits_)) {
+      FailStream(rejection->code, rejection->detail);
+      return;
+    }
+    // --token_file: the stream's token must grant ingest for the Hello's run.
+    if (absl::Status allowed = access_.Check(request_.hello().run_id(), Right::kIngest);
+        !allowed.ok()) {
+      DenyStream(allowed);
+      return;
+    }
+    // --max_streams_per_tenant without --token_file: the tenant is the run.
+    if (tenant_.empty() && service_.tenant_limit_ > 0 && service_.authorizer_ == nullptr) {
+      std::string tenant = absl::StrCat("run '", request_.hello().run_id(), "'");
+      if (!service_.AcquireTenant(tenant)) {
+        call_->AddTrailingMetadata("retry-after-ms",
+                                   std::to_string(IngestService::kRetryAfterMs));
+        RefuseStream(reason::kTooManyStreamsForTenant,
+                     absl::StrCat(tenant, " already has ", service_.tenant_limit_,
+                                  " ingest streams open (--max_streams_per_tenant; without "
+                                  "--token_file a tenant is a run_id); retry after ",
+                                  IngestService::kRetryAfterMs,
+                                  " ms (trailing metadata retry-after-ms)"));
+        return;
+      }
+      tenant_ = std::move(tenant);
+    }
+    if (!service_.AdmitRun(request_.hello().run_id())) {
+      RefuseStream(reason::kTooManyRuns,
+                   absl::StrCat("the daemon already serves ", service_.limits_.max_runs,
+                                " runs (--max_runs); run '", request_.hello().run_id(),
+                                "' is refused"));
+      return;
+    }
+    const v1::Hello& hello = request_.hello();
+    context_.emplace();
+    context_->run_id = hello.run_id();
+    context_->job = hello.job();
+    context_->rank = hello.rank();
+    context_->model = hello.model();
+    service_.on_hello_(hello);
+    // Hello.first_seq: seqs are per sender and resends are deduplicated.
+    dedup_ = service_.delivery_ != nullptr && hello.first_seq() > 0;
+    if (dedup_) {
+      sender_ = DeliveryTracker::Sender{hello.run_id(), hello.rank(), hello.sender_id()};
+      service_.delivery_->OnHello(sender_, hello.first_seq());
+    }
+    spdlog::info("stream {} opened: run={} job={} rank={}", session_, context_->run_id,
+                 context_->job, context_->rank);
+
+    v1::StreamResponse response;
+    response.mutable_hello_ack()->set_session_id(absl::StrCat("s", session_));
+    Write(response);
+    StartRead(&received_);
+  }
+
+  void HandleBatch() {
+    if (!context_) {
+      FailStream(reason::kBatchBeforeHello, "the first message of a stream must be a Hello");
+      return;
+    }
+    if (service_.memory_ != nullptr && service_.memory_->over_limit()) {
+      // Not acked: the client keeps the batch and resends it after the hint.
+      request_.Clear();
+      call_->AddTrailingMetadata("retry-after-ms", std::to_string(IngestService::kRetryAfterMs));
+      RefuseStream(reason::kMemoryLimit,
+                    absl::StrCat(service_.MemoryLimitDetail(), "; retry after ",
+                                 IngestService::kRetryAfterMs,
+                                 " ms (trailing metadata retry-after-ms)"));
+      return;
+    }
+    if (service_.store_ != nullptr) {
+      if (absl::Status health = service_.store_->WriteHealth(); !health.ok()) {
+        // Not processed, not acked: the client resends it after the hint.
+        request_.Clear();
+        RefuseForStore(health);
+        return;
+      }
+    }
+    DaemonMetrics& metrics = service_.metrics_;
+    v1::Batch& batch = *request_.mutable_batch();
+    metrics.ingest_bytes_total.Add({}).Increment(static_cast<double>(batch.ByteSizeLong()));
+
+    ack_ = v1::StreamResponse();
+    v1::Ack& ack = *ack_.mutable_ack();
+    ack.set_seq(batch.seq());
+    items_.clear();
+    size_t bytes = 0;
+
+    if (last_seq_ && batch.seq() <= *last_seq_) {
+      const std::string detail =
+          absl::StrCat("batch seq ", batch.seq(), " is not above the previous ", *last_seq_);
+      for (int i = 0; i < batch.records_size(); ++i) {
+        auto* rejection = ack.add_rejections();
+        rejection->set_index(i);
+        rejection->set_reason(absl::StrCat(reason::kNonIncreasingSeq, ": ", detail));
+      }
+      metrics.CountRejection(reason::kNonIncreasingSeq, std::max(1, batch.records_size()));
+    } else if (last_seq_ = batch.seq(); dedup_ && BeginDedup(batch)) {
+      // A resend of a batch already stored (or being stored): acked, not stored again.
+    } else {
+      bool raised_max_step = false;  // run_max_step_ grew: tell the service once
+      for (int i = 0; i < batch.records_size(); ++i) {
+        WorkItem item;
+        auto rejection = ValidateRecord(*batch.mutable_records(i), *context_, service_.limits_,
+                                        item.sample);
+        if (!rejection) rejection = CheckStep(item.sample.step);
+        if (!rejection) rejection = CheckProbeId(item.sample);
+        if (rejection) {
+          auto* r = ack.add_rejections();
+          r->set_index(i);
+          r->set_reason(rejection->ToString());
+          metrics.CountRejection(rejection->code);
+          continue;
+        }
+        if (item.sample.step > run_max_step_) {
+          run_max_step_ = item.sample.step;
+          raised_max_step = true;
+        }
+        metrics.records_accepted(item.sample.kind()).Increment();
+        item.bytes = SampleBytes(item.sample);
+        bytes += item.bytes;
+        items_.push_back(std::move(item));
+      }
+      if (raised_max_step) service_.NoteStep(context_->run_id, run_max_step_);
+    }
+    ack.set_accepted(static_cast<uint32_t>(items_.size()));
+    request_.Clear();
+
+    if (items_.empty()) {
+      Admitted();
+      return;
+    }
+    batch_bytes_ = bytes;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      parked_ = true;
+    }
+    // Counted as waiting first: a worker may resume the stream (and decrement)
+    // before Acquire even returns.
+    metrics.streams_waiting_for_queue.Add({}).Increment();
+    if (service_.gate_.Acquire(bytes, [this] { Resume(); })) {
+      metrics.streams_waiting_for_queue.Add({}).Decrement();
+      Admitted();
+    }
+  }
+
+  // --max_step_jump: a step more than that beyond the run's highest accepted
+  // step (0 before the first) is refused, so that one corrupt step cannot
+  // become the run's last and make every real later step look stale. The
+  // stream's own view of the run's highest step is a lower bound; the
+  // service is asked only when a step looks too far ahead of it.
+  std::optional<Rejection> CheckStep(int64_t step) {
+    const int64_t jump = service_.limits_.max_step_jump;
+    if (jump <= 0) return std::nullopt;
+    // step >= 0 (negative_step is checked first): no overflow.
+    auto too_far = [&] { return step - std::max<int64_t>(run_max_step_, 0) > jump; };
+    if (!too_far()) return std::nullopt;
+    run_max_step_ = std::max(run_max_step_, service_.RunMaxStep(context_->run_id));
+    if (!too_far()) return std::nullopt;
+    return Rejection{reason::kStepOutOfRange,
+                     absl::StrCat("step ", step, " is more than ", jump,
+                                  " beyond the highest step accepted for run '",
+                                  context_->run_id, "' (", std::max<int64_t>(run_max_step_, 0),
+                                  "; --max_step_jump): a corrupt step or a counter that is not "
+                                  "the training step")};
+  }
+
+  // --max_probe_ids_per_run; this stream remembers the probe_ids it got
+  // admitted, so the service's lock is taken once per new one.
+  std::optional<Rejection> CheckProbeId(const detectors::Sample& sample) {
+    const std::string* probe_id = nullptr;
+    if (const auto* qk = std::get_if<detectors::QKSample>(&sample.payload)) probe_id = &qk->probe_id;
+    if (const auto* r = std::get_if<detectors::RouterSample>(&sample.payload)) probe_id = &r->probe_id;
+    if (probe_id == nullptr || admitted_probe_ids_.count(*probe_id)) return std::nullopt;
+    if (!service_.AdmitProbeId(context_->run_id, *probe_id)) {
+      return Rejection{reason::kTooManyProbeIds,
+                       absl::StrCat("run '", context_->run_id, "' already uses ",
+                                    service_.limits_.max_probe_ids_per_run,
+                                    " probe_ids (--max_probe_ids_per_run); a probe_id names a "
+                                    "fixed probe batch, not a step")};
+    }
+    admitted_probe_ids_.insert(*probe_id);
+    return std::nullopt;
+  }
+
+  // Called from the worker thread that freed room for this parked stream.
+  void Resume() {
+    service_.metrics_.streams_waiting_for_queue.Add({}).Decrement();
+    Admitted();
+  }
+
+  // For a dedup stream: true when the batch is a resend (Admitted queues its
+  // ack, done once the batch is stored), false when it is new.
+  bool BeginDedup(const v1::Batch& batch) {
+    auto wait = std::make_shared<DuplicateWait>();
+    const auto admission = service_.delivery_->Begin(
+        sender_, batch.seq(), [this, wait](bool committed) {
+          std::optional<uint64_t> ticket;
+          {
+            std::lock_guard<std::mutex> lock(wait->mu);
+            wait->settled = true;
+            wait->committed = committed;
+            ticket = wait->ticket;
+          }
+          if (ticket) AckDone(*ticket, wait->Outcome());
+        });
+    if (admission == DeliveryTracker::Admission::kNew) {
+      dedup_seq_ = batch.seq();
+      return false;
+    }
+    service_.metrics_.ingest_duplicate_batches_total.Add({}).Increment();
+    if (admission == DeliveryTracker::Admission::kDuplicate) wait->settled = true;
+    duplicate_ = wait;
+    duplicate_records_ = static_cast<uint32_t>(batch.records_size());
+    return true;
+  }
+
+  void Admitted() {
+    if (duplicate_) {  // a resend: acked once the first copy is stored
+      std::shared_ptr<DuplicateWait> wait = std::exchange(duplicate_, nullptr);
+      ack_.mutable_ack()->set_duplicates(duplicate_records_);
+      const uint64_t ticket = QueueAck(std::move(ack_), /*done=*/false);
+      bool settled = false;
+      {
+        std::lock_guard<std::mutex> lock(wait->mu);
+        wait->ticket = ticket;
+        settled = wait->settled;
+      }
+      if (settled) AckDone(ticket, wait->Outcome());
+      FinishAdmission();
+      return;
+    }
+    if (dedup_ && dedup_seq_) {
+      // Dedup: the batch's points and its mark are stored together, then acked.
+      const uint64_t seq = *std::exchange(dedup_seq_, std::nullopt);
+      const uint64_t ticket = QueueAck(std::move(ack_), /*done=*/false);
+      DeliveryTracker* delivery = service_.delivery_;
+      if (items_.empty()) {
+        AckDone(ticket, delivery->Commit(sender_, seq, {}));
+      } else {
+        auto completion = std::make_shared<BatchCompletion>(static_cast<int>(items_.size()),
+                                                            std::function<void()>());
+        completion->collect_points = true;
+        completion->done = [this, ticket, seq, delivery, c = completion.get()] {
+          std::vector<KeyedPoint> points;
+          {
+            std::lock_guard<std::mutex> lock(c->points_mu);
+            points.swap(c->points);
+          }
+          // A sample whose points could not be collected failed already.
+          absl::Status stored = c->Failure();
+          if (stored.ok()) {
+            stored = delivery->Commit(sender_, seq, points);
+          } else {
+            delivery->Abort(sender_, seq);
+          }
+          AckDone(ticket, stored);
+        };
+        for (WorkItem& item : items_) item.completion = completion;
+        service_.pool_.Dispatch(std::move(items_));
+        items_.clear();
+      }
+      FinishAdmission();
+      return;
+    }
+    const uint64_t ticket = QueueAck(std::move(ack_), /*done=*/items_.empty());
+    if (!items_.empty()) {
+      // The last worker to finish one of the batch's samples releases its ack.
+      auto completion = std::make_shared<BatchCompletion>(static_cast<int>(items_.size()),
+                                                          std::function<void()>());
+      completion->done = [this, ticket, c = completion.get()] { AckDone(ticket, c->Failure()); };
+      for (WorkItem& item : items_) item.completion = completion;
+      service_.pool_.Dispatch(std::move(items_));
+      items_.clear();
+    }
+    FinishAdmission();
+  }
+
+  void FinishAdmission() {
+    std::optional<grpc::Status> finish;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      parked_ = false;
+      if (finish_status_) {  // the client went away while this stream was parked
+        finish = TakeFinishLocked();
+        if (!finish) return;  // another thread finishes it; `this` may be gone after unlock
+      }
+    }
+    if (finish) {
+      Finish(*finish);
+      return;
+    }
+    StartRead(&received_);
+  }
+
+  // For code on worker threads: decides under the lock whether this thread
+  // finishes the stream; the caller then calls Finish after unlocking and must
+  // not touch the reactor otherwise, since once the lock is released another
+  // thread may finish it and OnDone delete it.
+  std::optional<grpc::Status> TakeFinishLocked() {
+    if (!ReadyToFinishLocked()) return std::nullopt;
+    finished_ = true;
+    return *finish_status_;
+  }
+
+  // Acks wait here, in the order of their batches, until they are done.
+  uint64_t QueueAck(v1::StreamResponse ack, bool done) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const uint64_t ticket = next_ticket_++;
+    unacked_.push_back(PendingAck{ticket, std::move(ack), done});
+    if (done) FlushAcksLocked();
+    return ticket;
+  }
+
+  // Called on a worker thread when the batch's last sample is stored, or
+  // (`stored` not OK) when the store refused its points.
+  void AckDone(uint64_t ticket, absl::Status stored = absl::OkStatus()) {
+    std::optional<grpc::Status> finish;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (PendingAck& pending : unacked_) {
+        if (pending.ticket == ticket) {
+          pending.done = true;
+          pending.stored = std::move(stored);
+        }
+      }
+      FlushAcksLocked();
+      finish = TakeFinishLocked();
+    }
+    if (finish) Finish(*finish);
+  }
+
+  // Acks go out in order. A batch the store refused is never acked: the
+  // stream ends there (RESOURCE_EXHAUSTED disk_full or UNAVAILABLE
+  // store_unavailable, retry-after-ms) and no later ack goes out, so the
+  // client resends everything from it on.
+  void FlushAcksLocked() {
+    while (!unacked_.empty() && unacked_.front().done) {
+      PendingAck& front = unacked_.front();
+      if (!front.stored.ok() && !store_refused_) {
+        store_refused_ = true;
+        const bool full = front.stored.code() == absl::StatusCode::kResourceExhausted;
+        const char* code = full ? reason::kDiskFull : reason::kStoreUnavailable;
+        const std::string detail = StoreRefusalDetail(front.stored);
+        service_.metrics_.CountRejection(code, std::max<int>(1, front.response.ack().accepted()));
+        service_.LogRefusal(code, detail);
+        if (!finished_) {
+          call_->AddTrailingMetadata("retry-after-ms", std::to_string(IngestService::kRetryAfterMs));
+        }
+        reads_done_ = true;
+        finish_status_ = grpc::Status(
+            full ? grpc::StatusCode::RESOURCE_EXHAUSTED : grpc::StatusCode::UNAVAILABLE,
+            absl::StrCat(code, ": ", detail));
+      }
+      if (!store_refused_) WriteLocked(front.response);
+      unacked_.pop_front();
+    }
+  }
+
+  static std::string StoreRefusalDetail(const absl::Status& status) {
+    return absl::StrCat("the daemon could not store the batch (", status.message(),
+                        "); not acknowledged, retry after ", IngestService::kRetryAfterMs,
+                        " ms (trailing metadata retry-after-ms)");
+  }
+
+  // Before processing: the store is failing, so the batch is refused now.
+  void RefuseForStore(const absl::Status& health) {
+    const bool full = health.code() == absl::StatusCode::kResourceExhausted;
+    const char* code = full ? reason::kDiskFull : reason::kStoreUnavailable;
+    const std::string detail = StoreRefusalDetail(health);
+    service_.metrics_.CountRejection(code);
+    service_.LogRefusal(code, detail);
+    call_->AddTrailingMetadata("retry-after-ms", std::to_string(IngestService::kRetryAfterMs));
+    std::lock_guard<std::mutex> lock(mu_);
+    reads_done_ = true;
+    finish_status_ = grpc::Status(
+        full ? grpc::StatusCode::RESOURCE_EXHAUSTED : grpc::StatusCode::UNAVAILABLE,
+        absl::StrCat(code, ": ", detail));
+    MaybeFinishLocked();
+  }
+
+  // Ends the stream with INVALID_ARGUMENT once queued acks are written.
+  void FailStream(std::string_view code, const std::string& detail) {
+    service_.metrics_.CountRejection(code);
+    spdlog::warn("stream {} rejected: {}: {}", session_, code, detail);
+    std::lock_guard<std::mutex> lock(mu_);
+    reads_done_ = true;
+    finish_status_ = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(code) + ": " + detail);
+    MaybeFinishLocked();
+  }
+
+  // Ends the stream with UNAUTHENTICATED or PERMISSION_DENIED (counted by
+  // AccessCheck). The log names the grant, never the token.
+  void DenyStream(const absl::Status& status) {
+    spdlog::warn("stream {} refused ({}): {}", session_, access_.name(),
+                 std::string(status.message()));
+    std::lock_guard<std::mutex> lock(mu_);
+    reads_done_ = true;
+    finish_status_ = grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                                  std::string(status.message()));
+    MaybeFinishLocked();
+  }
+
+  // Ends the stream with RESOURCE_EXHAUSTED (a limit, not a bad client).
+  void RefuseStream(std::string_view code, const std::string& detail) {
+    service_.metrics_.CountRejection(code);
+    service_.LogRefusal(code, detail);
+    std::lock_guard<std::mutex> lock(mu_);
+    reads_done_ = true;
+    finish_status_ =
+        grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, std::string(code) + ": " + detail);
+    MaybeFinishLocked();
+  }
+
+  void Write(const v1::StreamResponse& response) {
+    std::lock_guard<std::mutex> lock(mu_);
+    WriteLocked(response);
+  }
+
+  void WriteLocked(const v1::StreamResponse& response) {
+    last_activity_ = std::chrono::steady_clock::now();  // --stream_idle_timeout_ms counts from here
+    // Acks of accepted batches still go out after a rejection ends the stream
+    // (the client learns what was stored); nothing does once the client is gone.
+    if (finished_ || client_gone_) return;
+    grpc::ByteBuffer bytes;
+    bool own_buffer = false;
+    grpc::SerializationTraits<v1::StreamResponse>::Serialize(response, &bytes, &own_buffer);
+    pending_writes_.push_back(std::move(bytes));
+    if (pending_writes_.size() == 1) StartWrite(&pending_writes_.front());
+  }
+
+  bool ReadyToFinishLocked() const {
+    return !finished_ && reads_done_ && !parked_ && unacked_.empty() && pending_writes_.empty() &&
+           finish_status_.has_value();
+  }
+
+  // Only from gRPC reactions (OnReadDone, OnWriteDone): OnDone cannot run
+  // before they return.
+  void MaybeFinishLocked() {
+    if (!ReadyToFinishLocked()) return;
+    finished_ = true;
+    Finish(*finish_status_);
+  }
+
+  IngestService& service_;
+  grpc::CallbackServerContext* const call_;
+  const uint64_t session_;
+  const AccessCheck access_;
+  std::string tenant_;  // the --max_streams_per_tenant slot held; empty: none
+  grpc::ByteBuffer received_;
+  v1::StreamRequest request_;
+  bool recording_ = false;    // the recorder has a file for this stream
+  bool drop_logged_ = false;  // a dropped recording frame was logged
+  std::optional<StreamContext> context_;
+  std::unordered_set<std::string> admitted_probe_ids_;  // --max_probe_ids_per_run
+  std::optional<uint64_t> last_seq_;
+  int64_t run_max_step_ = -1;  // --max_step_jump: the run's highest step as this stream knows it
+  bool dedup_ = false;                 // Hello.first_seq: resends are deduplicated
+  DeliveryTracker::Sender sender_;     // with dedup_: whose seqs these are
+  std::optional<uint64_t> dedup_seq_;  // the new batch in progress of a dedup stream
+  struct DuplicateWait {
+    // Acked as a duplicate only if the first copy was stored.
+    absl::Status Outcome() {
+      std::lock_guard<std::mutex> lock(mu);
+      return committed ? absl::OkStatus()
+                       : absl::UnavailableError("the first copy of this batch was not stored");
+    }
+    std::mutex mu;
+    bool committed = true;            // false: the first copy's store write failed
+    bool settled = false;             // the first copy is stored
+    std::optional<uint64_t> ticket;   // the resend's queued ack
+  };
+  std::shared_ptr<DuplicateWait> duplicate_;  // the batch in progress is a resend
+  uint32_t duplicate_records_ = 0;
+
+  // The batch in progress (only one: the next read starts after admission).
+  std::vector<WorkItem> items_;
+  size_t batch_bytes_ = 0;
+  v1::StreamResponse ack_;
+
+  std::mutex mu_;  // guards what follows; reactor callbacks may run concurrently
+  std::deque<grpc::ByteBuffer> pending_writes_;
+  struct PendingAck {
+    uint64_t ticket;
+    v1::StreamResponse response;
+    bool done;
+    absl::Status stored = absl::OkStatus();  // not OK: the store refused the batch
+  };
+  std::deque<PendingAck> unacked_;  // acks of batches still being processed, in order
+  uint64_t next_ticket_ = 0;
+  bool client_gone_ = false;
+  bool store_refused_ = false;  // a batch was not stored: no more acks
+  std::optional<grpc::Status> finish_status_;
+  bool reads_done_ = false;
+  bool first_message_seen_ = false;  // the Hello (or what came instead) arrived
+  bool silence_expired_ = false;     // the watchdog ended this stream
+  // Opening, the latest message received or response written: silence counts from here.
+  std::chrono::steady_clock::time_point last_activity_;
+  bool parked_ = false;
+  bool finished_ = false;
+};
+
+IngestService::IngestService(const IngestLimits& limits, AdmissionGate& gate, WorkerPool& pool,
+                             DaemonMetrics& metrics, HelloObserver on_hello,
+                             std::string record_dir)
+    : limits_(limits),
+      gate_(gate),
+      pool_(pool),
+      metrics_(metrics),
+      on_hello_(std::move(on_hello)),
+      tenant_limit_(TenantStreamLimit(limits)) {
+  if (!record_dir.empty()) {
+    StreamRecorderOptions options;
+    options.dir = std::move(record_dir);
+    recorder_ = std::make_unique<StreamRecorder>(std::move(options), metrics_);
+  }
+}
+
+IngestService::~IngestService() {
+  {
+    std::lock_guard<std::mutex> lock(watch_mu_);
+    stop_watchdog_ = true;
+  }
+  watchdog_cv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+}
+
+namespace {
+bool WatchesSilence(const IngestLimits& limits) {
+  return limits.hello_timeout.count() > 0 || limits.stream_idle_timeout.count() > 0;
+}
+}  // namespace
+
+void IngestService::WatchStream(IngestReactor* stream) {
+  if (!WatchesSilence(limits_)) return;
+  std::lock_guard<std::mutex> lock(watch_mu_);
+  // Checked on the watchdog's next round, which works out the real deadline.
+  watched_[stream] = std::chrono::steady_clock::now();
+  if (!watchdog_.joinable()) watchdog_ = std::thread([this] { SilenceWatchdog(); });
+}
+
+void IngestService::StreamDone(IngestReactor* stream) {
+  if (!WatchesSilence(limits_)) return;
+  std::lock_guard<std::mutex> lock(watch_mu_);
+  watched_.erase(stream);
+}
+
+void IngestService::SilenceWatchdog() {
+  std::unique_lock<std::mutex> lock(watch_mu_);
+  // A quarter of the shortest timeout, at most a second: a stream ends at
+  // most that much after its deadline.
+  std::chrono::steady_clock::duration shortest = std::chrono::seconds(4);
+  for (auto timeout : {limits_.hello_timeout, limits_.stream_idle_timeout}) {
+    if (timeout.count() > 0) shortest = std::min<std::chrono::steady_clock::duration>(shortest, timeout);
+  }
+  const auto period = shortest / 4 + std::chrono::milliseconds(1);
+  while (!watchdog_cv_.wait_for(lock, period, [this] { return stop_watchdog_; })) {
+    const auto now = std::chrono::steady_clock::now();
+    for (auto it = watched_.begin(); it != watched_.end();) {
+      if (now < it->second) {
+        ++it;
+        continue;
+      }
+      if (auto next = it->first->CheckSilence(now)) {
+        it->second = *next;
+        ++it;
+      } else {
+        it = watched_.erase(it);
+      }
+    }
+  }
+}
+
+namespace {
+// A stream refused before it starts: it only finishes.
+class RefusedReactor final
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  explicit RefusedReactor(grpc::Status status) { Finish(std::move(status)); }
+  void OnDone() override { delete this; }
+};
+}  // namespace
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::RefuseStream(
+    grpc::CallbackServerContext* context, std::string_view code, const std::string& detail) {
+  metrics_.CountRejection(code);
+  LogRefusal(code, detail);
+  context->AddTrailingMetadata("retry-after-ms", std::to_string(kRetryAfterMs));
+  return new RefusedReactor(grpc::Status(
+      grpc::StatusCode::RESOURCE_EXHAUSTED,
+      absl::StrCat(std::string(code), ": ", detail,
+                   absl::StrCat("; retry after ", kRetryAfterMs,
+                                " ms (trailing metadata retry-after-ms)"))));
+}
+
+void IngestService::LogRefusal(std::string_view code, const std::string& detail) {
+  const uint64_t refused = refused_streams_.fetch_add(1) + 1;
+  if (refused == 1 || refused % 1000 == 0) {  // a flood of them must not flood the log
+    spdlog::warn("{} ingest stream(s) refused so far; the latest: {}: {}", refused,
+                 std::string(code), detail);
+  }
+}
+
+std::string IngestService::MemoryLimitDetail() const {
+  return absl::StrCat("the daemon's resident memory (", memory_->resident_bytes() >> 20,
+                      " MiB) reached --max_memory_mb=", memory_->limit_bytes() >> 20,
+                      "; ingest resumes below ",
+                      memory_->resume_bytes() >> 20,
+                      " MiB");
+}
+
+bool IngestService::AdmitRun(const std::string& run_id) {
+  std::lock_guard<std::mutex> lock(runs_mu_);
+  const auto now = std::chrono::steady_clock::now();
+  if (auto it = runs_.find(run_id); it != runs_.end()) {
+    ++it->second.open_streams;
+    it->second.last_seen = now;
+    return true;
+  }
+  if (limits_.max_runs > 0 && static_cast<int64_t>(runs_.size()) >= limits_.max_runs) {
+    // Finished runs free their slot once idle for kIdleRunRelease.
+    std::erase_if(runs_, [&](const auto& entry) {
+      return entry.second.open_streams == 0 && now - entry.second.last_seen > kIdleRunRelease;
+    });
+    if (static_cast<int64_t>(runs_.size()) >= limits_.max_runs) return false;
+  }
+  runs_[run_id] = RunSlot{1, now, {}};
+  return true;
+}
+
+void IngestService::ReleaseRun(const std::string& run_id) {
+  std::lock_guard<std::mutex> lock(runs_mu_);
+  if (auto it = runs_.find(run_id); it != runs_.end()) {
+    it->second.open_streams = std::max(0, it->second.open_streams - 1);
+    it->second.last_seen = std::chrono::steady_clock::now();
+  }
+}
+
+bool IngestService::AdmitProbeId(const std::string& run_id, const std::string& probe_id) {
+  if (limits_.max_probe_ids_per_run <= 0) return true;
+  std::lock_guard<std::mutex> lock(runs_mu_);
+  std::unordered_set<std::string>& ids = runs_[run_id].probe_ids;
+  if (ids.count(probe_id)) return true;
+  if (static_cast<int64_t>(ids.size()) >= limits_.max_probe_ids_per_run) return false;
+  ids.insert(probe_id);
+  return true;
+}
+
+void IngestService::NoteKnownRun(const std::string& run_id, int64_t last_step) {
+  std::lock_guard<std::mutex> lock(runs_mu_);
+  auto [it, _] = runs_.try_emplace(run_id, RunSlot{0, std::chrono::steady_clock::now(), {}});
+  it->second.max_step = std::max(it->second.max_step, last_step);
+}
+
+int64_t IngestService::RunMaxStep(const std::string& run_id) {
+  std::lock_guard<std::mutex> lock(runs_mu_);
+  auto it = runs_.find(run_id);
+  return it == runs_.end() ? -1 : it->second.max_step;
+}
+
+void IngestService::NoteStep(const std::string& run_id, int64_t step) {
+  std::lock_guard<std::mutex> lock(runs_mu_);
+  int64_t& max_step = runs_[run_id].max_step;
+  max_step = std::max(max_step, step);
+}
+
+bool IngestService::AcquireTenant(const std::string& tenant) {
+  if (tenant_limit_ <= 0) return true;
+  std::lock_guard<std::mutex> lock(tenants_mu_);
+  int64_t& open = tenant_streams_[tenant];
+  if (open >= tenant_limit_) {
+    if (open == 0) tenant_streams_.erase(tenant);
+    return false;
+  }
+  ++open;
+  return true;
+}
+
+void IngestService::ReleaseTenant(const std::string& tenant) {
+  if (tenant_limit_ <= 0) return;
+  std::lock_guard<std::mutex> lock(tenants_mu_);
+  auto it = tenant_streams_.find(tenant);
+  if (it != tenant_streams_.end() && --it->second <= 0) tenant_streams_.erase(it);
+}
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::Stream(
+    grpc::CallbackServerContext* context) {
+  // Callers without a valid token are turned away before they take a slot.
+  std::optional<AccessCheck> access;
+  if (authorizer_ != nullptr) {
+    const auto& metadata = context->client_metadata();
+    auto it = metadata.find("authorization");
+    access.emplace(authorizer_, auth_metrics_, "grpc_ingest",
+                   it == metadata.end() ? std::string_view()
+                                        : std::string_view(it->second.data(), it->second.size()));
+    if (const absl::Status& status = access->authenticated(); !status.ok()) {
+      access->CountUnauthenticated();
+      LogRefusal("unauthenticated", std::string(status.message()));
+      return new RefusedReactor(
+          grpc::Status(grpc::StatusCode::UNAUTHENTICATED, std::string(status.message())));
+    }
+  }
+  if (memory_ != nullptr && memory_->over_limit()) {
+    return RefuseStream(context, reason::kMemoryLimit, MemoryLimitDetail());
+  }
+  // --max_streams_per_tenant with --token_file: the tenant is the token, so
+  // that one tenant's streams (silent ones too) cannot take every slot.
+  std::string tenant;
+  if (access && tenant_limit_ > 0) {
+    tenant = absl::StrCat("token ", access->name());
+    if (!AcquireTenant(tenant)) {
+      return RefuseStream(context, reason::kTooManyStreamsForTenant,
+                          absl::StrCat(tenant, " already has ", tenant_limit_,
+                                       " ingest streams open (--max_streams_per_tenant)"));
+    }
+  }
+  if (const int64_t open = open_streams_.fetch_add(1);
+      limits_.max_streams > 0 && open >= limits_.max_streams) {
+    open_streams_.fetch_sub(1);
+    if (!tenant.empty()) ReleaseTenant(tenant);
+    return RefuseStream(context, reason::kTooManyStreams,
+                        absl::StrCat(limits_.max_streams,
+                                     " ingest streams are open (--max_streams)"));
+  }
+  if (!access) return new IngestReactor(*this, context, next_session_.fetch_add(1));
+  return new IngestReactor(*this, context, next_session_.fetch_add(1), *std::move(access),
+                           std::move(tenant));
+}
+
+}  // namespace foreshock::server

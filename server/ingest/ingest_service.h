@@ -1,0 +1,143 @@
+// foreshock.v1.Ingest: one bidirectional stream per training rank, served
+// with gRPC's callback API. The service validates, admits and dispatches;
+// it computes nothing.
+//
+// The method is served raw (grpc::ByteBuffer in and out; the service parses
+// and serializes the messages itself, as gRPC would), so that --record_dir
+// can record every StreamRequest exactly as it arrived, without a copy.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <thread>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "foreshock/v1/ingest.grpc.pb.h"
+#include "server/ingest/admission.h"
+#include "server/ingest/delivery.h"
+#include "server/ingest/memory_guard.h"
+#include "server/security/auth.h"
+#include "server/metrics.h"
+#include "server/ingest/stream_recorder.h"
+#include "server/ingest/validation.h"
+#include "server/pipeline/worker_pool.h"
+
+namespace foreshock::server {
+
+class IngestReactor;
+
+// Called once per accepted Hello (run registry, run_info metric).
+using HelloObserver = std::function<void(const foreshock::v1::Hello&)>;
+
+class IngestService final
+    : public foreshock::v1::Ingest::WithRawCallbackMethod_Stream<foreshock::v1::Ingest::Service> {
+ public:
+  // With a non-empty `record_dir`, every stream is recorded there
+  // (server/ingest/stream_recorder.h).
+  IngestService(const IngestLimits& limits, AdmissionGate& gate, WorkerPool& pool,
+                DaemonMetrics& metrics, HelloObserver on_hello, std::string record_dir = "");
+  ~IngestService() override;
+
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Stream(
+      grpc::CallbackServerContext* context) override;
+
+  // --token_file: every Hello must carry a token granting ingest for its run.
+  // Call before the server starts. Null: no authorization.
+  void SetAuthorizer(const Authorizer* authorizer, AuthMetrics* metrics) {
+    authorizer_ = authorizer;
+    auth_metrics_ = metrics;
+  }
+
+  // A run the daemon already has (recovered from its data directory): it
+  // counts toward --max_runs, and its Hellos are always admitted. Its
+  // `last_step` (-1: none) is where --max_step_jump counts from.
+  void NoteKnownRun(const std::string& run_id, int64_t last_step = -1);
+
+  // --max_memory_mb: at the bound new streams and batches are refused
+  // (RESOURCE_EXHAUSTED memory_limit, retry-after-ms). Call before the server
+  // starts. Null: no bound.
+  void SetMemoryGuard(const MemoryGuard* guard) { memory_ = guard; }
+
+  // Null unless recording.
+  StreamRecorder* recorder() { return recorder_.get(); }
+
+  // Deduplication of resent batches (server/ingest/delivery.h) for streams whose
+  // Hello has first_seq. Call before the server starts. Null: none.
+  void SetDeliveryTracker(DeliveryTracker* delivery) { delivery_ = delivery; }
+  // The store the batches' points go to: while it reports a write failure
+  // (SeriesStore::WriteHealth), batches are refused up front (disk_full or
+  // store_unavailable, retry-after-ms), and a batch whose points it refuses
+  // is never acknowledged.
+  void SetStore(const SeriesStore* store) { store_ = store; }
+
+ private:
+  friend class IngestReactor;
+  const IngestLimits limits_;
+  AdmissionGate& gate_;
+  WorkerPool& pool_;
+  DaemonMetrics& metrics_;
+  HelloObserver on_hello_;
+  std::unique_ptr<StreamRecorder> recorder_;  // null: streams are not recorded
+  std::atomic<uint64_t> next_session_{1};
+  // A stream refused before it starts, at a limit: RESOURCE_EXHAUSTED with
+  // "<code>: <detail>; retry after N ms" and trailing metadata retry-after-ms.
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* RefuseStream(
+      grpc::CallbackServerContext* context, std::string_view code, const std::string& detail);
+  static constexpr int kRetryAfterMs = 1000;
+  std::string MemoryLimitDetail() const;
+  // Refusals at limits come in floods: the first and every 1000th is logged.
+  void LogRefusal(std::string_view code, const std::string& detail);
+  bool AdmitRun(const std::string& run_id);  // false: a new run beyond --max_runs
+  void ReleaseRun(const std::string& run_id);  // its stream ended
+  // false: `probe_id` would be one more than --max_probe_ids_per_run for the run.
+  bool AdmitProbeId(const std::string& run_id, const std::string& probe_id);
+  // --max_step_jump: the highest step accepted for the run so far (-1: none),
+  // and raising it.
+  int64_t RunMaxStep(const std::string& run_id);
+  void NoteStep(const std::string& run_id, int64_t step);
+  // A run with no open stream for this long stops counting toward --max_runs,
+  // so that a long-lived sidecar keeps admitting new runs as old ones finish.
+  static constexpr std::chrono::hours kIdleRunRelease{24};
+  // --max_streams_per_tenant: takes one of `tenant`'s stream slots (false:
+  // it holds them all), and gives it back when the stream ends.
+  bool AcquireTenant(const std::string& tenant);
+  void ReleaseTenant(const std::string& tenant);
+  const int64_t tenant_limit_;  // TenantStreamLimit(limits_); 0: none
+  std::mutex tenants_mu_;
+  std::unordered_map<std::string, int64_t> tenant_streams_;  // open streams by tenant
+  // Silent streams: --hello_timeout_ms before the first message,
+  // --stream_idle_timeout_ms after the Hello. Every stream is watched (when
+  // either is set) until it ends; the watchdog thread asks each, when its
+  // deadline comes, whether it is overdue (IngestReactor::CheckSilence).
+  void WatchStream(IngestReactor* stream);
+  void StreamDone(IngestReactor* stream);
+  void SilenceWatchdog();
+  std::mutex watch_mu_;  // held while the watchdog checks a stream: OnDone waits
+  std::unordered_map<IngestReactor*, std::chrono::steady_clock::time_point> watched_;
+  std::condition_variable watchdog_cv_;
+  bool stop_watchdog_ = false;
+  std::thread watchdog_;
+  std::atomic<int64_t> open_streams_{0};
+  std::atomic<uint64_t> refused_streams_{0};
+  std::mutex runs_mu_;
+  struct RunSlot {
+    int open_streams = 0;
+    std::chrono::steady_clock::time_point last_seen;
+    std::unordered_set<std::string> probe_ids;  // seen since start
+    int64_t max_step = -1;  // highest step accepted (or recovered); -1: none
+  };
+  std::unordered_map<std::string, RunSlot> runs_;  // admitted or recovered runs
+  DeliveryTracker* delivery_ = nullptr;
+  const MemoryGuard* memory_ = nullptr;
+  const SeriesStore* store_ = nullptr;
+  const Authorizer* authorizer_ = nullptr;
+  AuthMetrics* auth_metrics_ = nullptr;
+};
+
+}  // namespace foreshock::server

@@ -1,0 +1,302 @@
+#include "server/ingest/validation.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace foreshock::server {
+namespace {
+
+namespace v1 = foreshock::v1;
+using detectors::DType;
+
+std::optional<DType> ToDType(v1::DType dtype) {
+  switch (dtype) {
+    case v1::FLOAT32: return DType::kFloat32;
+    case v1::BFLOAT16: return DType::kBFloat16;
+    case v1::FLOAT16: return DType::kFloat16;
+    default: return std::nullopt;
+  }
+}
+
+Rejection Reject(const char* code, std::string detail) { return Rejection{code, std::move(detail)}; }
+
+std::string ShapeString(const v1::Tensor& t) {
+  return absl::StrCat("[", absl::StrJoin(t.shape(), ","), "]");
+}
+
+// Checks dtype, rank and positive dims. The byte length is checked separately,
+// after the shape limits, so that the shape product cannot overflow.
+std::optional<Rejection> CheckTensor(const v1::Tensor& t, const char* name, int rank) {
+  if (!ToDType(t.dtype())) {
+    return Reject(reason::kUnknownDType,
+                  absl::StrCat(name, " has dtype ", static_cast<int>(t.dtype()),
+                               "; expected FLOAT32, BFLOAT16 or FLOAT16"));
+  }
+  if (t.shape_size() != rank) {
+    return Reject(reason::kBadShape, absl::StrCat(name, " has shape ", ShapeString(t),
+                                                  "; expected ", rank, " dimensions"));
+  }
+  for (int64_t d : t.shape()) {
+    if (d <= 0) {
+      return Reject(reason::kBadShape,
+                    absl::StrCat(name, " has shape ", ShapeString(t), "; dimensions must be > 0"));
+    }
+  }
+  return std::nullopt;
+}
+
+std::optional<Rejection> CheckByteLength(const v1::Tensor& t, const char* name) {
+  size_t elements = 1;
+  for (int64_t d : t.shape()) elements *= static_cast<size_t>(d);  // dims already bounded
+  const size_t expected = elements * detectors::DTypeSize(*ToDType(t.dtype()));
+  if (t.data().size() != expected) {
+    return Reject(reason::kByteLengthMismatch,
+                  absl::StrCat(name, " has ", t.data().size(), " bytes; shape ", ShapeString(t),
+                               " of ", v1::DType_Name(t.dtype()), " needs ", expected));
+  }
+  return std::nullopt;
+}
+
+// After the shape limits, so that the product of the dims cannot overflow.
+std::optional<Rejection> CheckElements(const v1::Tensor& t, const char* name,
+                                       const IngestLimits& limits) {
+  int64_t elements = 1;
+  for (int64_t d : t.shape()) elements *= d;
+  if (elements > limits.max_tensor_elements) {
+    return Reject(reason::kTensorTooLarge,
+                  absl::StrCat(name, " has ", elements, " elements (shape ", ShapeString(t),
+                               "); the limit is ", limits.max_tensor_elements,
+                               " (--max_tensor_elements)"));
+  }
+  return std::nullopt;
+}
+
+detectors::RawTensor TakeTensor(v1::Tensor& t) {
+  detectors::RawTensor raw;
+  raw.dtype = *ToDType(t.dtype());
+  raw.shape.assign(t.shape().begin(), t.shape().end());
+  raw.data = std::move(*t.mutable_data());
+  return raw;
+}
+
+std::optional<Rejection> CheckLayer(int32_t layer, const StreamContext& context,
+                                    const IngestLimits& limits) {
+  const int64_t n_layers = context.model.n_layers() > 0 ? context.model.n_layers() : limits.max_layers;
+  if (layer < 0 || layer >= n_layers) {
+    return Reject(reason::kLayerOutOfRange,
+                  absl::StrCat("layer ", layer, " is outside [0, ", n_layers, ")",
+                               context.model.n_layers() > 0 ? " (n_layers from Hello)"
+                                                            : " (--max_layers)"));
+  }
+  return std::nullopt;
+}
+
+std::optional<Rejection> CheckId(const std::string& id, const char* name,
+                                 const IngestLimits& limits) {
+  if (id.size() > limits.max_id_bytes) {
+    return Reject(reason::kBadId, absl::StrCat(name, " is ", id.size(), " bytes; the limit is ",
+                                               limits.max_id_bytes));
+  }
+  return std::nullopt;
+}
+
+std::optional<Rejection> ValidateQK(v1::QKSample& qk, const StreamContext& context,
+                                    const IngestLimits& limits, detectors::Sample& out) {
+  if (auto r = CheckLayer(qk.layer(), context, limits)) return r;
+  if (auto r = CheckId(qk.probe_id(), "probe_id", limits)) return r;
+  if (auto r = CheckTensor(qk.q(), "q", 3)) return r;
+  if (auto r = CheckTensor(qk.k(), "k", 3)) return r;
+  if (!std::equal(qk.q().shape().begin(), qk.q().shape().end(), qk.k().shape().begin())) {
+    return Reject(reason::kShapeMismatch, absl::StrCat("q has shape ", ShapeString(qk.q()),
+                                                       " but k has ", ShapeString(qk.k())));
+  }
+  const int64_t heads = qk.q().shape(0), tokens = qk.q().shape(1), head_dim = qk.q().shape(2);
+  if (heads > limits.max_heads || tokens > limits.max_tokens || head_dim > limits.max_head_dim) {
+    return Reject(reason::kShapeOverLimit,
+                  absl::StrCat("q/k shape ", ShapeString(qk.q()), " exceeds the limits [heads ",
+                               limits.max_heads, ", tokens ", limits.max_tokens, ", head_dim ",
+                               limits.max_head_dim, "]"));
+  }
+  if (context.model.n_heads() > 0 && heads != context.model.n_heads()) {
+    return Reject(reason::kHeadsMismatch,
+                  absl::StrCat("q/k have ", heads, " heads; Hello said n_heads = ",
+                               context.model.n_heads(), " (broadcast grouped-query K)"));
+  }
+  if (qk.seq_len() < 0 || (qk.seq_len() > 0 && tokens % qk.seq_len() != 0)) {
+    return Reject(reason::kBadSeqLen, absl::StrCat("seq_len ", qk.seq_len(),
+                                                   " does not divide ", tokens, " tokens"));
+  }
+  if (auto r = CheckElements(qk.q(), "q", limits)) return r;
+  if (auto r = CheckByteLength(qk.q(), "q")) return r;
+  if (auto r = CheckByteLength(qk.k(), "k")) return r;
+
+  detectors::QKSample sample;
+  sample.layer = qk.layer();
+  sample.probe_id = qk.probe_id();
+  sample.causal = qk.causal();
+  sample.seq_len = qk.seq_len();
+  sample.q = TakeTensor(*qk.mutable_q());
+  sample.k = TakeTensor(*qk.mutable_k());
+  out.payload = std::move(sample);
+  return std::nullopt;
+}
+
+std::optional<Rejection> ValidateRouter(v1::RouterSample& router, const StreamContext& context,
+                                        const IngestLimits& limits, detectors::Sample& out) {
+  if (auto r = CheckLayer(router.layer(), context, limits)) return r;
+  if (auto r = CheckId(router.probe_id(), "probe_id", limits)) return r;
+  const auto& moe = context.model.moe_layers();
+  if (!moe.empty() && std::find(moe.begin(), moe.end(), router.layer()) == moe.end()) {
+    return Reject(reason::kNotMoeLayer, absl::StrCat("layer ", router.layer(),
+                                                     " is not in moe_layers from Hello"));
+  }
+  if (auto r = CheckTensor(router.logits(), "logits", 2)) return r;
+  const int64_t tokens = router.logits().shape(0), experts = router.logits().shape(1);
+  if (tokens > limits.max_tokens || experts > limits.max_experts) {
+    return Reject(reason::kShapeOverLimit,
+                  absl::StrCat("logits shape ", ShapeString(router.logits()),
+                               " exceeds the limits [tokens ", limits.max_tokens, ", experts ",
+                               limits.max_experts, "]"));
+  }
+  if (context.model.n_experts() > 0 && experts != context.model.n_experts()) {
+    return Reject(reason::kExpertsMismatch,
+                  absl::StrCat("logits have ", experts, " experts; Hello said n_experts = ",
+                               context.model.n_experts()));
+  }
+  if (router.top_k() < 1 || router.top_k() >= experts) {
+    return Reject(reason::kBadTopK, absl::StrCat("top_k ", router.top_k(), " must be in [1, ",
+                                                 experts, ") for ", experts, " experts"));
+  }
+  if (auto r = CheckElements(router.logits(), "logits", limits)) return r;
+  if (auto r = CheckByteLength(router.logits(), "logits")) return r;
+
+  detectors::RouterSample sample;
+  sample.layer = router.layer();
+  sample.probe_id = router.probe_id();
+  sample.top_k = router.top_k();
+  sample.logits = TakeTensor(*router.mutable_logits());
+  out.payload = std::move(sample);
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<Rejection> ValidateHello(const v1::Hello& hello, const IngestLimits& limits) {
+  if (hello.run_id().empty()) return Reject(reason::kBadHello, "run_id is empty");
+  if (auto r = CheckId(hello.run_id(), "run_id", limits)) return Reject(reason::kBadHello, r->detail);
+  if (auto r = CheckId(hello.job(), "job", limits)) return Reject(reason::kBadHello, r->detail);
+  const v1::ModelInfo& m = hello.model();
+  if (m.n_layers() < 0 || m.n_layers() > limits.max_layers) {
+    return Reject(reason::kBadHello, absl::StrCat("model.n_layers ", m.n_layers(),
+                                                  " is outside [0, ", limits.max_layers, "]"));
+  }
+  if (m.n_heads() < 0 || m.n_heads() > limits.max_heads) {
+    return Reject(reason::kBadHello, absl::StrCat("model.n_heads ", m.n_heads(),
+                                                  " is outside [0, ", limits.max_heads, "]"));
+  }
+  if (m.head_dim() < 0 || m.head_dim() > limits.max_head_dim) {
+    return Reject(reason::kBadHello, absl::StrCat("model.head_dim ", m.head_dim(),
+                                                  " is outside [0, ", limits.max_head_dim, "]"));
+  }
+  if (m.n_experts() < 0 || m.n_experts() > limits.max_experts) {
+    return Reject(reason::kBadHello, absl::StrCat("model.n_experts ", m.n_experts(),
+                                                  " is outside [0, ", limits.max_experts, "]"));
+  }
+  // moe_layers names layers: as many as the model has at most, each in range.
+  const int64_t n_layers = m.n_layers() > 0 ? m.n_layers() : limits.max_layers;
+  if (m.moe_layers_size() > n_layers) {
+    return Reject(reason::kBadHello, absl::StrCat("model.moe_layers has ", m.moe_layers_size(),
+                                                  " entries; the model has ", n_layers,
+                                                  " layers"));
+  }
+  for (int32_t layer : m.moe_layers()) {
+    if (layer < 0 || layer >= n_layers) {
+      return Reject(reason::kBadHello, absl::StrCat("model.moe_layers has layer ", layer,
+                                                    ", outside [0, ", n_layers, ")"));
+    }
+  }
+  if (m.n_experts() > 0 && (m.top_k() < 0 || m.top_k() >= m.n_experts())) {
+    return Reject(reason::kBadHello, absl::StrCat("model.top_k ", m.top_k(), " must be below n_experts ",
+                                                  m.n_experts()));
+  }
+  return std::nullopt;
+}
+
+std::optional<Rejection> ValidateRecord(v1::Record& record, const StreamContext& context,
+                                        const IngestLimits& limits, detectors::Sample& out) {
+  if (record.step() < 0) {
+    return Reject(reason::kNegativeStep, absl::StrCat("step ", record.step(), " is negative"));
+  }
+  out.run = context.run_id;
+  out.rank = context.rank;
+  out.step = record.step();
+  switch (record.payload_case()) {
+    case v1::Record::kScalars: {
+      const v1::StepScalars& s = record.scalars();
+      detectors::ScalarsSample sample;
+      sample.has_loss = s.has_loss();
+      sample.has_grad_norm = s.has_grad_norm();
+      sample.has_lr = s.has_lr();
+      sample.loss = s.loss();
+      sample.grad_norm = s.grad_norm();
+      sample.lr = s.lr();
+      out.payload = sample;
+      return std::nullopt;
+    }
+    case v1::Record::kQk:
+      return ValidateQK(*record.mutable_qk(), context, limits, out);
+    case v1::Record::kRouter:
+      return ValidateRouter(*record.mutable_router(), context, limits, out);
+    case v1::Record::kCurvature: {
+      const v1::CurvatureSample& c = record.curvature();
+      if (c.layer_rayleigh_size() > limits.max_tensor_elements) {
+        return Reject(reason::kTensorTooLarge,
+                      absl::StrCat("layer_rayleigh has ", c.layer_rayleigh_size(),
+                                   " values; the limit is ", limits.max_tensor_elements,
+                                   " (--max_tensor_elements)"));
+      }
+      // One value per layer, and each becomes a series (curvature_block_rayleigh
+      // with block = its index): no more values than the run has layers.
+      const int64_t n_layers =
+          context.model.n_layers() > 0 ? context.model.n_layers() : limits.max_layers;
+      if (c.layer_rayleigh_size() > n_layers) {
+        return Reject(reason::kTooManyLayers,
+                      absl::StrCat("layer_rayleigh has ", c.layer_rayleigh_size(),
+                                   " values, one per layer; the run has ", n_layers, " layers",
+                                   context.model.n_layers() > 0 ? " (n_layers from Hello)"
+                                                                : " (--max_layers)"));
+      }
+      detectors::CurvatureSample sample;
+      sample.lambda_max = c.lambda_max();
+      sample.residual = c.residual();
+      sample.hvps = c.hvps();
+      sample.preconditioned = c.preconditioned();
+      sample.lr = c.lr();
+      sample.beta1 = c.beta1();
+      sample.overlap = c.overlap();
+      sample.layer_rayleigh.assign(c.layer_rayleigh().begin(), c.layer_rayleigh().end());
+      out.payload = std::move(sample);
+      return std::nullopt;
+    }
+    case v1::Record::PAYLOAD_NOT_SET:
+      break;
+  }
+  return Reject(reason::kMissingPayload, "record has no payload (scalars, qk, router or curvature)");
+}
+
+size_t SampleBytes(const detectors::Sample& sample) {
+  size_t bytes = sizeof(detectors::Sample) + sample.run.size();
+  if (const auto* qk = std::get_if<detectors::QKSample>(&sample.payload)) {
+    bytes += qk->q.data.size() + qk->k.data.size() + qk->probe_id.size();
+  } else if (const auto* router = std::get_if<detectors::RouterSample>(&sample.payload)) {
+    bytes += router->logits.data.size() + router->probe_id.size();
+  } else if (const auto* curvature = std::get_if<detectors::CurvatureSample>(&sample.payload)) {
+    bytes += curvature->layer_rayleigh.size() * sizeof(double);
+  }
+  return bytes;
+}
+
+}  // namespace foreshock::server

@@ -1,0 +1,205 @@
+#include "server/query/query_backend.h"
+
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace foreshock::server {
+
+namespace v1 = foreshock::v1;
+
+v1::ListRunsResponse QueryBackend::ListRuns() const {
+  std::map<std::string, std::string> jobs;
+  for (const RunTracker::RunSummary& run : runs_.Runs()) jobs[run.run] = run.job;
+  std::map<std::string, int64_t> active;
+  for (const v1::Alert& alert : alerts_.Alerts("", /*include_resolved=*/false)) {
+    ++active[alert.run()];
+  }
+  std::vector<store::RunInfo> runs = store_.ListRuns();
+  // Newest activity first: what a user opening the UI wants to see.
+  std::stable_sort(runs.begin(), runs.end(), [](const store::RunInfo& a, const store::RunInfo& b) {
+    return a.last_wall_time_ms > b.last_wall_time_ms;
+  });
+  v1::ListRunsResponse response;
+  for (const store::RunInfo& info : runs) {
+    v1::RunInfo* out = response.add_runs();
+    out->set_run(info.run);
+    if (auto it = jobs.find(info.run); it != jobs.end()) out->set_job_name(it->second);
+    out->set_first_step(info.first_step);
+    out->set_last_step(info.last_step);
+    out->set_series(static_cast<int64_t>(info.series));
+    out->set_last_seen_unix_ms(info.last_wall_time_ms);
+    if (auto it = active.find(info.run); it != active.end()) out->set_active_alerts(it->second);
+  }
+  return response;
+}
+
+absl::StatusOr<v1::ListSeriesResponse> QueryBackend::ListSeries(
+    const v1::ListSeriesRequest& request) const {
+  if (request.run().empty()) return absl::InvalidArgumentError("run is required");
+  const std::vector<store::SeriesInfo> series = store_.ListSeries(request.run());
+  if (series.empty()) {
+    return absl::NotFoundError(absl::StrCat("no run '", request.run(), "' in the store"));
+  }
+  v1::ListSeriesResponse response;
+  response.set_run(request.run());
+  for (const store::SeriesInfo& info : series) {
+    v1::SeriesInfo* out = response.add_series();
+    out->set_signal(info.key.signal);
+    out->set_layer(info.key.layer);
+    out->set_head(info.key.head);
+    out->set_first_step(info.first_step);
+    out->set_last_step(info.last_step);
+    out->set_points(static_cast<int64_t>(info.points));
+  }
+  return response;
+}
+
+absl::StatusOr<v1::GetSeriesResponse> QueryBackend::GetSeries(
+    const v1::GetSeriesRequest& request) const {
+  if (request.run().empty() || request.signal().empty()) {
+    return absl::InvalidArgumentError("run and signal are required");
+  }
+  const SeriesKey key{request.run(), request.signal(),
+                      request.has_layer() ? request.layer() : -1,
+                      request.has_head() ? request.head() : -1};
+  const int64_t from = request.has_from_step() ? request.from_step()
+                                               : std::numeric_limits<int64_t>::min();
+  const int64_t to = request.has_to_step() ? request.to_step()
+                                           : std::numeric_limits<int64_t>::max();
+  if (from > to) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("from_step ", from, " is after to_step ", to));
+  }
+  // An unknown series: say what the run does have, so a typo is easy to fix.
+  const std::vector<store::SeriesInfo> series = store_.ListSeries(request.run());
+  const bool known = std::any_of(series.begin(), series.end(), [&](const store::SeriesInfo& s) {
+    return s.key == key;
+  });
+  if (!known) {
+    if (series.empty()) {
+      return absl::NotFoundError(absl::StrCat("no run '", request.run(), "' in the store"));
+    }
+    std::set<int> layers;
+    std::set<std::string> signals;
+    for (const store::SeriesInfo& s : series) {
+      signals.insert(s.key.signal);
+      if (s.key.signal == key.signal && s.key.head == key.head) layers.insert(s.key.layer);
+    }
+    if (!layers.empty()) {
+      std::vector<std::string> names;
+      for (int layer : layers) names.push_back(layer < 0 ? "run-level" : std::to_string(layer));
+      return absl::NotFoundError(absl::StrCat("run '", key.run, "' has no ", key.signal,
+                                              key.layer < 0 ? " run-level series" : " series for layer ",
+                                              key.layer < 0 ? "" : std::to_string(key.layer),
+                                              "; its layers: ", absl::StrJoin(names, ", ")));
+    }
+    return absl::NotFoundError(absl::StrCat("run '", key.run, "' has no series '", key.signal,
+                                            "' (head ", key.head, "); its signals: ",
+                                            absl::StrJoin(signals, ", ")));
+  }
+
+  v1::GetSeriesResponse response;
+  response.set_run(key.run);
+  response.set_signal(key.signal);
+  response.set_layer(key.layer);
+  response.set_head(key.head);
+  const std::vector<Point> points = store_.Range(key, from, to);
+  response.set_total_points(points.size());
+  const uint32_t max_points = request.max_points();
+  if (max_points == 0 || points.size() <= max_points) {
+    if (points.size() > kMaxRawPoints) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(points.size(), " points in the range, over the ", kMaxRawPoints,
+                       " a response may carry: set max_points or narrow the range"));
+    }
+    for (const Point& p : points) {
+      v1::SeriesPoint* out = response.add_points();
+      out->set_step(p.step);
+      out->set_value(p.value);
+      out->set_wall_time_unix_ms(p.wall_time_ms);
+    }
+    return response;
+  }
+  response.set_downsampled(true);
+  for (const store::Bucket& b : store::DownsamplePoints(points, max_points)) {
+    v1::SeriesBucket* out = response.add_buckets();
+    out->set_first_step(b.first_step);
+    out->set_last_step(b.last_step);
+    out->set_min(b.min);
+    out->set_max(b.max);
+    out->set_mean(b.mean);
+    out->set_count(b.count);
+    out->set_last(b.last_value);
+  }
+  return response;
+}
+
+v1::ListAlertsResponse QueryBackend::ListAlerts(const v1::ListAlertsRequest& request) const {
+  v1::ListAlertsResponse response;
+  for (v1::Alert& alert : alerts_.Alerts(request.run(), request.include_resolved())) {
+    *response.add_alerts() = std::move(alert);
+  }
+  return response;
+}
+
+}  // namespace foreshock::server
+
+namespace foreshock::server {
+
+namespace {
+absl::Status RequireToken(const AccessCheck& access) {
+  if (!access.authenticated().ok()) access.CountUnauthenticated();
+  return access.authenticated();
+}
+}  // namespace
+
+absl::StatusOr<foreshock::v1::ListRunsResponse> QueryBackend::ListRuns(
+    const AccessCheck& access) const {
+  if (absl::Status status = RequireToken(access); !status.ok()) return status;
+  foreshock::v1::ListRunsResponse all = ListRuns();
+  foreshock::v1::ListRunsResponse visible;
+  for (auto& run : *all.mutable_runs()) {
+    if (access.Allows(run.run(), Right::kQuery)) *visible.add_runs() = std::move(run);
+  }
+  return visible;
+}
+
+absl::StatusOr<foreshock::v1::ListSeriesResponse> QueryBackend::ListSeries(
+    const foreshock::v1::ListSeriesRequest& request, const AccessCheck& access) const {
+  if (absl::Status status = access.Check(request.run(), Right::kQuery); !status.ok()) {
+    return status;
+  }
+  return ListSeries(request);
+}
+
+absl::StatusOr<foreshock::v1::GetSeriesResponse> QueryBackend::GetSeries(
+    const foreshock::v1::GetSeriesRequest& request, const AccessCheck& access) const {
+  if (absl::Status status = access.Check(request.run(), Right::kQuery); !status.ok()) {
+    return status;
+  }
+  return GetSeries(request);
+}
+
+absl::StatusOr<foreshock::v1::ListAlertsResponse> QueryBackend::ListAlerts(
+    const foreshock::v1::ListAlertsRequest& request, const AccessCheck& access) const {
+  if (!request.run().empty()) {
+    if (absl::Status status = access.Check(request.run(), Right::kQuery); !status.ok()) {
+      return status;
+    }
+    return ListAlerts(request);
+  }
+  if (absl::Status status = RequireToken(access); !status.ok()) return status;
+  foreshock::v1::ListAlertsResponse all = ListAlerts(request);
+  foreshock::v1::ListAlertsResponse visible;
+  for (auto& alert : *all.mutable_alerts()) {
+    if (access.Allows(alert.run(), Right::kQuery)) *visible.add_alerts() = std::move(alert);
+  }
+  return visible;
+}
+
+}  // namespace foreshock::server

@@ -1,0 +1,57 @@
+// The read side of foreshock.v1.Query, shared by the gRPC service and the
+// HTTP JSON API (/api/v1/...): both answer with the same protobuf messages,
+// so a script sees one schema whichever way it asks.
+#pragma once
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "foreshock/v1/query.pb.h"
+#include "server/alerting/alert_hub.h"
+#include "server/security/auth.h"
+#include "server/pipeline/run_tracker.h"
+#include "server/pipeline/series_store.h"
+
+namespace foreshock::server {
+
+class QueryBackend {
+ public:
+  // A GetSeries answer never carries more than this many raw points; a
+  // larger range must ask for max_points (downsampling) or a narrower range.
+  static constexpr uint32_t kMaxRawPoints = 1'000'000;
+
+  QueryBackend(const SeriesStore& store, const AlertHub& alerts, const RunTracker& runs)
+      : store_(store), alerts_(alerts), runs_(runs) {}
+
+  foreshock::v1::ListRunsResponse ListRuns() const;
+  // NOT_FOUND for a run the store does not hold.
+  absl::StatusOr<foreshock::v1::ListSeriesResponse> ListSeries(
+      const foreshock::v1::ListSeriesRequest& request) const;
+  // INVALID_ARGUMENT for a missing run/signal or from_step > to_step;
+  // NOT_FOUND for an unknown series (the message names the run's signals or
+  // the layers the signal has); RESOURCE_EXHAUSTED for an undownsampled
+  // range over kMaxRawPoints.
+  absl::StatusOr<foreshock::v1::GetSeriesResponse> GetSeries(
+      const foreshock::v1::GetSeriesRequest& request) const;
+  foreshock::v1::ListAlertsResponse ListAlerts(
+      const foreshock::v1::ListAlertsRequest& request) const;
+
+  // The same, as `access` (--token_file) allows: UNAUTHENTICATED without a
+  // valid token; PERMISSION_DENIED for a named run the token may not query;
+  // lists over every run (ListRuns, ListAlerts without a run) are filtered to
+  // the runs it may query.
+  absl::StatusOr<foreshock::v1::ListRunsResponse> ListRuns(const AccessCheck& access) const;
+  absl::StatusOr<foreshock::v1::ListSeriesResponse> ListSeries(
+      const foreshock::v1::ListSeriesRequest& request, const AccessCheck& access) const;
+  absl::StatusOr<foreshock::v1::GetSeriesResponse> GetSeries(
+      const foreshock::v1::GetSeriesRequest& request, const AccessCheck& access) const;
+  absl::StatusOr<foreshock::v1::ListAlertsResponse> ListAlerts(
+      const foreshock::v1::ListAlertsRequest& request, const AccessCheck& access) const;
+
+ private:
+  const SeriesStore& store_;
+  const AlertHub& alerts_;
+  const RunTracker& runs_;
+};
+
+}  // namespace foreshock::server

@@ -1,0 +1,256 @@
+#include "server/ingest/validation.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+namespace foreshock::server {
+namespace {
+
+namespace v1 = foreshock::v1;
+
+v1::Tensor Tensor(v1::DType dtype, std::vector<int64_t> shape, int64_t bytes) {
+  v1::Tensor t;
+  t.set_dtype(dtype);
+  for (int64_t d : shape) t.add_shape(d);
+  t.set_data(std::string(static_cast<size_t>(bytes), '\0'));
+  return t;
+}
+
+class ValidationTest : public ::testing::Test {
+ protected:
+  ValidationTest() {
+    context_.run_id = "run";
+    context_.model.set_n_layers(4);
+    context_.model.set_n_heads(2);
+    context_.model.set_n_experts(8);
+    context_.model.add_moe_layers(1);
+    limits_.max_tokens = 64;
+    limits_.max_head_dim = 32;
+  }
+
+  v1::Record QK(std::vector<int64_t> q_shape, std::vector<int64_t> k_shape,
+                v1::DType dtype = v1::BFLOAT16) {
+    v1::Record record;
+    record.set_step(5);
+    auto* qk = record.mutable_qk();
+    qk->set_layer(2);
+    // Byte lengths of well-formed tensors; a shape with non-positive dims gets 16 bytes.
+    int64_t qn = 2, kn = 2;
+    for (int64_t d : q_shape) qn *= d;
+    for (int64_t d : k_shape) kn *= d;
+    if (qn <= 0) qn = 16;
+    if (kn <= 0) kn = 16;
+    *qk->mutable_q() = Tensor(dtype, q_shape, qn);
+    *qk->mutable_k() = Tensor(dtype, k_shape, kn);
+    return record;
+  }
+
+  std::optional<Rejection> Validate(v1::Record record) {
+    detectors::Sample sample;
+    return ValidateRecord(record, context_, limits_, sample);
+  }
+
+  StreamContext context_;
+  IngestLimits limits_;
+};
+
+TEST_F(ValidationTest, AcceptsWellFormedQKAndMovesBytes) {
+  v1::Record record = QK({2, 16, 8}, {2, 16, 8});
+  detectors::Sample sample;
+  ASSERT_FALSE(ValidateRecord(record, context_, limits_, sample).has_value());
+  const auto& qk = std::get<detectors::QKSample>(sample.payload);
+  EXPECT_EQ(sample.run, "run");
+  EXPECT_EQ(sample.step, 5);
+  EXPECT_EQ(qk.layer, 2);
+  EXPECT_EQ(qk.q.dtype, detectors::DType::kBFloat16);
+  EXPECT_EQ(qk.q.data.size(), 2u * 16 * 8 * 2);
+  EXPECT_EQ(qk.q.shape, (std::vector<int64_t>{2, 16, 8}));
+  EXPECT_GT(SampleBytes(sample), qk.q.data.size() + qk.k.data.size());
+}
+
+TEST_F(ValidationTest, RejectsByteLengthMismatch) {
+  v1::Record record = QK({2, 16, 8}, {2, 16, 8});
+  record.mutable_qk()->mutable_q()->mutable_data()->pop_back();
+  auto r = Validate(record);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->code, reason::kByteLengthMismatch);
+  EXPECT_NE(r->detail.find("511 bytes"), std::string::npos) << r->detail;
+}
+
+TEST_F(ValidationTest, RejectsShapeMismatch) {
+  auto r = Validate(QK({2, 16, 8}, {2, 8, 8}));
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->code, reason::kShapeMismatch);
+}
+
+TEST_F(ValidationTest, RejectsUnknownDType) {
+  v1::Record record = QK({2, 16, 8}, {2, 16, 8});
+  record.mutable_qk()->mutable_k()->set_dtype(v1::DTYPE_UNSPECIFIED);
+  EXPECT_EQ(Validate(record)->code, reason::kUnknownDType);
+  record.mutable_qk()->mutable_k()->set_dtype(static_cast<v1::DType>(42));
+  EXPECT_EQ(Validate(record)->code, reason::kUnknownDType);
+}
+
+TEST_F(ValidationTest, RejectsShapesOverLimits) {
+  EXPECT_EQ(Validate(QK({2, 65, 8}, {2, 65, 8}))->code, reason::kShapeOverLimit);
+  EXPECT_EQ(Validate(QK({2, 16, 33}, {2, 16, 33}))->code, reason::kShapeOverLimit);
+}
+
+TEST_F(ValidationTest, RejectsTensorsOverTheElementLimit) {
+  limits_.max_tensor_elements = 2 * 16 * 8 - 1;
+  auto rejection = Validate(QK({2, 16, 8}, {2, 16, 8}));
+  ASSERT_TRUE(rejection.has_value());
+  EXPECT_EQ(rejection->code, reason::kTensorTooLarge);
+  EXPECT_NE(rejection->detail.find("--max_tensor_elements"), std::string::npos);
+  limits_.max_tensor_elements = 2 * 16 * 8;
+  EXPECT_FALSE(Validate(QK({2, 16, 8}, {2, 16, 8})).has_value());
+
+  v1::Record router;
+  router.set_step(1);
+  router.mutable_router()->set_layer(1);
+  router.mutable_router()->set_top_k(2);
+  *router.mutable_router()->mutable_logits() = Tensor(v1::FLOAT32, {32, 8}, 32 * 8 * 4);
+  limits_.max_tensor_elements = 32 * 8 - 1;
+  EXPECT_EQ(Validate(router)->code, reason::kTensorTooLarge);
+
+  v1::Record curvature;
+  curvature.set_step(1);
+  for (int i = 0; i < 4; ++i) curvature.mutable_curvature()->add_layer_rayleigh(1.0);
+  limits_.max_tensor_elements = 3;
+  EXPECT_EQ(Validate(curvature)->code, reason::kTensorTooLarge);
+  limits_.max_tensor_elements = 4;
+  EXPECT_FALSE(Validate(curvature).has_value());
+}
+
+TEST_F(ValidationTest, RejectsBadRankAndNonPositiveDims) {
+  EXPECT_EQ(Validate(QK({2, 16}, {2, 16}))->code, reason::kBadShape);
+  EXPECT_EQ(Validate(QK({2, 0, 8}, {2, 0, 8}))->code, reason::kBadShape);
+  EXPECT_EQ(Validate(QK({2, -4, 8}, {2, -4, 8}))->code, reason::kBadShape);
+}
+
+TEST_F(ValidationTest, HugeDimsDoNotOverflowTheLengthCheck) {
+  v1::Record record = QK({1, 1, 1}, {1, 1, 1});
+  auto* q = record.mutable_qk()->mutable_q();
+  q->clear_shape();
+  q->add_shape(int64_t{1} << 40);
+  q->add_shape(int64_t{1} << 40);
+  q->add_shape(int64_t{1} << 40);
+  *record.mutable_qk()->mutable_k() = *q;
+  EXPECT_EQ(Validate(record)->code, reason::kShapeOverLimit);
+}
+
+TEST_F(ValidationTest, RejectsLayerOutsideModel) {
+  v1::Record record = QK({2, 16, 8}, {2, 16, 8});
+  record.mutable_qk()->set_layer(4);
+  EXPECT_EQ(Validate(record)->code, reason::kLayerOutOfRange);
+  record.mutable_qk()->set_layer(-1);
+  EXPECT_EQ(Validate(record)->code, reason::kLayerOutOfRange);
+}
+
+TEST_F(ValidationTest, RejectsHeadCountDisagreeingWithHello) {
+  EXPECT_EQ(Validate(QK({3, 16, 8}, {3, 16, 8}))->code, reason::kHeadsMismatch);
+}
+
+TEST_F(ValidationTest, RejectsSeqLenThatDoesNotDivideTokens) {
+  v1::Record record = QK({2, 16, 8}, {2, 16, 8});
+  record.mutable_qk()->set_seq_len(5);
+  EXPECT_EQ(Validate(record)->code, reason::kBadSeqLen);
+  record.mutable_qk()->set_seq_len(8);
+  EXPECT_FALSE(Validate(record).has_value());
+}
+
+TEST_F(ValidationTest, RejectsMissingPayloadAndNegativeStep) {
+  v1::Record record;
+  EXPECT_EQ(Validate(record)->code, reason::kMissingPayload);
+  record.mutable_scalars()->set_loss(1.0);
+  record.set_step(-1);
+  EXPECT_EQ(Validate(record)->code, reason::kNegativeStep);
+}
+
+TEST_F(ValidationTest, ScalarsKeepPresence) {
+  v1::Record record;
+  record.mutable_scalars()->set_loss(2.5);
+  detectors::Sample sample;
+  ASSERT_FALSE(ValidateRecord(record, context_, limits_, sample).has_value());
+  const auto& s = std::get<detectors::ScalarsSample>(sample.payload);
+  EXPECT_TRUE(s.has_loss);
+  EXPECT_FALSE(s.has_grad_norm);
+  EXPECT_EQ(s.loss, 2.5);
+}
+
+TEST_F(ValidationTest, RouterChecks) {
+  auto router = [&](int layer, int64_t tokens, int64_t experts, int top_k) {
+    v1::Record record;
+    auto* r = record.mutable_router();
+    r->set_layer(layer);
+    r->set_top_k(top_k);
+    *r->mutable_logits() = Tensor(v1::FLOAT32, {tokens, experts}, tokens * experts * 4);
+    return record;
+  };
+  EXPECT_FALSE(Validate(router(1, 16, 8, 2)).has_value());
+  EXPECT_EQ(Validate(router(1, 16, 8, 8))->code, reason::kBadTopK);
+  EXPECT_EQ(Validate(router(1, 16, 8, 0))->code, reason::kBadTopK);
+  EXPECT_EQ(Validate(router(1, 16, 4, 2))->code, reason::kExpertsMismatch);
+  EXPECT_EQ(Validate(router(2, 16, 8, 2))->code, reason::kNotMoeLayer);
+}
+
+TEST(ValidateHelloTest, ChecksIdsAndModelShape) {
+  IngestLimits limits;
+  v1::Hello hello;
+  EXPECT_EQ(ValidateHello(hello, limits)->code, reason::kBadHello);
+  hello.set_run_id("r");
+  EXPECT_FALSE(ValidateHello(hello, limits).has_value());
+  hello.set_run_id(std::string(limits.max_id_bytes + 1, 'x'));
+  EXPECT_EQ(ValidateHello(hello, limits)->code, reason::kBadHello);
+  hello.set_run_id("r");
+  hello.mutable_model()->set_n_heads(-1);
+  EXPECT_EQ(ValidateHello(hello, limits)->code, reason::kBadHello);
+  hello.mutable_model()->set_n_heads(4);
+  hello.mutable_model()->set_n_experts(4);
+  hello.mutable_model()->set_top_k(4);
+  EXPECT_EQ(ValidateHello(hello, limits)->code, reason::kBadHello);
+}
+
+TEST(ValidateHelloTest, MoeLayersAreLayersOfTheModel) {
+  IngestLimits limits;
+  limits.max_layers = 8;
+  v1::Hello hello;
+  hello.set_run_id("r");
+  hello.mutable_model()->set_n_layers(4);
+  for (int layer : {0, 3}) hello.mutable_model()->add_moe_layers(layer);
+  EXPECT_FALSE(ValidateHello(hello, limits).has_value());
+  hello.mutable_model()->add_moe_layers(4);  // == n_layers
+  EXPECT_EQ(ValidateHello(hello, limits)->code, reason::kBadHello);
+  hello.mutable_model()->set_moe_layers(2, 1);
+  hello.mutable_model()->add_moe_layers(2);
+  hello.mutable_model()->add_moe_layers(2);  // five entries for four layers
+  EXPECT_EQ(ValidateHello(hello, limits)->code, reason::kBadHello);
+  hello.mutable_model()->clear_moe_layers();
+  hello.mutable_model()->set_n_layers(0);  // not declared: --max_layers bounds them
+  hello.mutable_model()->add_moe_layers(7);
+  EXPECT_FALSE(ValidateHello(hello, limits).has_value());
+  hello.mutable_model()->add_moe_layers(8);
+  EXPECT_EQ(ValidateHello(hello, limits)->code, reason::kBadHello);
+}
+
+TEST_F(ValidationTest, CurvatureHasAtMostOneValuePerLayer) {
+  v1::Record curvature;
+  curvature.set_step(1);
+  for (int i = 0; i < 5; ++i) curvature.mutable_curvature()->add_layer_rayleigh(1.0);
+  auto rejection = Validate(curvature);  // n_layers 4
+  ASSERT_TRUE(rejection.has_value());
+  EXPECT_EQ(rejection->code, reason::kTooManyLayers);
+  EXPECT_NE(rejection->detail.find("n_layers from Hello"), std::string::npos);
+  curvature.mutable_curvature()->mutable_layer_rayleigh()->RemoveLast();
+  EXPECT_FALSE(Validate(curvature).has_value());
+  context_.model.set_n_layers(0);
+  limits_.max_layers = 3;
+  rejection = Validate(curvature);
+  ASSERT_TRUE(rejection.has_value());
+  EXPECT_EQ(rejection->code, reason::kTooManyLayers);
+  EXPECT_NE(rejection->detail.find("--max_layers"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace foreshock::server
