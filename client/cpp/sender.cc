@@ -79,16 +79,17 @@ SenderStats Sender::stats() const {
 void Sender::Run() {
   std::mt19937_64 rng(std::random_device{}());
   std::chrono::milliseconds backoff = options_.backoff_initial;
-  bool first = true;
   while (true) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (abort_ || (closing_ && DrainedLocked())) return;
-      if (!first) ++stats_.reconnects;
     }
-    first = false;
     std::chrono::milliseconds hint{0};
     const bool had_hello = RunStream(&hint);
+    if (!had_hello) {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.failed_connects;
+    }
     if (had_hello) backoff = options_.backoff_initial;
     if (idle_ended_) {
       // The daemon ended a stream with nothing pending: the next one opens
@@ -135,6 +136,13 @@ bool Sender::RunStream(std::chrono::milliseconds* retry_hint) {
   bool read_side_done = false;  // under mu_: the daemon ended the stream
   if (hello_acked) {
     connected_ = true;
+    {
+      // Counted as documented: streams accepted after the first accepted
+      // one, not connection attempts (those that fail are failed_connects).
+      std::lock_guard<std::mutex> lock(mu_);
+      if (ever_accepted_) ++stats_.reconnects;
+      ever_accepted_ = true;
+    }
     reader = std::thread([&] {
       v1::StreamResponse ack;
       while (stream->Read(&ack)) {

@@ -63,7 +63,8 @@ struct SenderStats {
   uint64_t dropped_unacked = 0;     // oldest unacked records dropped
   uint64_t dropped_too_large = 0;   // records in batches over the daemon's message limit
   uint64_t dropped_after_close = 0; // records enqueued after Close
-  uint64_t reconnects = 0;          // streams after the first
+  uint64_t reconnects = 0;          // streams accepted (HelloAck) after the first accepted one
+  uint64_t failed_connects = 0;     // stream attempts that ended without a HelloAck
   uint64_t queued = 0;              // records waiting now
   uint64_t unacked = 0;             // batches waiting for an Ack now
 };
@@ -107,6 +108,7 @@ class Sender {
   bool abort_ = false;    // stop now
   grpc::ClientContext* live_context_ = nullptr;  // to cancel a blocked stream
   std::atomic<bool> connected_{false};
+  bool ever_accepted_ = false;  // under mu_: a stream got its HelloAck before
   bool idle_ended_ = false;  // sender thread only: the last stream ended for idleness
   std::thread thread_;
 };

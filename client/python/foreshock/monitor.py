@@ -115,6 +115,12 @@ class Monitor:
             self.router_sites = capture.discover_routers(model, self.attention_sites, given.top_k)
         self.model_info = model_info or capture.model_info_from_sites(self.attention_sites,
                                                                       self.router_sites)
+        if model is not None and (discover or discover_routers):
+            # One line that says what will be probed, so that a model whose
+            # layers were not found is noticed at start, not on a dashboard.
+            log.info("foreshock: discovery found %d attention layer(s)%s and %d router(s)%s",
+                     len(self.attention_sites), _site_list(self.attention_sites),
+                     len(self.router_sites), _site_list(self.router_sites))
         # Set by the first probe in which capture_qk/capture_router is called:
         # from then on the discovery hooks of that kind are not attached.
         self._explicit_qk = False
@@ -302,3 +308,12 @@ class Monitor:
             self._counts["enqueued"] += 1
         else:
             self._counts["dropped_queue_full"] += 1
+
+
+def _site_list(sites, shown=4):
+    """': a (kind), b (kind), ... (N more)' for the discovery log line."""
+    if not sites:
+        return ""
+    names = [f"{s.name} ({getattr(s, 'kind', 'router')})" for s in sites[:shown]]
+    more = f", ... ({len(sites) - shown} more)" if len(sites) > shown else ""
+    return ": " + ", ".join(names) + more

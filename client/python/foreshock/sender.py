@@ -126,7 +126,8 @@ class Sender:
         self._call = None
         self._counts = dict(sent=0, batches_sent=0, acked_records=0, duplicates=0, resent=0,
                             dropped_unacked=0, unacked=0, reconnects=0, unsent_at_close=0,
-                            dropped_too_large=0, idle_closes=0)
+                            dropped_too_large=0, idle_closes=0, failed_connects=0)
+        self._ever_accepted = False  # a stream got its HelloAck before: the next one is a reconnect
         # Batches sent and not acked, oldest first: seq -> [(record, size)].
         self._max_unacked_bytes = max_unacked_bytes
         self._retry_after_s = None  # the last refusal's retry hint, for the next wait
@@ -173,15 +174,10 @@ class Sender:
 
     def _run(self):
         backoff = self._backoff_initial_s
-        first = True
         failures = 0  # consecutive streams without a HelloAck: log only the first
         while not self._abort.is_set():
             if self._closing.is_set() and len(self._queue) == 0 and self._settled():
                 return  # nothing left to deliver
-            if not first:
-                with self._lock:
-                    self._counts["reconnects"] += 1
-            first = False
             handshaken, finished = self._run_stream(quiet=failures > 0)
             if finished:
                 return
@@ -190,6 +186,8 @@ class Sender:
                 failures = 0
             else:
                 failures += 1
+                with self._lock:
+                    self._counts["failed_connects"] += 1
             if self._idle_ended:
                 # Nothing was pending: open the next stream when there is
                 # something to send (or to flush at close).
@@ -221,6 +219,11 @@ class Sender:
                 if kind == "hello_ack":
                     with self._lock:
                         self._connected = True
+                        # Counted as documented: streams accepted after the
+                        # first, not connection attempts.
+                        if self._ever_accepted:
+                            self._counts["reconnects"] += 1
+                        self._ever_accepted = True
                     log.info("foreshock: connected to %s (session %s)", self._endpoint,
                              response.hello_ack.session_id)
                     stream.hello_acked.set()
