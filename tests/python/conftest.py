@@ -28,15 +28,19 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 CLIENT = os.path.join(ROOT, "client", "python")
-for path in (CLIENT, ROOT):
+# FORESHOCK_INSTALLED_CLIENT=1 (the PyPI venv tests): import the client that
+# `pip install ./client/python` installed, as users do, not the checkout's.
+INSTALLED_CLIENT = os.environ.get("FORESHOCK_INSTALLED_CLIENT") == "1"
+for path in ((ROOT,) if INSTALLED_CLIENT else (CLIENT, ROOT)):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-# The stubs are build outputs: generate them when the tests run from a checkout
-# that CMake has not built (same command as proto/CMakeLists.txt).
-import generate_stubs  # noqa: E402
+if not INSTALLED_CLIENT:
+    # The stubs are build outputs: generate them when the tests run from a
+    # checkout that CMake has not built (same command as proto/CMakeLists.txt).
+    import generate_stubs  # noqa: E402
 
-generate_stubs.ensure()
+    generate_stubs.ensure()
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import torch  # noqa: E402
