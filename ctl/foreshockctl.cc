@@ -2,10 +2,14 @@
 // series over foreshock.v1.Query, follows alerts as they change, and replays
 // recordings (foreshockd --record_dir) into a daemon over foreshock.v1.Ingest.
 //
-// Exit status: 0 success; 1 the daemon answered with an error, a replayed
-// stream failed, or a watch ended on its own; 2 usage error, or the daemon
-// cannot be reached.
+// Exit status: 0 success; 1 the daemon answered with an error (NOT_FOUND for
+// an unknown run, ...), a replayed stream failed, or a watch ended on its
+// own; 2 usage error, or the daemon cannot be reached (at once when the
+// connection fails, e.g. is refused; after --timeout_s when it never
+// completes).
 #include <google/protobuf/util/json_util.h>
+#include <grpc/support/log.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <pthread.h>
 #include <signal.h>
@@ -18,6 +22,7 @@
 #include <sstream>
 #include <cstdio>
 #include <functional>
+#include <future>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -41,6 +46,7 @@ const char kDefaultEndpoint[] = "127.0.0.1:50051";
 
 struct Globals {
   std::string endpoint = kDefaultEndpoint;
+  std::string endpoint_flag = "--endpoint";  // the option that set it, for error messages
   bool json = false;
   int64_t timeout_s = 10;
   // TLS (a daemon with --tls_cert): PEM contents, read at start.
@@ -61,7 +67,9 @@ const char kGlobalHelp[] =
     "                        names, every field printed; 64-bit integers are JSON strings, as\n"
     "                        the proto3 JSON mapping has it); one document per command, one\n"
     "                        line per event for watch\n"
-    "  --timeout_s N         seconds to wait for the connection and for each reply (default 10)\n"
+    "  --timeout_s N         seconds to wait for the connection and for each reply (default 10);\n"
+    "                        a connection that fails (refused, unknown host, TLS handshake)\n"
+    "                        ends the command at once\n"
     "  --token_file PATH     file holding the bearer token for a daemon with --token_file\n"
     "                        (default: $FORESHOCK_TOKEN; --token TOKEN also works, but shows\n"
     "                        the token to other users in the process list)\n"
@@ -71,8 +79,9 @@ const char kGlobalHelp[] =
     "  --help                this text, or a command's own with the command\n";
 
 const char kExitHelp[] =
-    "Exit status: 0 success; 1 the daemon answered with an error, a replayed stream failed or\n"
-    "a watch ended on its own; 2 usage error or the daemon cannot be reached.\n";
+    "Exit status: 0 success; 1 the daemon answered with an error (e.g. NOT_FOUND for an unknown\n"
+    "run), a replayed stream failed or a watch ended on its own; 2 usage error or the daemon\n"
+    "cannot be reached (one line on stderr naming the endpoint and why).\n";
 
 struct Command {
   std::string name;
@@ -110,15 +119,92 @@ std::string StatusCodeName(grpc::StatusCode code) {
   }
 }
 
-int Unreachable(const Globals& g) {
-  std::fprintf(stderr,
-               "foreshockctl: cannot reach foreshockd at %s: no connection within %lld s "
-               "(is it running? --endpoint sets the address)\n",
-               g.endpoint.c_str(), static_cast<long long>(g.timeout_s));
+// gRPC's own log, less the line it writes for a failed TLS handshake: Connect
+// reports that failure itself, in its one line. Everything else is written
+// as gRPC would (GRPC_VERBOSITY still sets what reaches here).
+void GrpcLog(gpr_log_func_args* args) {
+  const std::string_view file = args->file ? args->file : "";
+  const std::string_view message = args->message ? args->message : "";
+  if (file.ends_with("ssl_transport_security.cc") &&
+      message.find("Handshake failed") != std::string_view::npos) {
+    return;
+  }
+  const char severity = args->severity == GPR_LOG_SEVERITY_ERROR  ? 'E'
+                        : args->severity == GPR_LOG_SEVERITY_INFO ? 'I'
+                                                                  : 'D';
+  std::fprintf(stderr, "%c %.*s:%d] %.*s\n", severity, static_cast<int>(file.size()), file.data(),
+               args->line, static_cast<int>(message.size()), message.data());
+}
+
+// The daemon cannot be reached: one line naming the endpoint and why (exit 2).
+int CannotReach(const Globals& g, const std::string& reason) {
+  std::string hint_text;
+  if (reason == "connection refused" || reason.rfind("no connection within", 0) == 0) {
+    hint_text = " (is it running? " + g.endpoint_flag + " sets the address)";
+  } else if (reason == "Socket closed" && !g.tls) {
+    hint_text = " (a daemon with --tls_cert? --tls_ca connects with TLS)";
+  } else if (reason == "Socket closed" && g.tls_cert.empty()) {
+    hint_text = " (a daemon with --tls_client_ca? give --tls_cert and --tls_key)";
+  }
+  std::fprintf(stderr, "foreshockctl: cannot reach foreshockd at %s: %s%s\n", g.endpoint.c_str(),
+               reason.c_str(), hint_text.c_str());
   return kExitUsage;
 }
 
-// A channel that is connected, or null after printing why (exit 2).
+int Unreachable(const Globals& g) {
+  return CannotReach(g, "no connection within " + std::to_string(g.timeout_s) + " s");
+}
+
+// gRPC's text for a failed connection, shortened for one line: "connection
+// refused" for a port nothing listens on; otherwise the last connection
+// error without gRPC's framing, e.g. "failed to connect to all addresses;
+// last error: UNKNOWN: ipv4:127.0.0.1:1: Failed to connect to remote host:
+// Connection refused" or "... Ssl handshake failed: ...".
+std::string ConnectionReason(const std::string& message) {
+  std::string lower = message;
+  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (lower.find("connection refused") != std::string::npos) return "connection refused";
+  std::string reason = message;
+  for (const std::string prefix : {"failed to connect to all addresses; last error: ", "UNKNOWN: ",
+                                   "UNAVAILABLE: "}) {
+    if (reason.rfind(prefix, 0) == 0) reason = reason.substr(prefix.size());
+  }
+  // The address again ("ipv4:127.0.0.1:50051: "): the line names the endpoint.
+  for (const std::string scheme : {"ipv4:", "ipv6:", "unix:", "unix-abstract:"}) {
+    const size_t end = reason.find(": ");
+    if (reason.rfind(scheme, 0) == 0 && end != std::string::npos) reason = reason.substr(end + 2);
+  }
+  while (!reason.empty() && std::isspace(static_cast<unsigned char>(reason.back()))) {
+    reason.pop_back();
+  }
+  return reason.empty() ? "unavailable" : reason;
+}
+
+// Why a channel in TRANSIENT_FAILURE cannot connect. The channel state does
+// not say, so a call that fails fast (wait_for_ready false, gRPC's default)
+// asks: on a failed channel it never leaves this process and ends at once in
+// UNAVAILABLE with the last connection error. It calls a method no server
+// has, so should the channel connect meanwhile, the daemon only answers
+// UNIMPLEMENTED.
+grpc::Status Probe(const std::shared_ptr<grpc::Channel>& channel,
+                   std::chrono::system_clock::time_point deadline) {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext context;
+  context.set_wait_for_ready(false);
+  context.set_deadline(deadline);
+  grpc::Slice empty;  // an empty message
+  grpc::ByteBuffer request(&empty, 1), response;
+  std::promise<grpc::Status> done;
+  stub.UnaryCall(&context, "/foreshock.v1.Query/ConnectivityProbe", grpc::StubOptions(), &request,
+                 &response, [&done](grpc::Status status) { done.set_value(std::move(status)); });
+  return done.get_future().get();
+}
+
+// A channel that is connected, or null after printing why (exit 2). Waits up
+// to --timeout_s while a connection is being made (a slow or silent
+// endpoint), but not once one has failed: a refused connection, a name that
+// does not resolve or a failed TLS handshake end it at once, without waiting
+// for gRPC's reconnect backoff.
 std::shared_ptr<grpc::Channel> Connect(const Globals& g) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(512 << 20);
@@ -132,10 +218,26 @@ std::shared_ptr<grpc::Channel> Connect(const Globals& g) {
     credentials = grpc::SslCredentials(ssl);
   }
   auto channel = grpc::CreateCustomChannel(g.endpoint, credentials, args);
-  if (!channel->WaitForConnected(std::chrono::system_clock::now() +
-                                 std::chrono::seconds(g.timeout_s))) {
-    Unreachable(g);
-    return nullptr;
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(g.timeout_s);
+  grpc_connectivity_state state = channel->GetState(/*try_to_connect=*/true);
+  while (state != GRPC_CHANNEL_READY) {
+    if (state == GRPC_CHANNEL_TRANSIENT_FAILURE || state == GRPC_CHANNEL_SHUTDOWN) {
+      const grpc::Status probe = Probe(channel, deadline);
+      if (probe.error_code() == grpc::StatusCode::UNAVAILABLE) {
+        CannotReach(g, ConnectionReason(probe.error_message()));
+        return nullptr;
+      }
+      if (probe.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+        Unreachable(g);
+        return nullptr;
+      }
+      break;  // the daemon answered the probe: connected after all
+    }
+    if (!channel->WaitForStateChange(state, deadline)) {
+      Unreachable(g);
+      return nullptr;
+    }
+    state = channel->GetState(/*try_to_connect=*/true);
   }
   return channel;
 }
@@ -149,7 +251,7 @@ int RpcFailed(const std::string& command, const std::string& method, const grpc:
               const Globals& g) {
   if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
     std::fprintf(stderr, "foreshockctl: foreshockd at %s is unavailable: %s\n",
-                 g.endpoint.c_str(), status.error_message().c_str());
+                 g.endpoint.c_str(), ConnectionReason(status.error_message()).c_str());
     return kExitUsage;
   }
   if (status.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
@@ -401,6 +503,7 @@ int RunReplay(const Args& args, const Globals& g) {
   }
   Globals target = g;
   target.endpoint = args.Get("to");
+  target.endpoint_flag = "--to";
   auto channel = Connect(target);
   if (!channel) return kExitUsage;
 
@@ -452,6 +555,8 @@ std::vector<Command> Commands() {
       "Lists alerts, one row per (alertname, run, layer) in its newest state: pending or firing\n"
       "by default, also resolved ones with --all. PROBABLE_CAUSE says \"(provisional)\" while the\n"
       "run's cause may still change (foreshock.v1.Query/ListAlerts).\n\n"
+      "An unknown RUN is an error (NOT_FOUND, status 1), as for series; a run without alerts\n"
+      "prints \"no active alerts\" (\"no alerts\" with --all), status 0.\n\n"
       "Options:\n"
       "  --run RUN  only this run\n"
       "  --all      include resolved alerts\n",
@@ -467,9 +572,11 @@ std::vector<Command> Commands() {
       "  <time>  step <step>  <alertname> run=<run> layer=<layer>  <from> -> <to>  value=...\n"
       "With --json, one AlertEvent per line (JSON lines). Ctrl-C (SIGINT) or SIGTERM ends it\n"
       "with status 0; if the daemon ends the stream, status is 1 (2 if it went away)\n"
-      "(foreshock.v1.Query/WatchAlerts with send_active).\n\n"
+      "(foreshock.v1.Query/WatchAlerts with send_active). watch does not wait for a daemon to\n"
+      "start: no daemon at the endpoint is status 2, as for every command. It does wait for a\n"
+      "run: --run may name a run that has not sent anything yet.\n\n"
       "Options:\n"
-      "  --run RUN  only this run\n",
+      "  --run RUN  only this run (known to the daemon or not)\n",
       "foreshockctl watch [--run RUN] [--json]",
       {{"run", true}},
       0,
@@ -546,6 +653,7 @@ void PrintCommandHelp(std::FILE* out, const Command& c) {
 }
 
 int Main(int argc, char** argv) {
+  gpr_set_log_function(GrpcLog);
   const std::vector<Command> commands = Commands();
   // The command is the first argument that is not a global option (or its value).
   int command_at = -1;

@@ -1,6 +1,11 @@
 #include "server/metrics.h"
 
+#include <spdlog/spdlog.h>
+
+#include <atomic>
 #include <string>
+
+#include "server/ingest/validation.h"
 
 namespace foreshock::server {
 namespace {
@@ -9,7 +14,52 @@ std::string Prefixed(std::string_view name) {
   return std::string(kMetricPrefix) + std::string(name);
 }
 
+// Record-level codes first, then stream-level, as in docs/DESIGN.md §3.2.
+constexpr std::string_view kRejectionReasons[] = {
+    reason::kMissingPayload,
+    reason::kUnknownDType,
+    reason::kBadShape,
+    reason::kByteLengthMismatch,
+    reason::kShapeMismatch,
+    reason::kShapeOverLimit,
+    reason::kLayerOutOfRange,
+    reason::kHeadsMismatch,
+    reason::kBadSeqLen,
+    reason::kBadTopK,
+    reason::kExpertsMismatch,
+    reason::kNotMoeLayer,
+    reason::kBadId,
+    reason::kNonIncreasingSeq,
+    reason::kNegativeStep,
+    reason::kTensorTooLarge,
+    reason::kTooManyLayers,
+    reason::kStepOutOfRange,
+    reason::kTooManyProbeIds,
+    reason::kBatchBeforeHello,
+    reason::kDuplicateHello,
+    reason::kBadHello,
+    reason::kEmptyRequest,
+    "malformed_request",  // kMalformedRequest, private to ingest_service.cc
+    reason::kTooManyStreams,
+    reason::kTooManyStreamsForTenant,
+    reason::kTooManyRuns,
+    reason::kMessageTooLarge,
+    reason::kMemoryLimit,
+    reason::kDiskFull,
+    reason::kStoreUnavailable,
+    reason::kHelloTimeout,
+    reason::kStreamIdleTimeout,
+};
+
 }  // namespace
+
+std::span<const std::string_view> RejectionReasons() { return kRejectionReasons; }
+
+const prometheus::Histogram::BucketBoundaries& DaemonMetrics::DetectorSecondsBuckets() {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {
+      1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1};
+  return kBuckets;
+}
 
 DaemonMetrics::DaemonMetrics(prometheus::Registry& registry, bool per_head_metrics)
     :
@@ -29,6 +79,8 @@ DaemonMetrics::DaemonMetrics(prometheus::Registry& registry, bool per_head_metri
   // Label-free series exist from the start, so that rate() and dashboards see 0, not absence.
   ingest_bytes_total.Add({});
   ingest_streams_total.Add({});
+  ingest_duplicate_batches_total.Add({});
+  watch_events_dropped_total.Add({});
   ingest_active_streams.Add({});
   streams_waiting_for_queue.Add({});
   queue_bytes.Add({});
@@ -37,7 +89,17 @@ DaemonMetrics::DaemonMetrics(prometheus::Registry& registry, bool per_head_metri
     records_accepted_[i] = &ingest_records_total.Add({{"kind", kind}});
     samples_processed_[i] = &samples_processed_total.Add({{"kind", kind}});
   }
+  for (std::string_view outcome : kAlertPointOutcomes) {
+    alert_points_total.Add({{"outcome", std::string(outcome)}});
+  }
+  for (std::string_view code : kRejectionReasons) {
+    rejections_.emplace(std::string(code), &ingest_rejected_total.Add({{"reason", std::string(code)}}));
+  }
   for (const detectors::DetectorInfo& detector : detectors::DetectorRegistry::Instance().detectors()) {
+    const prometheus::Labels labels{{"detector", std::string(detector.name)}};
+    detectors_.emplace(std::string(detector.name),
+                       DetectorSeries{&detector_seconds.Add(labels, DetectorSecondsBuckets()),
+                                      &detector_errors_total.Add(labels)});
     for (const detectors::SignalSpec& spec : detector.signals) {
       auto& family = prometheus::BuildGauge()
                          .Name(Prefixed(spec.name))
@@ -53,15 +115,18 @@ prometheus::Family<prometheus::Gauge>* DaemonMetrics::signal(std::string_view na
   return it == signals_.end() ? nullptr : it->second.family;
 }
 
-void DaemonMetrics::ExportObservation(const std::string& run,
+bool DaemonMetrics::ExportObservation(const std::string& run,
                                       const detectors::Observation& observation) {
   auto it = signals_.find(observation.signal);
-  if (it == signals_.end()) return;
+  if (it == signals_.end()) return false;
   const bool per_head = observation.head != detectors::kAllHeads;
-  if (per_head && !per_head_metrics_) return;
+  if (per_head && !per_head_metrics_) return false;
   prometheus::Labels labels{{"run", run}};
   switch (it->second.spec->scope) {
     case detectors::SignalScope::kRun:
+      // Run-level values in the head slot are one rank's step scalars
+      // (server/pipeline/rank_scalars.h).
+      if (per_head) labels.emplace("rank", std::to_string(observation.head));
       break;
     case detectors::SignalScope::kRunBlock:
       labels.emplace("block", std::to_string(observation.layer));
@@ -73,10 +138,37 @@ void DaemonMetrics::ExportObservation(const std::string& run,
       break;
   }
   it->second.family->Add(labels).Set(observation.value);
+  return true;
 }
 
 void DaemonMetrics::CountRejection(std::string_view reason_code, double n) {
+  if (auto it = rejections_.find(reason_code); it != rejections_.end()) {
+    it->second->Increment(n);
+    return;
+  }
+  static std::atomic<bool> warned{false};
+  if (!warned.exchange(true)) {
+    spdlog::error("rejection code '{}' is missing from RejectionReasons() (server/metrics.cc)",
+                  std::string(reason_code));
+  }
   ingest_rejected_total.Add({{"reason", std::string(reason_code)}}).Increment(n);
+}
+
+void DaemonMetrics::AddRun(const std::string& run) {
+  for (size_t i = 0; i < kSampleKinds; ++i) {
+    nonfinite_values_total.Add(
+        {{"run", run}, {"kind", detectors::SampleKindName(static_cast<detectors::SampleKind>(i))}});
+  }
+}
+
+prometheus::Histogram* DaemonMetrics::detector_time(std::string_view detector) const {
+  auto it = detectors_.find(detector);
+  return it == detectors_.end() ? nullptr : it->second.time;
+}
+
+prometheus::Counter* DaemonMetrics::detector_errors(std::string_view detector) const {
+  auto it = detectors_.find(detector);
+  return it == detectors_.end() ? nullptr : it->second.errors;
 }
 
 }  // namespace foreshock::server

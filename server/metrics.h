@@ -3,8 +3,10 @@
 // registry, so a new detector needs no change here.
 #pragma once
 
+#include <array>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -83,6 +85,21 @@ namespace foreshock::server {
 
 inline constexpr std::string_view kMetricPrefix = "foreshock_";
 
+// Known label values. Their series are exported at 0 before the first event
+// (Prometheus practice), so that rate(), increase() and absent() see a 0 from
+// the daemon's start instead of nothing, and an alert on the first event
+// fires. docs/DESIGN.md §4.5 says which series exist when.
+//
+// foreshock_ingest_rejected_total{reason}: every code ingest can count
+// (docs/DESIGN.md §3.2). tests/server/metrics_test.cc checks it against the
+// codes declared in server/ingest/validation.h and ingest_service.cc.
+std::span<const std::string_view> RejectionReasons();
+// foreshock_alertmanager_posts_total{result}, with --alertmanager_url.
+inline constexpr std::array<std::string_view, 2> kAlertmanagerPostResults = {"ok", "error"};
+// foreshock_alert_points_total{outcome}.
+inline constexpr std::array<std::string_view, 4> kAlertPointOutcomes = {"scored", "stale",
+                                                                        "duplicate", "nonfinite"};
+
 class DaemonMetrics {
  public:
   DaemonMetrics(prometheus::Registry& registry, bool per_head_metrics);
@@ -101,11 +118,24 @@ class DaemonMetrics {
   // foreshock_qk_increment_entropy; nullptr for an unknown signal.
   prometheus::Family<prometheus::Gauge>* signal(std::string_view name) const;
   // Exports one detector observation with the labels its scope calls for.
-  // Per-head values are exported only with --per_head_metrics.
-  void ExportObservation(const std::string& run, const detectors::Observation& observation);
+  // Per-head values are exported only with --per_head_metrics. False when
+  // nothing was exported (an unknown signal, or a head without the flag).
+  bool ExportObservation(const std::string& run, const detectors::Observation& observation);
 
   // Rejections are counted in one place so that reason codes stay consistent.
+  // A code missing from RejectionReasons() is still counted (and logged once).
   void CountRejection(std::string_view reason_code, double n = 1);
+
+  // The series of a run that exist from its first Hello, at 0:
+  // foreshock_nonfinite_values_total{run, kind} for every sample kind.
+  void AddRun(const std::string& run);
+
+  // Per-detector series, resolved once (every sample bumps them). Null for a
+  // detector that is not in the registry.
+  prometheus::Histogram* detector_time(std::string_view detector) const;
+  prometheus::Counter* detector_errors(std::string_view detector) const;
+  // Buckets of foreshock_detector_seconds.
+  static const prometheus::Histogram::BucketBoundaries& DetectorSecondsBuckets();
 
   // Per-kind counters resolved once: they are bumped for every record, and a
   // family lookup hashes the labels under a lock.
@@ -123,7 +153,14 @@ class DaemonMetrics {
   };
   static constexpr size_t kSampleKinds = 4;
   bool per_head_metrics_;
+  struct DetectorSeries {
+    prometheus::Histogram* time;
+    prometheus::Counter* errors;
+  };
   std::map<std::string, SignalFamily, std::less<>> signals_;
+  // Filled in the constructor and never changed: read without a lock.
+  std::map<std::string, DetectorSeries, std::less<>> detectors_;
+  std::map<std::string, prometheus::Counter*, std::less<>> rejections_;
   prometheus::Counter* records_accepted_[kSampleKinds];
   prometheus::Counter* samples_processed_[kSampleKinds];
 };

@@ -44,17 +44,44 @@ void ExportSink::OnSampleDone(const detectors::Sample& sample) {
   samples_processed_.fetch_add(1);
 }
 
+size_t ExportSink::RestoreGauges() {
+  size_t restored = 0;
+  for (const store::RunInfo& run : store_.ListRuns()) {
+    for (const store::SeriesInfo& series : store_.ListSeries(run.run)) {
+      // Several points share the highest step when a run resumed from a
+      // checkpoint; the last one stored is the last one exported.
+      const std::vector<Point> last = store_.Range(series.key, series.last_step, series.last_step);
+      if (last.empty()) continue;
+      detectors::Observation observation;
+      observation.signal = series.key.signal;
+      observation.layer = series.key.layer;
+      observation.head = series.key.head;
+      observation.value = last.back().value;
+      if (metrics_.ExportObservation(run.run, observation)) ++restored;
+    }
+  }
+  return restored;
+}
+
 void ExportSink::OnDetectorTime(std::string_view detector, double seconds) {
-  static const prometheus::Histogram::BucketBoundaries kBuckets = {
-      1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1};
-  metrics_.detector_seconds.Add({{"detector", std::string(detector)}}, kBuckets).Observe(seconds);
+  if (prometheus::Histogram* time = metrics_.detector_time(detector)) {
+    time->Observe(seconds);
+    return;
+  }
+  metrics_.detector_seconds
+      .Add({{"detector", std::string(detector)}}, DaemonMetrics::DetectorSecondsBuckets())
+      .Observe(seconds);
 }
 
 void ExportSink::OnDetectorError(std::string_view detector, const detectors::Sample& sample,
                                  const char* what) {
   spdlog::error("detector {} failed on a sample of run {} step {}: {}", detector, sample.run,
                 sample.step, what);
-  metrics_.detector_errors_total.Add({{"detector", std::string(detector)}}).Increment();
+  if (prometheus::Counter* errors = metrics_.detector_errors(detector)) {
+    errors->Increment();
+  } else {
+    metrics_.detector_errors_total.Add({{"detector", std::string(detector)}}).Increment();
+  }
 }
 
 }  // namespace foreshock::server

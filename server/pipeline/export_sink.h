@@ -26,6 +26,13 @@ class ExportSink final : public ObservationSink {
 
   uint64_t samples_processed() const { return samples_processed_.load(); }
 
+  // Sets the signal gauges of every run in the store to the value at each
+  // series' highest stored step, so that after a restart the gauges of runs
+  // that do not stream again are there, as they were before it, next to
+  // their run_info, last_step and restored alert_active series. Called once
+  // at startup, before ingest. Returns the number of gauges set.
+  size_t RestoreGauges();
+
  private:
   DaemonMetrics& metrics_;
   SeriesStore& store_;

@@ -112,7 +112,15 @@ AuthMetrics::AuthMetrics(prometheus::Registry& registry)
                    .Help("Requests refused by --token_file authorization, by API (grpc_ingest, "
                          "grpc_query, http) and reason (unauthenticated: token missing or "
                          "unknown; permission_denied: the token does not cover the run or right)")
-                   .Register(registry)) {}
+                   .Register(registry)) {
+  // Every API and reason at 0 from the start (known label values,
+  // server/metrics.h). The APIs are the names AccessCheck's callers pass.
+  for (const char* api : {"grpc_ingest", "grpc_query", "http"}) {
+    for (const char* reason : {"unauthenticated", "permission_denied"}) {
+      family_->Add({{"api", api}, {"reason", reason}});
+    }
+  }
+}
 
 void AuthMetrics::Denied(std::string_view api, bool unauthenticated) {
   family_

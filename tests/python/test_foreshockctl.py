@@ -1,10 +1,13 @@
 """foreshockctl against a real foreshockd: usage and exit codes, the
-unreachable-daemon error, `alerts --json`, `watch` until SIGINT, `runs`, and
-`series --csv` rows against the points sent."""
+unreachable-daemon error (at once for a refused connection, after --timeout_s
+for a silent endpoint), `alerts --json`, NOT_FOUND for an unknown run,
+`watch` until SIGINT, `runs`, and `series --csv` rows against the points
+sent."""
 import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -62,19 +65,48 @@ def nan_qk_batch(seq, step):
 
 # ---------------------------------------------------------------- no daemon
 
-@pytest.mark.parametrize("command", [
-    ["runs"], ["alerts"], ["alerts", "--all", "--json"], ["series", "r", "loss", "--csv"],
-    ["watch"]])
-def test_unreachable_daemon_is_one_line_and_exit_2(command):
-    endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
+UNREACHABLE_COMMANDS = [
+    ["runs"], ["alerts"], ["alerts", "--all", "--json"], ["alerts", "--run", "r"],
+    ["series", "r", "loss", "--csv"], ["watch"], ["watch", "--run", "r", "--json"]]
+
+
+@pytest.mark.parametrize("command", UNREACHABLE_COMMANDS)
+def test_refused_connection_fails_at_once_in_one_line_exit_2(command):
+    # Nothing listens there: the connection is refused, and that is the answer
+    # at once, whatever --timeout_s (default 10 s) says.
+    endpoint = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
-    out = ctl(*command, "--endpoint", endpoint, "--timeout_s", "1")
+    out = ctl(*command, "--endpoint", endpoint)
+    took = time.monotonic() - started
     assert out.returncode == 2, out
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
     assert endpoint in lines[0] and "cannot reach foreshockd" in lines[0], lines[0]
+    assert "connection refused" in lines[0], lines[0]
     assert out.stdout == ""
-    assert time.monotonic() - started < 10
+    assert took < 3, f"{command}: a refused connection took {took:.2f}s to report"
+
+
+@pytest.fixture
+def silent_endpoint():
+    """A port that accepts TCP connections (into the listen backlog) and never
+    says anything: the connection neither completes nor fails."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("command", [["runs"], ["alerts", "--run", "r"], ["watch"]])
+def test_silent_endpoint_is_waited_for_up_to_timeout_s(silent_endpoint, command):
+    started = time.monotonic()
+    out = ctl(*command, "--endpoint", silent_endpoint, "--timeout_s", "2")
+    took = time.monotonic() - started
+    assert out.returncode == 2, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert silent_endpoint in lines[0] and "no connection within 2 s" in lines[0], lines[0]
+    assert 1.8 <= took < 8, took
 
 
 def test_replay_into_an_unreachable_daemon_exits_2(tmp_path):
@@ -82,9 +114,13 @@ def test_replay_into_an_unreachable_daemon_exits_2(tmp_path):
     path = tmp_path / "empty.fsrec"
     path.write_bytes(b"FSHKREC1" + (1).to_bytes(4, "little") + bytes(4))
     endpoint = f"127.0.0.1:{free_port()}"
-    out = ctl("replay", path, "--to", endpoint, "--timeout_s", "1")
+    started = time.monotonic()
+    out = ctl("replay", path, "--to", endpoint)
     assert out.returncode == 2, out
-    assert endpoint in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and endpoint in lines[0] and "connection refused" in lines[0], out
+    assert "--to" in lines[0], lines[0]  # the option that names the address
+    assert time.monotonic() - started < 3
 
 
 def test_usage_errors_exit_2_and_help_exits_0(tmp_path):
@@ -170,8 +206,27 @@ def test_alerts_json_table_and_watch(foreshockd):
     # Columns line up: every row starts each column where the header does.
     assert rows[0].index("ForeshockNonFinite") == header.index("ALERTNAME")
 
-    out = ctl("alerts", "--json", "--run", "no-such-run", "--endpoint", endpoint)
-    assert json.loads(out.stdout) == {"alerts": []}
+    # An unknown run is NOT_FOUND, as for series: one line, the same status.
+    series = ctl("series", "no-such-run", "loss", "--endpoint", endpoint)
+    assert series.returncode == 1 and "NOT_FOUND" in series.stderr, series
+    for extra in ([], ["--json"], ["--all"]):
+        out = ctl("alerts", "--run", "no-such-run", *extra, "--endpoint", endpoint)
+        assert out.returncode == series.returncode, out
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and "NOT_FOUND" in lines[0] and "no-such-run" in lines[0], out
+        assert out.stdout == ""
+    # A known run without alerts: an empty answer, status 0. "quiet-run" sent
+    # finite scalars; "hello-only-run" only its Hello.
+    assert sum(a.accepted for a in stream(endpoint, "quiet-run",
+                                          [scalars_batch(1, range(5), lambda s: 2.0)])) == 5
+    stream(endpoint, "hello-only-run", [])
+    for run in ("quiet-run", "hello-only-run"):
+        out = ctl("alerts", "--run", run, "--endpoint", endpoint)
+        assert out.returncode == 0 and out.stdout == "no active alerts\n", out
+        out = ctl("alerts", "--run", run, "--all", "--endpoint", endpoint)
+        assert out.returncode == 0 and out.stdout == "no alerts\n", out
+        out = ctl("alerts", "--run", run, "--json", "--endpoint", endpoint)
+        assert out.returncode == 0 and json.loads(out.stdout) == {"alerts": []}, out
 
     # A watch that the daemon ends (it shuts down) exits non-zero.
     watch = subprocess.Popen([foreshockctl_binary(), "watch", "--endpoint", endpoint],

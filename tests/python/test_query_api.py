@@ -141,3 +141,56 @@ def test_http_json_api_gives_the_same_answers(daemon):
     assert status == 200
     assert [(a["alertname"], a["first_step"]) for a in alerts["alerts"]] == \
         [("ForeshockNonFinite", "417")]
+
+
+def _hello_only(daemon, run):
+    """A stream with a Hello and nothing else: the daemon has seen the run, but
+    the store holds no series of it and it has no alerts."""
+    hello = ingest_pb2.StreamRequest(hello=ingest_pb2.Hello(run_id=run, job="query-job"))
+    with grpc.insecure_channel(daemon.endpoint) as channel:
+        responses = list(ingest_pb2_grpc.IngestStub(channel).Stream(iter([hello]), timeout=30))
+    assert any(r.HasField("hello_ack") for r in responses), responses
+
+
+def test_list_alerts_of_an_unknown_run_is_not_found_like_series(daemon):
+    stub = _stub(daemon)
+    for include_resolved in (False, True):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ListAlerts(query_pb2.ListAlertsRequest(run="nope", include_resolved=include_resolved),
+                            timeout=30)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "nope" in e.value.details()
+    # The same code and text as ListSeries gives for that run.
+    with pytest.raises(grpc.RpcError) as series_error:
+        stub.ListSeries(query_pb2.ListSeriesRequest(run="nope"), timeout=30)
+    assert series_error.value.details() == e.value.details()
+
+    # A known run: its alerts, active ones (none: ForeshockNonFinite resolved)...
+    assert list(stub.ListAlerts(query_pb2.ListAlertsRequest(run="q-run"), timeout=30).alerts) == []
+    got = stub.ListAlerts(query_pb2.ListAlertsRequest(run="q-run", include_resolved=True),
+                          timeout=30).alerts
+    assert [a.alertname for a in got] == ["ForeshockNonFinite"]
+    # ...a run with a Hello only: known, no alerts, an empty list...
+    _hello_only(daemon, "q-hello-only")
+    assert list(stub.ListAlerts(query_pb2.ListAlertsRequest(run="q-hello-only"),
+                                timeout=30).alerts) == []
+    # ...and every run: never NOT_FOUND.
+    stub.ListAlerts(query_pb2.ListAlertsRequest(include_resolved=True), timeout=30)
+
+
+def test_http_alerts_of_an_unknown_run_is_404_like_series(daemon):
+    status, error = _http(daemon, "/api/v1/alerts?run=nope")
+    assert status == 404, (status, error)
+    assert set(error) == {"code", "error"} and error["code"] == "NOT_FOUND"
+    assert "nope" in error["error"]
+    assert _http(daemon, "/api/v1/series?run=nope") == (status, error)
+    status, error = _http(daemon, "/api/v1/alerts?run=nope&include_resolved=true")
+    assert status == 404 and error["code"] == "NOT_FOUND"
+
+    # A known run without active alerts: 200 and an empty list; every run: 200.
+    assert _http(daemon, "/api/v1/alerts?run=q-run") == (200, {"alerts": []})
+    _hello_only(daemon, "q-hello-only-http")
+    assert _http(daemon, "/api/v1/alerts?run=q-hello-only-http&include_resolved=true") == \
+        (200, {"alerts": []})
+    status, alerts = _http(daemon, "/api/v1/alerts")
+    assert status == 200
