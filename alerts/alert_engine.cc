@@ -61,13 +61,17 @@ Alert::KeyValues Alert::Labels() const {
 }
 
 Alert::KeyValues Alert::Annotations() const {
-  return {{"description", description},
-          {"first_step", std::to_string(first_step)},
-          {"probable_cause", probable_cause},
-          {"probable_cause_evidence", probable_cause_evidence},
-          {"probable_cause_status", probable_cause_settled ? "settled" : "provisional"},
-          {"suggested_action", suggested_action},
-          {"summary", summary}};
+  KeyValues out = {{"description", description},
+                   {"first_step", std::to_string(first_step)},
+                   {"probable_cause", probable_cause},
+                   {"probable_cause_evidence", probable_cause_evidence},
+                   {"probable_cause_status", probable_cause_settled ? "settled" : "provisional"}};
+  // Only on alerts the run's lifecycle resolved, so that other alerts carry
+  // exactly the annotations they always had.
+  if (!resolved_reason.empty()) out.emplace_back("resolved_reason", resolved_reason);
+  out.emplace_back("suggested_action", suggested_action);
+  out.emplace_back("summary", summary);
+  return out;
 }
 
 // ---------------------------------------------------------------------------
@@ -117,6 +121,8 @@ struct AlertEngine::RunState {
   // layers independently, so the slowest of them says up to which step the
   // engine has seen everything (the settle watermark).
   std::map<int, int64_t> layer_steps;
+
+  LifecycleMark lifecycle;  // stored for the server (LifecycleMark)
 
   RunState() {
     family_onset.fill(-1);
@@ -252,6 +258,7 @@ void AlertEngine::Evaluate(RunState& run, AlertRecord& record, const Series& tri
   auto open_episode = [&] {
     ++alert.episode;
     alert.pending_step = alert.firing_step = alert.resolved_step = -1;
+    alert.resolved_reason.clear();
   };
   // Labels and the values that fired come from the series that moved the alert.
   auto take_labels_from = [&](const Series& series, const ChangeAssessment& a, bool confirmed) {
@@ -466,6 +473,17 @@ void AlertEngine::MaybeSettleCause(RunState& run, int64_t step,
   DeriveCause(run, settle_step);
   run.cause_settled = true;
   ReannotateRun(run, nullptr, step, out);
+  // An alert that resolved after settle_step was active at settle_step: in
+  // step order it would have received the settled cause before resolving.
+  // With several workers one layer may run ahead and resolve it first, so give
+  // it the settled diagnosis here, and the result does not depend on the
+  // order the workers delivered the layers in. (Its resolved transition was
+  // already delivered; this is what ListAlerts shows for it.)
+  for (auto& [key, record] : run.alerts) {
+    if (record.alert.state == AlertState::kResolved && record.alert.resolved_step > settle_step) {
+      RefreshCause(run, record, /*include_resolved=*/true);
+    }
+  }
 }
 
 void AlertEngine::RecordLearningRate(RunState& run, int64_t step, double lr) {
@@ -484,10 +502,14 @@ void AlertEngine::RecordLearningRate(RunState& run, int64_t step, double lr) {
   }
 }
 
-bool AlertEngine::RefreshCause(const RunState& run, AlertRecord& record) const {
+bool AlertEngine::RefreshCause(const RunState& run, AlertRecord& record,
+                               bool include_resolved) const {
   Alert& alert = record.alert;
   // Resolved and inactive alerts keep the diagnosis they were delivered with.
-  if (alert.state != AlertState::kPending && alert.state != AlertState::kFiring) return false;
+  if (alert.state != AlertState::kPending && alert.state != AlertState::kFiring &&
+      !(include_resolved && alert.state == AlertState::kResolved)) {
+    return false;
+  }
   int64_t rollback = alert.first_step;
   if (run.mechanism_onset >= 0 && (rollback < 0 || run.mechanism_onset < rollback)) {
     rollback = run.mechanism_onset;
@@ -523,6 +545,7 @@ std::vector<AlertTransition> AlertEngine::ObserveNonFinite(const NonFiniteEvent&
   ++alert.episode;
   alert.state = AlertState::kFiring;
   alert.pending_step = alert.resolved_step = -1;
+  alert.resolved_reason.clear();
   alert.firing_step = event.step;
   alert.first_step = event.step;
   alert.signal = std::string(kNonFiniteSignal);
@@ -620,6 +643,87 @@ std::vector<AlertTransition> AlertEngine::ForgetRun(std::string_view run) {
 }
 
 // ---------------------------------------------------------------------------
+// Run lifecycle.
+
+std::vector<AlertTransition> AlertEngine::CloseEpisodes(std::string_view run_name,
+                                                        std::string_view reason) {
+  std::vector<AlertTransition> out;
+  const auto it = runs_.find(run_name);
+  if (it == runs_.end()) return out;
+  RunState& run = *it->second;
+  const int64_t step = run.latest_step;
+  for (auto& [key, record] : run.alerts) {
+    Alert& alert = record.alert;
+    const AlertState from = alert.state;
+    if (from == AlertState::kFiring) {
+      alert.state = AlertState::kResolved;
+      alert.resolved_step = step;
+    } else if (from == AlertState::kPending) {
+      alert.state = AlertState::kInactive;
+    } else {
+      continue;
+    }
+    alert.resolved_reason = std::string(reason);
+    out.push_back(AlertTransition{alert, from, alert.state, step});
+  }
+  for (auto& [signal, by_layer] : run.series) {
+    for (auto& [layer, series] : by_layer) series.detector.ResetEpisode();
+  }
+  // ForeshockNonFinite opens again only on a new non-finite value.
+  run.last_nonfinite_step = -1;
+  run.clean_steps = 0;
+  return out;
+}
+
+std::vector<AlertTransition> AlertEngine::RewindRun(std::string_view run_name, int64_t from_step) {
+  std::vector<AlertTransition> out = CloseEpisodes(run_name, kRunResumed);
+  const auto it = runs_.find(run_name);
+  if (it == runs_.end()) return out;
+  RunState& run = *it->second;
+  const bool replays = run.latest_step >= from_step;  // else the run just goes on
+  for (auto& [signal, by_layer] : run.series) {
+    for (auto& [layer, series] : by_layer) series.detector.Rewind(from_step);
+  }
+  while (!run.learning_rate.empty() && run.learning_rate.back().first >= from_step) {
+    run.learning_rate.pop_back();
+  }
+  run.latest_step = std::min(run.latest_step, from_step - 1);
+  for (auto& [layer, layer_step] : run.layer_steps) layer_step = std::min(layer_step, from_step - 1);
+  run.last_clean_step = std::min(run.last_clean_step, from_step - 1);
+  if (run.first_firing && run.first_firing->firing_step >= from_step) run.first_firing.reset();
+  // Evidence from the replayed steps belongs to a timeline that no longer exists.
+  bool evidence_changed = false;
+  for (size_t f = 0; f < kFamilyCount; ++f) {
+    if (run.family_onset[f] >= from_step || run.family_fired_step[f] >= from_step) {
+      run.family_onset[f] = run.family_fired_step[f] = -1;
+      evidence_changed = true;
+    }
+  }
+  // A settled cause rests on every layer up to onset + settle_steps: if that
+  // reaches into the replayed steps it is open again.
+  if (replays && run.cause_settled &&
+      run.mechanism_onset + config_.probable_cause.settle_steps >= from_step) {
+    run.cause_settled = false;
+    evidence_changed = true;
+  }
+  if (evidence_changed && !run.cause_settled) {
+    run.cause = ProbableCause::kUnknown;
+    run.cause_evidence.clear();
+    DeriveCause(run);
+  }
+  return out;
+}
+
+LifecycleMark AlertEngine::GetLifecycleMark(std::string_view run) const {
+  const auto it = runs_.find(run);
+  return it == runs_.end() ? LifecycleMark{} : it->second->lifecycle;
+}
+
+void AlertEngine::SetLifecycleMark(std::string_view run, const LifecycleMark& mark) {
+  GetRun(run).lifecycle = mark;
+}
+
+// ---------------------------------------------------------------------------
 // Checkpointing.
 //
 // Header "FSAE" v1
@@ -635,15 +739,18 @@ std::vector<AlertTransition> AlertEngine::ForgetRun(std::string_view run) {
 //   Bool has first firing [String alertname, I32 layer, String signal,
 //                          I64 firing_step, I64 first_step]
 //   I64 last_nonfinite_step, I64 last_clean_step, I32 clean_steps
+//   (v3) I32 lifecycle attempt, I64 rewound_to, Bool ended
 //   U64 series, each String signal, I32 layer, ChangeDetector state
-//   U64 alerts, each String alertname, I32 layer, the Alert (PutAlert),
+//   U64 alerts, each String alertname, I32 layer, the Alert (PutAlert; v3
+//     adds String resolved_reason),
 //     U64 feeding series + String signal of each, in the record's order
 //     (the order Evaluate scans them in)
 
 namespace {
 
 constexpr std::string_view kEngineStateMagic = "FSAE";
-constexpr uint32_t kEngineStateVersion = 2;
+constexpr uint32_t kEngineStateVersion = 3;
+constexpr uint32_t kEngineStateOldestVersion = 2;  // without the lifecycle (v3)
 
 // Every configuration value the engine's behaviour depends on.
 std::string ConfigFingerprint(const AlertConfig& config) {
@@ -701,9 +808,10 @@ void PutAlert(codec::StateWriter& w, const Alert& a) {
   w.PutDouble(a.value);
   w.PutDouble(a.baseline);
   w.PutDouble(a.z);
+  w.PutString(a.resolved_reason);
 }
 
-bool GetAlert(codec::StateReader& r, Alert& a) {
+bool GetAlert(codec::StateReader& r, Alert& a, uint32_t version) {
   for (std::string* text : {&a.alertname, &a.run, &a.layer, &a.signal, &a.severity, &a.summary,
                             &a.description, &a.probable_cause, &a.suggested_action}) {
     if (!r.GetString(*text)) return false;
@@ -715,6 +823,7 @@ bool GetAlert(codec::StateReader& r, Alert& a) {
       !r.GetDouble(a.value) || !r.GetDouble(a.baseline) || !r.GetDouble(a.z)) {
     return false;
   }
+  if (version >= 3 && !r.GetString(a.resolved_reason)) return false;
   if (state > static_cast<uint8_t>(AlertState::kResolved)) return r.Fail("unknown alert state");
   a.state = static_cast<AlertState>(state);
   return true;
@@ -763,6 +872,9 @@ std::string AlertEngine::SaveState() const {
     w.PutI64(run.last_nonfinite_step);
     w.PutI64(run.last_clean_step);
     w.PutI32(run.clean_steps);
+    w.PutI32(run.lifecycle.attempt);
+    w.PutI64(run.lifecycle.rewound_to);
+    w.PutBool(run.lifecycle.ended);
 
     size_t series_count = 0;
     for (const auto& [signal, by_layer] : run.series) series_count += by_layer.size();
@@ -790,6 +902,7 @@ bool AlertEngine::RestoreState(std::string_view bytes, std::string* error) {
   codec::StateReader r(bytes);
   std::map<std::string, std::unique_ptr<RunState>, std::less<>> runs;
   AlertEngineCounters counters;
+  uint32_t version = 0;
 
   auto read_run = [&](RunState& run) -> bool {
     uint32_t families = 0;
@@ -841,6 +954,15 @@ bool AlertEngine::RestoreState(std::string_view bytes, std::string* error) {
       return false;
     }
     run.clean_steps = clean_steps;
+    if (version >= 3) {
+      int32_t attempt = 0;
+      if (!r.GetI32(attempt) || !r.GetI64(run.lifecycle.rewound_to) ||
+          !r.GetBool(run.lifecycle.ended)) {
+        return false;
+      }
+      if (attempt < 1) return r.Fail("lifecycle attempt below 1");
+      run.lifecycle.attempt = attempt;
+    }
 
     uint64_t series_count = 0;
     if (!r.GetCount(series_count)) return false;
@@ -867,7 +989,7 @@ bool AlertEngine::RestoreState(std::string_view bytes, std::string* error) {
       AlertRecord& record = it->second;
       record.layer = layer;
       uint64_t feeding = 0;
-      if (!GetAlert(r, record.alert) || !r.GetCount(feeding)) return false;
+      if (!GetAlert(r, record.alert, version) || !r.GetCount(feeding)) return false;
       for (uint64_t j = 0; j < feeding; ++j) {
         std::string signal;
         if (!r.GetString(signal)) return false;
@@ -892,10 +1014,9 @@ bool AlertEngine::RestoreState(std::string_view bytes, std::string* error) {
   };
 
   auto read = [&]() -> bool {
-    uint32_t version = 0;
     std::string_view fingerprint;
     uint64_t run_count = 0;
-    if (!r.GetHeader(kEngineStateMagic, kEngineStateVersion, kEngineStateVersion, version) ||
+    if (!r.GetHeader(kEngineStateMagic, kEngineStateOldestVersion, kEngineStateVersion, version) ||
         !r.GetStringView(fingerprint)) {
       return false;
     }

@@ -58,7 +58,8 @@
 // ## Threading
 //
 // Thread-compatible, not thread-safe: const methods may run concurrently
-// with each other, but not with Observe/ObserveNonFinite/ForgetRun. All
+// with each other, but not with Observe/ObserveNonFinite/ForgetRun and the
+// lifecycle methods (CloseEpisodes, RewindRun, SetLifecycleMark). All
 // state is partitioned by run, so the server may either call one engine
 // under one mutex, or run one engine per shard as long as every point and
 // event of a run (layer-level AND run-level) reaches the same shard; the
@@ -111,6 +112,21 @@ inline constexpr std::string_view kRunLevelLayer = "all";
 inline constexpr std::string_view kNonFiniteSignal = "nonfinite_values";
 // The run-level signal the trainer streams its learning rate as (StepScalars.lr).
 inline constexpr std::string_view kLearningRateSignal = "lr";
+// Alert::resolved_reason values (public contract: the annotation and
+// foreshock.v1.Alert.resolved_reason).
+inline constexpr std::string_view kRunEnded = "run_ended";
+inline constexpr std::string_view kRunResumed = "run_resumed";
+
+// What of the server's run lifecycle (server/pipeline/run_lifecycle.h) the
+// engine's state already reflects. The engine only stores it, with its
+// checkpoint, so that a restarted daemon re-applies exactly what the
+// checkpoint missed.
+struct LifecycleMark {
+  int32_t attempt = 1;       // the attempt whose start (CloseEpisodes) was applied
+  int64_t rewound_to = -1;   // that attempt's RewindRun step; -1: none yet
+  bool ended = false;        // the run's end (CloseEpisodes with kRunEnded) was applied
+  bool operator==(const LifecycleMark&) const = default;
+};
 
 struct Alert {
   // Labels (docs/DESIGN.md §5.4).
@@ -138,12 +154,15 @@ struct Alert {
   double value = std::numeric_limits<double>::quiet_NaN();
   double baseline = std::numeric_limits<double>::quiet_NaN();
   double z = std::numeric_limits<double>::quiet_NaN();
+  // Set when the run's lifecycle, not its signals, ended the episode:
+  // kRunEnded or kRunResumed (docs/DESIGN.md §5.3). Empty otherwise.
+  std::string resolved_reason;
 
   using KeyValues = std::vector<std::pair<std::string, std::string>>;
   // Sorted by name: alertname, layer, run, severity, signal.
   KeyValues Labels() const;
   // Sorted by name: description, first_step, probable_cause, probable_cause_evidence,
-  // probable_cause_status, suggested_action, summary.
+  // probable_cause_status, [resolved_reason, only when set,] suggested_action, summary.
   KeyValues Annotations() const;
 };
 
@@ -200,6 +219,24 @@ class AlertEngine {
   // pending -> inactive, at the run's latest step) so they can be delivered.
   std::vector<AlertTransition> ForgetRun(std::string_view run);
 
+  // Run lifecycle (docs/DESIGN.md §5.3). CloseEpisodes ends every open
+  // episode of `run` because the run ended or restarted (`reason`: kRunEnded
+  // or kRunResumed): firing -> resolved, pending -> inactive, at the run's
+  // latest step, with Alert::resolved_reason set; every series starts a new
+  // episode (ChangeDetector::ResetEpisode) and keeps its baseline, so a
+  // fault that is still there fires again as a new episode. The alerts stay
+  // listed (AllAlerts).
+  std::vector<AlertTransition> CloseEpisodes(std::string_view run, std::string_view reason);
+  // A run resumed from a checkpoint at `from_step`: CloseEpisodes(kRunResumed),
+  // then everything learned at steps >= from_step is forgotten, since the
+  // resumed attempt replays those steps: the series' samples
+  // (ChangeDetector::Rewind), the learning-rate history, the per-layer
+  // progress, and probable-cause evidence whose episode began or fired there
+  // (an unsettled or re-opened cause is derived again).
+  std::vector<AlertTransition> RewindRun(std::string_view run, int64_t from_step);
+  LifecycleMark GetLifecycleMark(std::string_view run) const;  // default for an unknown run
+  void SetLifecycleMark(std::string_view run, const LifecycleMark& mark);
+
   const AlertConfig& config() const { return config_; }
   const AlertEngineCounters& counters() const { return counters_; }
 
@@ -223,8 +260,8 @@ class AlertEngine {
   // Restoring changes counters(): a caller exporting counter deltas must
   // take the restored values as its new baseline (or export them once).
   //
-  // Format: codec (detectors/state_codec.h), Header "FSAE" version 1; see
-  // alert_engine.cc for the layout.
+  // Format: codec (detectors/state_codec.h), Header "FSAE" version 3
+  // (version 2 is still read); see alert_engine.cc for the layout.
   std::string SaveState() const;
   bool RestoreState(std::string_view bytes, std::string* error = nullptr);
 
@@ -244,7 +281,8 @@ class AlertEngine {
   // re-annotates the run's alerts; firing alerts other than `fired` whose
   // annotations changed are appended to `out` as firing -> firing.
   void OnFired(RunState& run, AlertRecord& fired, int64_t step, std::vector<AlertTransition>& out);
-  bool RefreshCause(const RunState& run, AlertRecord& record) const;
+  bool RefreshCause(const RunState& run, AlertRecord& record,
+                    bool include_resolved = false) const;
   // RefreshCause for every alert of `run` but `skip`; firing ones whose
   // annotations changed are appended to `out` as firing -> firing at `step`.
   void ReannotateRun(RunState& run, const AlertRecord* skip, int64_t step,

@@ -93,6 +93,7 @@ ChangeAssessment ChangeDetector::Score(int64_t step, double value) {
   a.value = value;
   if (c.samples_seen <= options_.warmup) {
     PushBounded(c.history, value, history_capacity);
+    PushBounded(c.history_steps, step, history_capacity);
     a.disposition = ChangeAssessment::Disposition::kWarmup;
     a.state = c.state;
     return a;
@@ -152,12 +153,49 @@ ChangeAssessment ChangeDetector::Score(int64_t step, double value) {
     }
   }
   // The history (hence the baseline) is frozen while the series is anomalous.
-  if (c.state != SeriesState::kAnomalous) PushBounded(c.history, value, history_capacity);
+  if (c.state != SeriesState::kAnomalous) {
+    PushBounded(c.history, value, history_capacity);
+    PushBounded(c.history_steps, step, history_capacity);
+  }
 
   a.cusum = c.cusum;
   a.state = c.state;
   a.onset_step = c.onset_step;
   return a;
+}
+
+void ChangeDetector::ResetEpisode() {
+  core_.state = SeriesState::kNormal;
+  core_.onset_step = -1;
+  core_.cusum = 0;
+  core_.consecutive_normal = 0;
+  core_.flags.clear();
+  // A worse value for the latest step must not bring the old episode back.
+  before_last_step_ = core_;
+  last_.state = SeriesState::kNormal;
+  last_.onset_step = -1;
+  last_.anomalous_in_window = 0;
+  last_.cusum = 0;
+}
+
+void ChangeDetector::Rewind(int64_t from_step) {
+  ResetEpisode();
+  if (core_.samples_seen == 0 || core_.last_step < from_step) return;
+  // Steps only grow along the history, so the replayed samples are its tail.
+  size_t keep = core_.history.size();
+  while (keep > 0 && core_.history_steps[keep - 1] >= from_step) --keep;
+  const int64_t dropped = static_cast<int64_t>(core_.history.size() - keep);
+  core_.history.resize(keep);
+  core_.history_steps.resize(keep);
+  core_.samples_seen = std::max<int64_t>(static_cast<int64_t>(keep), core_.samples_seen - dropped);
+  // Steps before from_step were shared by both attempts and stay scored: a
+  // value for one of them is stale (or, at from_step - 1, a duplicate: NaN
+  // compares as not worse).
+  core_.last_step = from_step - 1;
+  before_last_step_ = core_;
+  last_ = ChangeAssessment{};
+  last_.step = core_.last_step;
+  last_.value = std::numeric_limits<double>::quiet_NaN();
 }
 
 std::optional<ChangeDetector::Baseline> ChangeDetector::ComputeBaseline() const {
@@ -221,22 +259,26 @@ ChangeDetector::Baseline ChangeDetector::FitWindow(size_t begin, size_t end) con
 // ---------------------------------------------------------------------------
 // Checkpointing.
 //
-// Core: Vector<double> history, U64 flags + per flag (I64 step, Bool
-// anomalous), I64 samples_seen, I64 last_step, Double cusum, I32
-// consecutive_normal, U8 state, I64 onset_step.
+// Core: Vector<double> history, [v2: U64 count + I64 step per history
+// value], U64 flags + per flag (I64 step, Bool anomalous), I64 samples_seen,
+// I64 last_step, Double cusum, I32 consecutive_normal, U8 state, I64
+// onset_step.
 // Assessment: U8 disposition, I64 step, Double value, baseline, scale, z,
 // cusum, relative_change, Bool change_flag, guard_flag, U8 state, I64
 // onset_step, I32 anomalous_in_window.
 
 namespace {
 
-constexpr uint8_t kChangeDetectorStateVersion = 1;
+constexpr uint8_t kChangeDetectorStateVersion = 2;
+constexpr uint8_t kChangeDetectorFirstVersion = 1;  // no history steps
 
 }  // namespace
 
 void ChangeDetector::SaveState(codec::StateWriter& writer) const {
   auto put_core = [&](const Core& c) {
     writer.PutVector(c.history);
+    writer.PutU64(c.history_steps.size());
+    for (int64_t step : c.history_steps) writer.PutI64(step);
     writer.PutU64(c.flags.size());
     for (const Flag& flag : c.flags) {
       writer.PutI64(flag.step);
@@ -278,9 +320,22 @@ bool ChangeDetector::RestoreState(codec::StateReader& reader) {
     state = static_cast<SeriesState>(byte);
     return true;
   };
+  uint8_t version = 0;
   auto get_core = [&](Core& c) {
     uint64_t flags = 0;
-    if (!reader.GetVector(c.history) || !reader.GetCount(flags, 9)) return false;
+    if (!reader.GetVector(c.history)) return false;
+    if (version >= 2) {
+      uint64_t steps = 0;
+      if (!reader.GetCount(steps, 8)) return false;
+      if (steps != c.history.size()) return reader.Fail("history steps do not match the history");
+      c.history_steps.resize(steps);
+      for (int64_t& step : c.history_steps) {
+        if (!reader.GetI64(step)) return false;
+      }
+    } else {
+      c.history_steps.assign(c.history.size(), std::numeric_limits<int64_t>::min());
+    }
+    if (!reader.GetCount(flags, 9)) return false;
     if (c.history.size() > history_capacity) return reader.Fail("history longer than window + gap");
     if (flags > flags_capacity) return reader.Fail("persistence window longer than persist_n");
     c.flags.clear();
@@ -305,10 +360,10 @@ bool ChangeDetector::RestoreState(codec::StateReader& reader) {
     return true;
   };
   auto read = [&](Core& core, Core& before, ChangeAssessment& a) {
-    uint8_t version = 0, disposition = 0;
+    uint8_t disposition = 0;
     int32_t anomalous_in_window = 0;
     if (!reader.GetU8(version)) return false;
-    if (version != kChangeDetectorStateVersion) {
+    if (version < kChangeDetectorFirstVersion || version > kChangeDetectorStateVersion) {
       return reader.Fail("change detector state version " + std::to_string(version) +
                          " not supported");
     }

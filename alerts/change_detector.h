@@ -172,6 +172,15 @@ class ChangeDetector {
   // the caller drops them (they are ForeshockNonFinite's business).
   ChangeAssessment Update(int64_t step, double value);
 
+  // Run lifecycle (docs/DESIGN.md §5.3). ResetEpisode ends the current
+  // episode (the run ended or restarted): the series is normal again, with
+  // its CUSUM and persistence window cleared, and keeps its baseline history.
+  // Rewind(from_step) also forgets every sample at a step >= from_step (a
+  // run resumed from a checkpoint replays them): they leave the history, and
+  // steps from from_step on are scored again instead of being stale.
+  void ResetEpisode();
+  void Rewind(int64_t from_step);
+
   SeriesState state() const { return core_.state; }
   // The last assessment that was scored or recorded (default before any).
   const ChangeAssessment& last() const { return last_; }
@@ -184,8 +193,9 @@ class ChangeDetector {
   // the saved one. On truncated or corrupt input, or state that does not fit
   // the options (a history longer than window + gap ...), RestoreState
   // returns false and leaves the detector as newly constructed.
-  // Format, version 1: U8 version, core, core before the latest step, last
-  // assessment (see change_detector.cc).
+  // Format, version 2: U8 version, core, core before the latest step, last
+  // assessment (see change_detector.cc). Version 1 (no history steps) is
+  // still read.
   void SaveState(codec::StateWriter& writer) const;
   bool RestoreState(codec::StateReader& reader);
 
@@ -202,6 +212,9 @@ class ChangeDetector {
   // worse same-step value can be re-scored from the state before that step.
   struct Core {
     std::vector<double> history;  // oldest first, at most window + gap
+    // The step of each history value (Rewind); INT64_MIN where unknown (a
+    // state saved by version 1).
+    std::vector<int64_t> history_steps;
     std::vector<Flag> flags;      // persistence window, oldest first, at most persist_n
     int64_t samples_seen = 0;
     int64_t last_step = std::numeric_limits<int64_t>::min();

@@ -72,6 +72,9 @@ const char* SampleKindName(SampleKind kind);  // "scalars", "qk", "router", "cur
 struct Sample {
   std::string run;  // run_id from the stream's Hello
   int32_t rank = 0;
+  // Ranks that report scalars for the run, as the stream's Hello says (label
+  // world_size); 0: not said. Used to merge ranks' scalars (server/pipeline/rank_scalars.h).
+  int32_t world_size = 0;
   int64_t step = 0;
   std::variant<ScalarsSample, QKSample, RouterSample, CurvatureSample> payload;
 

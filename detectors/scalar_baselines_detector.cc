@@ -4,8 +4,9 @@
 //    128-step window (evaluated once the window is full);
 //  - Megatron-style spiky loss: loss above 10x the running maximum;
 //  - non-finite loss or grad norm.
-// Each is exported as a 0/1 indicator per step. When several ranks report
-// scalars for a run, only the first report of a step counts.
+// Each is exported as a 0/1 indicator per step. Several ranks' scalars reach
+// it merged, once per step (server/pipeline/rank_scalars.h); a step at or
+// below the last one seen (a resumed run) is skipped.
 #include <array>
 #include <cmath>
 #include <deque>
@@ -107,7 +108,7 @@ class ScalarBaselinesDetector final : public Detector {
     if (!s.has_loss && !s.has_grad_norm) return;
     auto [it, inserted] = runs_.try_emplace(sample.run, options_);
     RunState& state = it->second;
-    if (!inserted && sample.step <= state.last_step) return;  // another rank's copy of a step
+    if (!inserted && sample.step <= state.last_step) return;  // a step seen already
     state.last_step = sample.step;
 
     auto emit = [&](std::string_view signal, double value) {

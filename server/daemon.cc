@@ -17,6 +17,7 @@
 #include "server/query/query_backend.h"
 #include "server/ingest/ingest_service.h"
 #include "server/metrics.h"
+#include "server/pipeline/run_lifecycle.h"
 #include "server/pipeline/run_tracker.h"
 #include "server/ingest/series_limit.h"
 #include "server/pipeline/series_store.h"
@@ -81,6 +82,9 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
   delivery_ = std::make_unique<DeliveryTracker>(*store_);
   ingest_->SetDeliveryTracker(delivery_.get());
   ingest_->SetStore(store_.get());
+  lifecycle_ = std::make_unique<RunLifecycle>(store_.get(), alerts_.get(), pool_.get(), runs_.get());
+  ingest_->SetLifecycle(lifecycle_.get());
+  backend_->SetLifecycle(lifecycle_.get());
   memory_ = std::make_unique<MemoryGuard>(options_.max_memory_bytes);
   ingest_->SetMemoryGuard(memory_.get());
   http_ = std::make_unique<HttpServer>(registry_, [this] {
@@ -125,6 +129,10 @@ void Daemon::RestoreFromStore() {
     if (hello.ParseFromString(bytes)) runs_->OnHello(hello);
   }
   for (const store::RunInfo& run : store_->ListRuns()) runs_->OnStep(run.run, run.last_step);
+  // Their signal gauges, as they were before the restart (docs/OPERATIONS.md).
+  if (const size_t gauges = export_sink_->RestoreGauges(); gauges > 0) {
+    spdlog::info("restored {} signal gauge(s) from the store", gauges);
+  }
   // Detector and alert-engine state, so that detection continues where it was.
   if (auto state = store_->ReadCheckpoint(kDetectorCheckpoint)) {
     if (pool_->RestoreDetectorState(*state)) {
@@ -141,6 +149,8 @@ void Daemon::RestoreFromStore() {
       spdlog::warn("the alert checkpoint is unusable; the alert engine starts empty");
     }
   }
+  // Runs that ended or resumed after those checkpoints (server/pipeline/run_lifecycle.h).
+  lifecycle_->Restore();
   if (durable_) {
     const store::DurableStoreStats stats = durable_->Stats();
     spdlog::info("data directory {}: {} segment(s), {} series, {} points recovered",
@@ -157,6 +167,8 @@ bool Daemon::Checkpoint() {
   const bool detectors_ok =
       store_->WriteCheckpoint(kDetectorCheckpoint, pool_->SaveDetectorState());
   const bool alerts_ok = store_->WriteCheckpoint(kAlertCheckpoint, alerts_->SaveState());
+  // After the alert state: it may be newer than that, never older (Restore re-applies).
+  lifecycle_->Checkpoint();
   delivery_->Checkpoint();
   if (!detectors_ok || !alerts_ok) spdlog::warn("writing the state checkpoints failed");
   return detectors_ok && alerts_ok;

@@ -40,6 +40,7 @@ class DeliveryTracker;
 class ExportSink;
 class HttpServer;
 class IngestService;
+class RunLifecycle;
 class RunTracker;
 class WorkerPool;
 
@@ -130,6 +131,7 @@ class Daemon {
   std::unique_ptr<AdmissionGate> gate_;
   std::unique_ptr<WorkerPool> pool_;
   std::unique_ptr<DeliveryTracker> delivery_;  // dedup marks of resent batches
+  std::unique_ptr<RunLifecycle> lifecycle_;   // run ends and resumes; before ingest_
   std::unique_ptr<IngestService> ingest_;
   std::unique_ptr<MemoryGuard> memory_;
   std::unique_ptr<grpc::Server> grpc_server_;

@@ -19,7 +19,28 @@ std::string AlertKey(const alerts::Alert& alert) {
 
 AlertHub::AlertHub(alerts::AlertConfig config, DaemonMetrics& metrics,
                    std::unique_ptr<AlertmanagerNotifier> notifier)
-    : metrics_(metrics), notifier_(std::move(notifier)), engine_(std::move(config)) {}
+    : metrics_(metrics), notifier_(std::move(notifier)), engine_(std::move(config)) {
+  // Known label values at 0 from the start (server/metrics.h): every alert
+  // this configuration can raise, in every state it can move to.
+  const alerts::AlertConfig& active = engine_.config();
+  std::set<std::string> alertnames;
+  for (const auto& [signal, signal_config] : active.signals) {
+    if (signal_config.enabled) alertnames.insert(signal_config.alertname);
+  }
+  if (active.nonfinite.enabled) alertnames.insert(std::string(alerts::kNonFinite));
+  for (const std::string& alertname : alertnames) {
+    for (alerts::AlertState to : {alerts::AlertState::kInactive, alerts::AlertState::kPending,
+                                  alerts::AlertState::kFiring, alerts::AlertState::kResolved}) {
+      metrics_.alert_transitions_total.Add(
+          {{"alertname", alertname}, {"to", std::string(alerts::AlertStateName(to))}});
+    }
+  }
+  if (notifier_) {
+    for (std::string_view result : kAlertmanagerPostResults) {
+      metrics_.alertmanager_posts_total.Add({{"result", std::string(result)}});
+    }
+  }
+}
 
 AlertHub::~AlertHub() = default;
 
@@ -118,6 +139,7 @@ v1::Alert AlertHub::ToProtoLocked(const alerts::Alert& alert) const {
   out.set_probable_cause(alert.probable_cause);
   out.set_probable_cause_settled(alert.probable_cause_settled);
   out.set_probable_cause_evidence(alert.probable_cause_evidence);
+  out.set_resolved_reason(alert.resolved_reason);
   out.set_suggested_action(alert.suggested_action);
   out.set_first_step(alert.first_step);
   out.set_firing_step(alert.firing_step);
@@ -152,15 +174,15 @@ std::vector<v1::Alert> AlertHub::Alerts(const std::string& run, bool include_res
 void AlertHub::ExportCounters() {
   std::lock_guard<std::mutex> lock(mu_);
   const alerts::AlertEngineCounters& now = engine_.counters();
-  auto add = [&](const char* outcome, uint64_t current, uint64_t& exported) {
-    metrics_.alert_points_total.Add({{"outcome", outcome}})
+  auto add = [&](std::string_view outcome, uint64_t current, uint64_t& exported) {
+    metrics_.alert_points_total.Add({{"outcome", std::string(outcome)}})
         .Increment(static_cast<double>(current - exported));
     exported = current;
   };
-  add("scored", now.points_scored, exported_.points_scored);
-  add("stale", now.points_stale, exported_.points_stale);
-  add("duplicate", now.points_duplicate, exported_.points_duplicate);
-  add("nonfinite", now.points_nonfinite, exported_.points_nonfinite);
+  add(kAlertPointOutcomes[0], now.points_scored, exported_.points_scored);
+  add(kAlertPointOutcomes[1], now.points_stale, exported_.points_stale);
+  add(kAlertPointOutcomes[2], now.points_duplicate, exported_.points_duplicate);
+  add(kAlertPointOutcomes[3], now.points_nonfinite, exported_.points_nonfinite);
 }
 
 uint64_t AlertHub::Subscribe(const std::string& run, bool send_active, Subscriber subscriber) {
@@ -179,6 +201,25 @@ uint64_t AlertHub::Subscribe(const std::string& run, bool send_active, Subscribe
   const uint64_t id = next_watcher_++;
   watchers_.emplace(id, Watcher{run, std::move(subscriber)});
   return id;
+}
+
+void AlertHub::CloseRunEpisodes(const std::string& run, std::string_view reason,
+                                const alerts::LifecycleMark& mark) {
+  std::lock_guard<std::mutex> lock(mu_);
+  DeliverLocked(engine_.CloseEpisodes(run, reason));
+  engine_.SetLifecycleMark(run, mark);
+}
+
+void AlertHub::RewindRun(const std::string& run, int64_t from_step,
+                         const alerts::LifecycleMark& mark) {
+  std::lock_guard<std::mutex> lock(mu_);
+  DeliverLocked(engine_.RewindRun(run, from_step));
+  engine_.SetLifecycleMark(run, mark);
+}
+
+alerts::LifecycleMark AlertHub::GetLifecycleMark(const std::string& run) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return engine_.GetLifecycleMark(run);
 }
 
 void AlertHub::SetEventLog(std::function<void(const v1::AlertEvent&)> log) {

@@ -47,6 +47,16 @@ class AlertHub final : public ObservationSink {
 
   AlertmanagerNotifier* notifier() { return notifier_.get(); }
 
+  // Run lifecycle (server/pipeline/run_lifecycle.h): the engine's
+  // CloseEpisodes / RewindRun for `run`, its transitions delivered like any
+  // other (gauge, log, Alertmanager, WatchAlerts, event log), and `mark`
+  // recorded with the change under one lock, so that a checkpoint holds both
+  // or neither.
+  void CloseRunEpisodes(const std::string& run, std::string_view reason,
+                        const alerts::LifecycleMark& mark);
+  void RewindRun(const std::string& run, int64_t from_step, const alerts::LifecycleMark& mark);
+  alerts::LifecycleMark GetLifecycleMark(const std::string& run) const;
+
   // Every transition, as its AlertEvent, also goes to `log` (the durable
   // store's event log); called in order, under the hub's lock.
   void SetEventLog(std::function<void(const foreshock::v1::AlertEvent&)> log);

@@ -3,14 +3,18 @@
 #include <grpcpp/support/proto_buffer_reader.h>
 #include <grpcpp/support/proto_buffer_writer.h>
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
+#include <limits>
 #include <mutex>
 #include <optional>
+#include <utility>
 
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
+#include "server/pipeline/run_lifecycle.h"
 
 namespace foreshock::server {
 
@@ -193,6 +197,9 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void OnDone() override {
     service_.StreamDone(this);
     if (recording_) service_.recorder_->Close(session_);
+    if (lifecycle_registered_) {
+      service_.lifecycle_->OnStreamClosed(context_->run_id, context_->rank, lifecycle_sender_);
+    }
     if (context_) service_.ReleaseRun(context_->run_id);
     if (!tenant_.empty()) service_.ReleaseTenant(tenant_);
     service_.metrics_.ingest_active_streams.Add({}).Decrement();
@@ -264,6 +271,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     context_->run_id = hello.run_id();
     context_->job = hello.job();
     context_->rank = hello.rank();
+    context_->world_size = WorldSizeOf(hello);
     context_->model = hello.model();
     service_.on_hello_(hello);
     // Hello.first_seq: seqs are per sender and resends are deduplicated.
@@ -271,6 +279,13 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     if (dedup_) {
       sender_ = DeliveryTracker::Sender{hello.run_id(), hello.rank(), hello.sender_id()};
       service_.delivery_->OnHello(sender_, hello.first_seq());
+    }
+    if (service_.lifecycle_ != nullptr) {
+      // Before the HelloAck: a restart has closed the old attempt's alerts
+      // by the time the client learns it is connected.
+      lifecycle_sender_ = hello.first_seq() > 0 ? hello.sender_id() : 0;
+      service_.lifecycle_->OnHello(context_->run_id, context_->rank, lifecycle_sender_);
+      lifecycle_registered_ = true;
     }
     spdlog::info("stream {} opened: run={} job={} rank={}", session_, context_->run_id,
                  context_->job, context_->rank);
@@ -325,8 +340,12 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       metrics.CountRejection(reason::kNonIncreasingSeq, std::max(1, batch.records_size()));
     } else if (last_seq_ = batch.seq(); dedup_ && BeginDedup(batch)) {
       // A resend of a batch already stored (or being stored): acked, not stored again.
+      batch_goodbye_ = batch.has_goodbye();  // applied again: a no-op if it was
     } else {
+      batch_goodbye_ = batch.has_goodbye();
       bool raised_max_step = false;  // run_max_step_ grew: tell the service once
+      int64_t min_step = std::numeric_limits<int64_t>::max();
+      int64_t max_step = -1;
       for (int i = 0; i < batch.records_size(); ++i) {
         WorkItem item;
         auto rejection = ValidateRecord(*batch.mutable_records(i), *context_, service_.limits_,
@@ -344,12 +363,20 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
           run_max_step_ = item.sample.step;
           raised_max_step = true;
         }
+        min_step = std::min(min_step, item.sample.step);
+        max_step = std::max(max_step, item.sample.step);
         metrics.records_accepted(item.sample.kind()).Increment();
         item.bytes = SampleBytes(item.sample);
         bytes += item.bytes;
         items_.push_back(std::move(item));
       }
       if (raised_max_step) service_.NoteStep(context_->run_id, run_max_step_);
+      // A new attempt's first records say where it resumed; the run is
+      // rewound before they are dispatched.
+      if (!items_.empty() && lifecycle_registered_) {
+        service_.lifecycle_->BeforeRecords(context_->run_id, context_->rank, lifecycle_sender_,
+                                           min_step, max_step);
+      }
     }
     ack.set_accepted(static_cast<uint32_t>(items_.size()));
     request_.Clear();
@@ -535,7 +562,8 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   uint64_t QueueAck(v1::StreamResponse ack, bool done) {
     std::lock_guard<std::mutex> lock(mu_);
     const uint64_t ticket = next_ticket_++;
-    unacked_.push_back(PendingAck{ticket, std::move(ack), done});
+    unacked_.push_back(PendingAck{ticket, std::move(ack), done, absl::OkStatus(),
+                                  std::exchange(batch_goodbye_, false)});
     if (done) FlushAcksLocked();
     return ticket;
   }
@@ -579,6 +607,11 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         finish_status_ = grpc::Status(
             full ? grpc::StatusCode::RESOURCE_EXHAUSTED : grpc::StatusCode::UNAVAILABLE,
             absl::StrCat(code, ": ", detail));
+      }
+      if (!store_refused_ && front.goodbye && lifecycle_registered_) {
+        // Everything this sender sent before is processed: its goodbye
+        // counts now, before the Ack tells the client so.
+        service_.lifecycle_->OnGoodbye(context_->run_id, context_->rank, lifecycle_sender_);
       }
       if (!store_refused_) WriteLocked(front.response);
       unacked_.pop_front();
@@ -680,6 +713,9 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool recording_ = false;    // the recorder has a file for this stream
   bool drop_logged_ = false;  // a dropped recording frame was logged
   std::optional<StreamContext> context_;
+  bool lifecycle_registered_ = false;  // the Hello went to the service's RunLifecycle
+  uint64_t lifecycle_sender_ = 0;      // Hello.sender_id (0 without first_seq)
+  bool batch_goodbye_ = false;         // the batch in progress carries Batch.goodbye
   std::unordered_set<std::string> admitted_probe_ids_;  // --max_probe_ids_per_run
   std::optional<uint64_t> last_seq_;
   int64_t run_max_step_ = -1;  // --max_step_jump: the run's highest step as this stream knows it
@@ -713,6 +749,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     v1::StreamResponse response;
     bool done;
     absl::Status stored = absl::OkStatus();  // not OK: the store refused the batch
+    bool goodbye = false;  // the batch carried Batch.goodbye
   };
   std::deque<PendingAck> unacked_;  // acks of batches still being processed, in order
   uint64_t next_ticket_ = 0;

@@ -31,6 +31,7 @@
 namespace foreshock::server {
 
 class IngestReactor;
+class RunLifecycle;
 
 // Called once per accepted Hello (run registry, run_info metric).
 using HelloObserver = std::function<void(const foreshock::v1::Hello&)>;
@@ -75,6 +76,10 @@ class IngestService final
   // store_unavailable, retry-after-ms), and a batch whose points it refuses
   // is never acknowledged.
   void SetStore(const SeriesStore* store) { store_ = store; }
+  // Run lifecycle (server/pipeline/run_lifecycle.h): Hellos, stream ends,
+  // Batch.goodbye and each batch's first step go to it. Call before the
+  // server starts. Null: none (a goodbye is acked like an empty batch).
+  void SetLifecycle(RunLifecycle* lifecycle) { lifecycle_ = lifecycle; }
 
  private:
   friend class IngestReactor;
@@ -136,6 +141,7 @@ class IngestService final
   DeliveryTracker* delivery_ = nullptr;
   const MemoryGuard* memory_ = nullptr;
   const SeriesStore* store_ = nullptr;
+  RunLifecycle* lifecycle_ = nullptr;
   const Authorizer* authorizer_ = nullptr;
   AuthMetrics* auth_metrics_ = nullptr;
 };

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -225,6 +226,13 @@ std::optional<Rejection> ValidateHello(const v1::Hello& hello, const IngestLimit
   return std::nullopt;
 }
 
+int32_t WorldSizeOf(const v1::Hello& hello) {
+  const auto it = hello.labels().find("world_size");
+  int32_t n = 0;
+  if (it == hello.labels().end() || !absl::SimpleAtoi(it->second, &n)) return 0;
+  return n >= 1 && n <= (1 << 20) ? n : 0;
+}
+
 std::optional<Rejection> ValidateRecord(v1::Record& record, const StreamContext& context,
                                         const IngestLimits& limits, detectors::Sample& out) {
   if (record.step() < 0) {
@@ -232,6 +240,7 @@ std::optional<Rejection> ValidateRecord(v1::Record& record, const StreamContext&
   }
   out.run = context.run_id;
   out.rank = context.rank;
+  out.world_size = context.world_size;
   out.step = record.step();
   switch (record.payload_case()) {
     case v1::Record::kScalars: {

@@ -134,8 +134,15 @@ struct StreamContext {
   std::string run_id;
   std::string job;
   int32_t rank = 0;
+  int32_t world_size = 0;  // WorldSizeOf(hello)
   foreshock::v1::ModelInfo model;
 };
+
+// The Hello's label "world_size" (the number of ranks that report scalars for
+// the run; the Python Monitor sets it from torch.distributed) when it is an
+// integer in [1, 2^20], else 0 (not said). A hint: it makes the run's first
+// steps wait for every rank (server/pipeline/rank_scalars.h).
+int32_t WorldSizeOf(const foreshock::v1::Hello& hello);
 
 // Checks a Hello against the limits.
 std::optional<Rejection> ValidateHello(const foreshock::v1::Hello& hello,

@@ -2,9 +2,20 @@
 
 namespace foreshock::server {
 
+RunTracker::RunState& RunTracker::StateLocked(const std::string& run) {
+  RunState& state = runs_[run];
+  if (!state.series_added) {
+    // The run's known series start at 0 when it first appears (a Hello, or
+    // a run restored from the store), so that increase() sees its first event.
+    metrics_.AddRun(run);
+    state.series_added = true;
+  }
+  return state;
+}
+
 void RunTracker::OnHello(const foreshock::v1::Hello& hello) {
   std::lock_guard<std::mutex> lock(mu_);
-  RunState& state = runs_[hello.run_id()];
+  RunState& state = StateLocked(hello.run_id());
   state.ranks[hello.rank()] = true;
   state.summary.ranks_seen = static_cast<int>(state.ranks.size());
   if (state.info_gauge != nullptr) return;  // the first Hello of a run describes it
@@ -23,13 +34,30 @@ void RunTracker::OnHello(const foreshock::v1::Hello& hello) {
 
 void RunTracker::OnStep(const std::string& run, int64_t step) {
   std::lock_guard<std::mutex> lock(mu_);
-  RunState& state = runs_[run];
+  RunState& state = StateLocked(run);
   if (step <= state.summary.last_step) return;
   state.summary.last_step = step;
   if (state.last_step_gauge == nullptr) {
     state.last_step_gauge = &metrics_.last_step.Add({{"run", run}});
   }
   state.last_step_gauge->Set(static_cast<double>(step));
+}
+
+void RunTracker::ResetLastStep(const std::string& run, int64_t step) {
+  std::lock_guard<std::mutex> lock(mu_);
+  RunState& state = StateLocked(run);
+  state.summary.last_step = step;
+  if (step < 0) return;
+  if (state.last_step_gauge == nullptr) {
+    state.last_step_gauge = &metrics_.last_step.Add({{"run", run}});
+  }
+  state.last_step_gauge->Set(static_cast<double>(step));
+}
+
+int64_t RunTracker::LastStep(const std::string& run) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = runs_.find(run);
+  return it == runs_.end() ? -1 : it->second.summary.last_step;
 }
 
 std::vector<RunTracker::RunSummary> RunTracker::Runs() const {

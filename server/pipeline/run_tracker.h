@@ -19,6 +19,11 @@ class RunTracker {
 
   void OnHello(const foreshock::v1::Hello& hello);
   void OnStep(const std::string& run, int64_t step);
+  // The run resumed from a checkpoint (server/pipeline/run_lifecycle.h): its
+  // last step (and foreshock_last_step) becomes `step`, where the resumed
+  // attempt stands, even though a superseded attempt had gone further.
+  void ResetLastStep(const std::string& run, int64_t step);
+  int64_t LastStep(const std::string& run) const;  // -1: none or unknown run
 
   struct RunSummary {
     std::string run;
@@ -35,7 +40,9 @@ class RunTracker {
     std::map<int32_t, bool> ranks;
     prometheus::Gauge* last_step_gauge = nullptr;
     prometheus::Gauge* info_gauge = nullptr;
+    bool series_added = false;  // DaemonMetrics::AddRun
   };
+  RunState& StateLocked(const std::string& run);
   DaemonMetrics& metrics_;
   mutable std::mutex mu_;
   std::map<std::string, RunState> runs_;

@@ -1,6 +1,7 @@
 #include "server/pipeline/worker_pool.h"
 
 #include <chrono>
+#include <cmath>
 #include <exception>
 #include <functional>
 #include <map>
@@ -77,6 +78,14 @@ void WorkerPool::DrainAndStop() {
   }
   for (auto& worker : workers_) {
     if (worker->thread.joinable()) worker->thread.join();
+  }
+}
+
+void WorkerPool::ForgetRun(const std::string& run) {
+  for (auto& worker : workers_) {
+    std::lock_guard<std::mutex> lock(worker->detectors_mu);
+    for (auto& [info, detector] : worker->detectors) detector->ForgetRun(run);
+    worker->rank_scalars.ForgetRun(run);  // steps still open belong to the abandoned attempt
   }
 }
 
@@ -216,6 +225,33 @@ bool WorkerPool::RestoreDetectorState(std::string_view bytes, std::string* error
 }
 
 void WorkerPool::Process(Worker& worker, const detectors::Sample& sample) {
+  if (sample.kind() != detectors::SampleKind::kScalars) {
+    RunDetectors(worker, sample);
+    sink_.OnSampleDone(sample);
+    return;
+  }
+  // Step scalars: the detectors see the run's series (the mean over ranks,
+  // rank_scalars.h), possibly for older steps this sample completed; the
+  // rank's own finite values are kept in the head slot (head = rank), which
+  // no alert reads.
+  RankScalars::Result merged = worker.rank_scalars.Offer(sample);
+  if (merged.per_rank && sample.rank >= 0) {
+    const auto& s = std::get<detectors::ScalarsSample>(sample.payload);
+    auto own = [&](bool present, std::string_view signal, double value) {
+      if (present && std::isfinite(value)) {
+        sink_.OnObservation(sample, detectors::Observation{signal, detectors::kNoLayer,
+                                                           sample.rank, value, false});
+      }
+    };
+    own(s.has_loss, "loss", s.loss);
+    own(s.has_grad_norm, "grad_norm", s.grad_norm);
+    own(s.has_lr, "lr", s.lr);
+  }
+  for (const detectors::Sample& run_level : merged.ready) RunDetectors(worker, run_level);
+  sink_.OnSampleDone(sample);
+}
+
+void WorkerPool::RunDetectors(Worker& worker, const detectors::Sample& sample) {
   SinkEmitter emitter(sink_, sample);
   const detectors::SampleKind kind = sample.kind();
   for (auto& [info, detector] : worker.detectors) {
@@ -230,7 +266,6 @@ void WorkerPool::Process(Worker& worker, const detectors::Sample& sample) {
     sink_.OnDetectorTime(info->name,
                          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
-  sink_.OnSampleDone(sample);
 }
 
 }  // namespace foreshock::server

@@ -20,6 +20,7 @@
 #include "store/series_store.h"
 
 #include "detectors/detector.h"
+#include "server/pipeline/rank_scalars.h"
 
 namespace foreshock::server {
 
@@ -118,6 +119,13 @@ class WorkerPool {
   // Processes everything queued, then stops the workers. Idempotent.
   void DrainAndStop();
 
+  // Drops every detector's state of `run` in every worker (Detector::ForgetRun):
+  // a run resumed from a checkpoint starts its increments and windows over
+  // instead of pairing its first samples with the abandoned attempt's last.
+  // Each worker finishes the item it is processing first; items still queued
+  // are processed afterwards, so call it before dispatching the new samples.
+  void ForgetRun(const std::string& run);
+
   int size() const { return static_cast<int>(workers_.size()); }
   size_t QueueDepth(int worker) const;
   static size_t ShardOf(const detectors::Sample& sample, size_t shards);
@@ -169,10 +177,14 @@ class WorkerPool {
     // SaveDetectorState/RestoreDetectorState while they use `detectors`.
     mutable std::mutex detectors_mu;
     DetectorList detectors;
+    // Several ranks' scalars of a run -> the run's series, before the
+    // detectors (all of a run's scalars reach one worker). Under detectors_mu.
+    RankScalars rank_scalars;
     std::thread thread;
   };
   void Run(Worker& worker);
   void Process(Worker& worker, const detectors::Sample& sample);
+  void RunDetectors(Worker& worker, const detectors::Sample& sample);
 
   const detectors::DetectorOptions options_;
   ObservationSink& sink_;

@@ -9,8 +9,10 @@
 // Answers are the foreshock.v1.Query response messages in protobuf's JSON
 // mapping with the proto field names (int64 values are JSON strings, as that
 // mapping says). Errors: {"code": "NOT_FOUND", "error": "..."} with HTTP 400,
-// 404 or 413; the error text may quote the request, and is valid JSON for any
-// bytes in it (invalid UTF-8 becomes U+FFFD). Every route also answers HEAD.
+// 404 (a run the daemon has never seen, for /series, /points and
+// /alerts?run=; an unknown series for /points) or 413; the error text may
+// quote the request, and is valid JSON for any bytes in it (invalid UTF-8
+// becomes U+FFFD). Every route also answers HEAD.
 #pragma once
 
 #include "server/http/http_server.h"

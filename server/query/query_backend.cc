@@ -34,6 +34,15 @@ v1::ListRunsResponse QueryBackend::ListRuns() const {
     out->set_series(static_cast<int64_t>(info.series));
     out->set_last_seen_unix_ms(info.last_wall_time_ms);
     if (auto it = active.find(info.run); it != active.end()) out->set_active_alerts(it->second);
+    out->set_attempt(1);
+    out->set_attempt_start_step(-1);
+    if (lifecycle_ == nullptr) continue;
+    if (const std::optional<RunLifecycle::Status> status = lifecycle_->GetStatus(info.run)) {
+      out->set_ended(status->ended);
+      out->set_ended_unix_ms(status->ended_ms);
+      out->set_attempt(status->attempt);
+      out->set_attempt_start_step(status->attempt_start_step);
+    }
   }
   return response;
 }
@@ -108,7 +117,9 @@ absl::StatusOr<v1::GetSeriesResponse> QueryBackend::GetSeries(
   response.set_signal(key.signal);
   response.set_layer(key.layer);
   response.set_head(key.head);
-  const std::vector<Point> points = store_.Range(key, from, to);
+  std::vector<Point> points = store_.Range(key, from, to);
+  // A run resumed from a checkpoint: one point per step, the latest attempt's.
+  if (lifecycle_ != nullptr) RunLifecycle::LatestAttempt(points, lifecycle_->Boundaries(key.run));
   response.set_total_points(points.size());
   const uint32_t max_points = request.max_points();
   if (max_points == 0 || points.size() <= max_points) {
@@ -139,11 +150,24 @@ absl::StatusOr<v1::GetSeriesResponse> QueryBackend::GetSeries(
   return response;
 }
 
-v1::ListAlertsResponse QueryBackend::ListAlerts(const v1::ListAlertsRequest& request) const {
-  v1::ListAlertsResponse response;
-  for (v1::Alert& alert : alerts_.Alerts(request.run(), request.include_resolved())) {
-    *response.add_alerts() = std::move(alert);
+bool QueryBackend::KnownRun(const std::string& run) const {
+  if (!alerts_.Alerts(run, /*include_resolved=*/true).empty()) return true;
+  for (const RunTracker::RunSummary& summary : runs_.Runs()) {
+    if (summary.run == run) return true;
   }
+  return !store_.ListSeries(run).empty();
+}
+
+absl::StatusOr<v1::ListAlertsResponse> QueryBackend::ListAlerts(
+    const v1::ListAlertsRequest& request) const {
+  std::vector<v1::Alert> alerts = alerts_.Alerts(request.run(), request.include_resolved());
+  // A named run the daemon has never seen is NOT_FOUND, as in ListSeries and
+  // GetSeries; a known run without alerts answers an empty list.
+  if (alerts.empty() && !request.run().empty() && !KnownRun(request.run())) {
+    return absl::NotFoundError(absl::StrCat("no run '", request.run(), "' in the store"));
+  }
+  v1::ListAlertsResponse response;
+  for (v1::Alert& alert : alerts) *response.add_alerts() = std::move(alert);
   return response;
 }
 
@@ -194,9 +218,10 @@ absl::StatusOr<foreshock::v1::ListAlertsResponse> QueryBackend::ListAlerts(
     return ListAlerts(request);
   }
   if (absl::Status status = RequireToken(access); !status.ok()) return status;
-  foreshock::v1::ListAlertsResponse all = ListAlerts(request);
+  absl::StatusOr<foreshock::v1::ListAlertsResponse> all = ListAlerts(request);
+  if (!all.ok()) return all.status();
   foreshock::v1::ListAlertsResponse visible;
-  for (auto& alert : *all.mutable_alerts()) {
+  for (auto& alert : *all->mutable_alerts()) {
     if (access.Allows(alert.run(), Right::kQuery)) *visible.add_alerts() = std::move(alert);
   }
   return visible;

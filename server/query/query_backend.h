@@ -9,6 +9,7 @@
 #include "foreshock/v1/query.pb.h"
 #include "server/alerting/alert_hub.h"
 #include "server/security/auth.h"
+#include "server/pipeline/run_lifecycle.h"
 #include "server/pipeline/run_tracker.h"
 #include "server/pipeline/series_store.h"
 
@@ -23,6 +24,11 @@ class QueryBackend {
   QueryBackend(const SeriesStore& store, const AlertHub& alerts, const RunTracker& runs)
       : store_(store), alerts_(alerts), runs_(runs) {}
 
+  // Run lifecycle (server/pipeline/run_lifecycle.h): ListRuns reports each
+  // run's end and attempt, GetSeries shows a resumed run's latest attempt.
+  // Null: neither.
+  void SetLifecycle(const RunLifecycle* lifecycle) { lifecycle_ = lifecycle; }
+
   foreshock::v1::ListRunsResponse ListRuns() const;
   // NOT_FOUND for a run the store does not hold.
   absl::StatusOr<foreshock::v1::ListSeriesResponse> ListSeries(
@@ -33,7 +39,11 @@ class QueryBackend {
   // range over kMaxRawPoints.
   absl::StatusOr<foreshock::v1::GetSeriesResponse> GetSeries(
       const foreshock::v1::GetSeriesRequest& request) const;
-  foreshock::v1::ListAlertsResponse ListAlerts(
+  // Alerts of every run, or of request.run; NOT_FOUND for a named run the
+  // daemon has never seen (no series in the store, no alerts, no Hello), as
+  // ListSeries and GetSeries answer. A known run without alerts: an empty
+  // list.
+  absl::StatusOr<foreshock::v1::ListAlertsResponse> ListAlerts(
       const foreshock::v1::ListAlertsRequest& request) const;
 
   // The same, as `access` (--token_file) allows: UNAUTHENTICATED without a
@@ -49,9 +59,14 @@ class QueryBackend {
       const foreshock::v1::ListAlertsRequest& request, const AccessCheck& access) const;
 
  private:
+  // The store holds series of `run`, the alert hub has alerts of it, or the
+  // run tracker has seen its Hello.
+  bool KnownRun(const std::string& run) const;
+
   const SeriesStore& store_;
   const AlertHub& alerts_;
   const RunTracker& runs_;
+  const RunLifecycle* lifecycle_ = nullptr;
 };
 
 }  // namespace foreshock::server

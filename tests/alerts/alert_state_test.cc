@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <random>
@@ -413,6 +414,53 @@ TEST(AlertEngineStateTest, AChangedConfigurationIsRefused) {
   EXPECT_TRUE(engine2.RestoreState(state, &error)) << error;
 }
 
+// A checkpoint of the previous format (version 2, before the run lifecycle),
+// written by the code of that version (testdata/alert_engine_state_v2_gen.cc.txt):
+// an upgraded daemon keeps its alerts and baselines.
+TEST(AlertEngineStateTest, ReadsTheVersionBeforeTheRunLifecycle) {
+  std::ifstream file(std::string(FORESHOCK_SOURCE_DIR) +
+                     "/tests/alerts/testdata/alert_engine_state_v2.hex");
+  std::string hex;
+  ASSERT_TRUE(std::getline(file, hex));
+  ASSERT_EQ(hex.size() % 2, 0u);
+  std::string state;
+  for (size_t i = 0; i < hex.size(); i += 2) {
+    state.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+  }
+  ASSERT_EQ(state.substr(0, 8), std::string("FSAE\x02\0\0\0", 8));
+  AlertEngine engine;
+  std::string error;
+  ASSERT_TRUE(engine.RestoreState(state, &error)) << error;
+  std::vector<Alert> alerts = engine.AllAlerts("r");
+  ASSERT_EQ(alerts.size(), 2u);
+  EXPECT_EQ(alerts[0].alertname, kNonFinite);
+  EXPECT_EQ(alerts[0].state, AlertState::kFiring);
+  EXPECT_EQ(alerts[1].alertname, kQKIncrementCollapse);
+  EXPECT_EQ(alerts[1].state, AlertState::kFiring);
+  EXPECT_EQ(alerts[1].first_step, 600);
+  EXPECT_EQ(alerts[1].resolved_reason, "");
+  EXPECT_EQ(engine.GetLifecycleMark("r"), LifecycleMark{});
+  // It goes on as before: the collapse clears after its hysteresis, and a
+  // rewind keeps the history (its steps are unknown in version 2) while it
+  // closes the episodes.
+  std::vector<AlertTransition> out;
+  for (int i = 65; i < 80; ++i) {
+    auto more = engine.Observe(SignalPoint{"r", 10 * i, "qk_increment_entropy", 0, kAllHeads, 0.8, true});
+    out.insert(out.end(), more.begin(), more.end());
+  }
+  ASSERT_FALSE(out.empty());
+  EXPECT_EQ(out.back().to, AlertState::kResolved);
+  EXPECT_EQ(out.back().alert.alertname, kQKIncrementCollapse);
+  const std::vector<AlertTransition> closed = engine.RewindRun("r", 700);
+  ASSERT_EQ(closed.size(), 1u);
+  EXPECT_EQ(closed[0].alert.alertname, kNonFinite);
+  EXPECT_EQ(closed[0].alert.resolved_reason, "run_resumed");
+  // Saved again, it is the current version.
+  AlertEngine again;
+  ASSERT_TRUE(again.RestoreState(engine.SaveState(), &error)) << error;
+  EXPECT_EQ(again.SaveState(), engine.SaveState());
+}
+
 TEST(AlertEngineStateTest, RefusesOtherBlobsAndVersions) {
   std::string error;
   AlertEngine engine;
@@ -420,12 +468,16 @@ TEST(AlertEngineStateTest, RefusesOtherBlobsAndVersions) {
   EXPECT_FALSE(engine.RestoreState("FSDP\x01\0\0\0", &error));
   EXPECT_NE(error.find("not a FSAE blob"), std::string::npos) << error;
   std::string state = AlertEngine().SaveState();
-  state[4] = 3;  // the version after the magic: one this build does not know
+  state[4] = 4;  // the version after the magic: one this build does not know
   EXPECT_FALSE(engine.RestoreState(state, &error));
-  EXPECT_NE(error.find("version 3"), std::string::npos) << error;
+  EXPECT_NE(error.find("version 4"), std::string::npos) << error;
   state[4] = 1;  // the first version, without the settle watermark: refused too
   EXPECT_FALSE(engine.RestoreState(state, &error));
   EXPECT_NE(error.find("version 1"), std::string::npos) << error;
+  // Version 2 (before the run lifecycle) is still read: without runs its
+  // layout is the same.
+  state[4] = 2;
+  EXPECT_TRUE(engine.RestoreState(state, &error)) << error;
   EXPECT_TRUE(engine.RestoreState(AlertEngine().SaveState(), &error)) << error;
 }
 

@@ -1,0 +1,145 @@
+#include "server/pipeline/rank_scalars.h"
+
+#include <algorithm>
+
+namespace foreshock::server {
+namespace {
+
+using detectors::Sample;
+using detectors::ScalarsSample;
+
+// Mean of one field over the ranks that reported it, summed in rank order
+// (deterministic whatever order the reports came in). Equal values give that
+// value exactly: (x + x + x) / 3 need not be x in floating point.
+template <typename Has, typename Get>
+void MeanOf(const std::vector<std::pair<int32_t, ScalarsSample>>& by_rank, Has has, Get get,
+            bool& present, double& value) {
+  int n = 0;
+  double sum = 0, first = 0;
+  bool equal = true;
+  for (const auto& [rank, s] : by_rank) {
+    if (!has(s)) continue;
+    const double v = get(s);
+    if (n == 0) first = v;
+    equal = equal && v == first;
+    sum += v;
+    ++n;
+  }
+  present = n > 0;
+  value = n == 0 ? 0.0 : equal ? first : sum / n;
+}
+
+ScalarsSample Mean(const std::vector<std::pair<int32_t, ScalarsSample>>& by_rank) {
+  ScalarsSample out;
+  MeanOf(by_rank, [](const ScalarsSample& s) { return s.has_loss; },
+         [](const ScalarsSample& s) { return s.loss; }, out.has_loss, out.loss);
+  MeanOf(by_rank, [](const ScalarsSample& s) { return s.has_grad_norm; },
+         [](const ScalarsSample& s) { return s.grad_norm; }, out.has_grad_norm, out.grad_norm);
+  MeanOf(by_rank, [](const ScalarsSample& s) { return s.has_lr; },
+         [](const ScalarsSample& s) { return s.lr; }, out.has_lr, out.lr);
+  return out;
+}
+
+}  // namespace
+
+size_t RankScalars::OpenSteps() const {
+  size_t n = 0;
+  for (const auto& [name, run] : runs_) n += run.open.size();
+  return n;
+}
+
+bool RankScalars::Complete(const Run& run, const OpenStep& step) const {
+  size_t required = run.ranks.size();
+  if (step.index < window_) required = std::max<size_t>(required, std::max(run.world_size, 0));
+  size_t have = 0;
+  for (const auto& [rank, s] : step.by_rank) have += run.ranks.contains(rank) ? 1 : 0;
+  return have == run.ranks.size() && have >= required;
+}
+
+bool RankScalars::CompleteThrough(const std::string& name, Run& run, int64_t through,
+                                  Result& out) {
+  bool dropped = false;
+  while (!run.open.empty() && run.open.begin()->first <= through) {
+    auto node = run.open.extract(run.open.begin());
+    const int64_t step = node.key();
+    const OpenStep& open = node.mapped();
+    for (auto it = run.ranks.begin(); it != run.ranks.end();) {
+      const bool reported = std::binary_search(
+          open.by_rank.begin(), open.by_rank.end(), std::make_pair(it->first, ScalarsSample{}),
+          [](const auto& a, const auto& b) { return a.first < b.first; });
+      if (!reported && ++it->second.missed >= window_) {
+        it = run.ranks.erase(it);  // gone (or far behind): stop waiting for it
+        dropped = true;
+      } else {
+        ++it;
+      }
+    }
+    Sample merged;
+    merged.run = name;
+    merged.rank = -1;  // all ranks
+    merged.world_size = run.world_size;
+    merged.step = step;
+    merged.payload = Mean(open.by_rank);
+    out.ready.push_back(std::move(merged));
+    run.emitted = step;
+  }
+  return dropped;
+}
+
+RankScalars::Result RankScalars::Offer(const Sample& sample) {
+  Result out;
+  auto [run_it, inserted] = runs_.try_emplace(sample.run);
+  Run& run = run_it->second;
+  run.world_size = std::max(run.world_size, sample.world_size);
+  const int32_t rank = sample.rank;
+  if (!run.several &&
+      (run.world_size > 1 || (!run.ranks.empty() && !run.ranks.contains(rank)))) {
+    run.several = true;
+  }
+  if (!run.several) {
+    // One rank: exactly what the detectors saw before ranks were merged.
+    run.ranks[rank].last_step = sample.step;
+    run.emitted = std::max(run.emitted, sample.step);
+    out.ready.push_back(sample);
+    return out;
+  }
+  out.per_rank = true;
+
+  auto [rank_it, joined] = run.ranks.try_emplace(rank);
+  if (!joined && sample.step <= rank_it->second.last_step) {
+    // The rank went back (a resumed job): close what is open and start afresh.
+    CompleteThrough(sample.run, run, INT64_MAX, out);
+    rank_it = run.ranks.try_emplace(rank).first;  // it may have been dropped just now
+    for (auto& [r, state] : run.ranks) state = RankState{};
+    run.emitted = -1;
+    run.steps = 0;
+  }
+  rank_it->second.last_step = sample.step;
+  rank_it->second.missed = 0;
+  if (sample.step <= run.emitted) return out;  // late: kept as the rank's own value only
+
+  auto [open_it, opened] = run.open.try_emplace(sample.step);
+  OpenStep& open = open_it->second;
+  if (opened) open.index = run.steps++;
+  const auto pos = std::lower_bound(open.by_rank.begin(), open.by_rank.end(), rank,
+                                    [](const auto& entry, int32_t r) { return entry.first < r; });
+  open.by_rank.emplace(pos, rank, std::get<ScalarsSample>(sample.payload));
+
+  bool dropped = false;
+  if (Complete(run, open)) dropped |= CompleteThrough(sample.run, run, sample.step, out);
+  while (static_cast<int>(run.open.size()) > window_) {
+    dropped |= CompleteThrough(sample.run, run, run.open.begin()->first, out);
+  }
+  while (dropped) {
+    // Fewer ranks to wait for: open steps may be complete now.
+    dropped = false;
+    int64_t through = -1;
+    for (const auto& [step, o] : run.open) {
+      if (Complete(run, o)) through = step;
+    }
+    if (through >= 0) dropped = CompleteThrough(sample.run, run, through, out);
+  }
+  return out;
+}
+
+}  // namespace foreshock::server

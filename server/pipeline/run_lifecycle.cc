@@ -1,0 +1,468 @@
+#include "server/pipeline/run_lifecycle.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+#include <thread>
+
+#include "detectors/state_codec.h"
+#include "server/alerting/alert_hub.h"
+#include "server/clock.h"
+#include "server/pipeline/run_tracker.h"
+#include "server/pipeline/worker_pool.h"
+
+namespace foreshock::server {
+
+namespace {
+constexpr std::string_view kStateMagic = "FSLC";
+constexpr uint32_t kStateVersion = 1;
+constexpr uint8_t kEventVersion = 1;
+}  // namespace
+
+RunLifecycle::RunLifecycle(SeriesStore* store, AlertHub* alerts, WorkerPool* pool,
+                           RunTracker* runs)
+    : store_(store), alerts_(alerts), pool_(pool), tracker_(runs) {}
+
+// ---------------------------------------------------------------------------
+// Events: U8 version, U8 type, U64 seq, String run, I32 attempt, I32 rank,
+// U64 sender, I64 step, I64 wall_ms (codec, detectors/state_codec.h).
+
+std::string RunLifecycle::Encode(const Event& e) {
+  codec::StateWriter w;
+  w.PutU8(kEventVersion);
+  w.PutU8(static_cast<uint8_t>(e.type));
+  w.PutU64(e.seq);
+  w.PutString(e.run);
+  w.PutI32(e.attempt);
+  w.PutI32(e.rank);
+  w.PutU64(e.sender);
+  w.PutI64(e.step);
+  w.PutI64(e.wall_ms);
+  return w.Take();
+}
+
+std::optional<RunLifecycle::Event> RunLifecycle::Decode(std::string_view bytes) {
+  codec::StateReader r(bytes);
+  Event e;
+  uint8_t version = 0, type = 0;
+  if (!r.GetU8(version) || version != kEventVersion || !r.GetU8(type) || !r.GetU64(e.seq) ||
+      !r.GetString(e.run) || !r.GetI32(e.attempt) || !r.GetI32(e.rank) || !r.GetU64(e.sender) ||
+      !r.GetI64(e.step) || !r.GetI64(e.wall_ms) || !r.ExpectEnd()) {
+    return std::nullopt;
+  }
+  if (type < static_cast<uint8_t>(EventType::kJoin) || type > static_cast<uint8_t>(EventType::kEnd)) {
+    return std::nullopt;
+  }
+  e.type = static_cast<EventType>(type);
+  return e;
+}
+
+// The state change of one event; the same live and when replayed.
+void RunLifecycle::Apply(std::map<std::string, Run, std::less<>>& runs, const Event& e) {
+  Run& run = runs[e.run];
+  switch (e.type) {
+    case EventType::kAttempt:
+      if (e.attempt <= run.attempt) return;
+      run.attempt = e.attempt;
+      run.senders.clear();
+      run.rewind_pending = true;
+      run.ended = false;
+      run.ended_ms = 0;
+      run.ended_step = -1;
+      return;
+    case EventType::kJoin:
+      if (e.attempt == run.attempt) run.senders.try_emplace({e.rank, e.sender});
+      return;
+    case EventType::kGoodbye:
+      if (e.attempt == run.attempt) run.senders[{e.rank, e.sender}].goodbye = true;
+      return;
+    case EventType::kRewind:
+      if (e.attempt != run.attempt || !run.rewind_pending) return;
+      run.rewind_pending = false;
+      run.boundaries.push_back(Boundary{e.attempt, e.step, e.wall_ms});
+      return;
+    case EventType::kEnd:
+      if (e.attempt != run.attempt) return;
+      run.ended = true;
+      run.ended_ms = e.wall_ms;
+      run.ended_step = e.step;
+      return;
+  }
+}
+
+void RunLifecycle::RecordLocked(Event event) {
+  event.seq = next_seq_++;
+  if (store_ != nullptr) {
+    // Logged before it takes effect; a failed write is reported, and the
+    // next checkpoint still carries the change.
+    if (absl::Status status = store_->AppendEvent(kEventKind, Encode(event)); !status.ok()) {
+      spdlog::warn("run {}: could not log a lifecycle event: {}", event.run,
+                   std::string(status.message()));
+    }
+  }
+  Apply(runs_, event);
+  ++events_since_checkpoint_;
+}
+
+alerts::LifecycleMark RunLifecycle::MarkOf(const Run& run) {
+  alerts::LifecycleMark mark;
+  mark.attempt = run.attempt;
+  if (!run.boundaries.empty() && run.boundaries.back().attempt == run.attempt) {
+    mark.rewound_to = run.boundaries.back().from_step;
+  }
+  mark.ended = run.ended;
+  return mark;
+}
+
+// ---------------------------------------------------------------------------
+// Ingest.
+
+void RunLifecycle::OnHello(const std::string& run_id, int32_t rank, uint64_t sender) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Run& run = runs_[run_id];
+  const std::pair<int32_t, uint64_t> key{rank, sender};
+  if (auto it = run.senders.find(key); it != run.senders.end()) {
+    ++it->second.open;  // a reconnect (or a resent goodbye): nothing changes
+    return;
+  }
+  bool restart = run.ended;
+  if (!restart && sender != 0) {
+    // The rank's previous process is gone if none of its senders has a
+    // stream open or said goodbye.
+    bool rank_known = false, rank_alive = false;
+    for (const auto& [k, s] : run.senders) {
+      if (k.first != rank) continue;
+      rank_known = true;
+      rank_alive |= s.open > 0 || s.goodbye;
+    }
+    restart = rank_known && !rank_alive;
+  }
+  if (restart) {
+    const bool was_ended = run.ended;
+    RecordLocked(Event{EventType::kAttempt, 0, run_id, run.attempt + 1, rank, sender, 0,
+                       NowUnixMillis()});
+    spdlog::info("run {}: attempt {} starts ({} of rank {}); {}", run_id, run.attempt,
+                 was_ended ? "a new stream after the run ended" : "a new process", rank,
+                 was_ended ? "its alerts were resolved at the end"
+                           : "the previous attempt's open alerts resolve (run_resumed)");
+    if (alerts_ != nullptr) {
+      alerts_->CloseRunEpisodes(run_id, alerts::kRunResumed, MarkOf(run));
+    }
+  }
+  RecordLocked(Event{EventType::kJoin, 0, run_id, run.attempt, rank, sender, 0, NowUnixMillis()});
+  run.senders[key].open = 1;
+  MaybeCheckpointLocked();
+}
+
+void RunLifecycle::OnStreamClosed(const std::string& run_id, int32_t rank, uint64_t sender) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto run = runs_.find(run_id);
+  if (run == runs_.end()) return;
+  auto it = run->second.senders.find({rank, sender});
+  if (it != run->second.senders.end() && it->second.open > 0) --it->second.open;
+}
+
+void RunLifecycle::BeforeRecords(const std::string& run_id, int32_t rank, uint64_t sender,
+                                 int64_t min_step, int64_t max_step) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = runs_.find(run_id);
+  if (it == runs_.end()) return;
+  Run& run = it->second;
+  const std::pair<int32_t, uint64_t> key{rank, sender};
+  auto self = run.senders.find(key);
+  if (!run.rewind_pending && self != run.senders.end() && !self->second.records && sender != 0) {
+    // The Hello looked like a second process of the rank, but its first
+    // records go back to or below what the other one sent: that one is gone
+    // and its stream has not ended yet (a host that vanished).
+    int64_t others_max = -1;
+    for (const auto& [k, s] : run.senders) {
+      if (k.first == rank && k != key && !s.goodbye) others_max = std::max(others_max, s.max_step);
+    }
+    if (others_max >= 0 && min_step <= others_max) {
+      const int open = self->second.open;
+      RecordLocked(Event{EventType::kAttempt, 0, run_id, run.attempt + 1, rank, sender, 0,
+                         NowUnixMillis()});
+      spdlog::info("run {}: attempt {} starts: a new process of rank {} begins at step {}, at or "
+                   "before its predecessor's step {} (whose stream is still open); the previous "
+                   "attempt's open alerts resolve (run_resumed)",
+                   run_id, run.attempt, rank, min_step, others_max);
+      if (alerts_ != nullptr) {
+        alerts_->CloseRunEpisodes(run_id, alerts::kRunResumed, MarkOf(run));
+      }
+      RecordLocked(Event{EventType::kJoin, 0, run_id, run.attempt, rank, sender, 0,
+                         NowUnixMillis()});
+      self = run.senders.find(key);
+      self->second.open = open;
+    }
+  }
+  if (self != run.senders.end()) {
+    self->second.records = true;
+    self->second.max_step = std::max(self->second.max_step, max_step);
+  }
+  if (!run.rewind_pending) return;
+  const int64_t wall_ms = NowUnixMillis();
+  RecordLocked(Event{EventType::kRewind, 0, run_id, run.attempt, 0, 0, min_step, wall_ms});
+  spdlog::info("run {}: attempt {} resumes at step {}; earlier attempts' points from that step "
+               "on are superseded",
+               run_id, run.attempt, min_step);
+  if (pool_ != nullptr) pool_->ForgetRun(run_id);
+  if (alerts_ != nullptr) alerts_->RewindRun(run_id, min_step, MarkOf(run));
+  if (tracker_ != nullptr && tracker_->LastStep(run_id) >= min_step) {
+    tracker_->ResetLastStep(run_id, min_step - 1);
+  }
+  // LatestAttempt tells the attempts apart by the wall time points are stored
+  // with (NowUnixMillis when processed): the new attempt's must come after
+  // wall_ms. A millisecond at most, once per attempt.
+  while (NowUnixMillis() <= wall_ms) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  MaybeCheckpointLocked();
+}
+
+void RunLifecycle::OnGoodbye(const std::string& run_id, int32_t rank, uint64_t sender) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Run& run = runs_[run_id];
+  const std::pair<int32_t, uint64_t> key{rank, sender};
+  auto it = run.senders.find(key);
+  if (it != run.senders.end() && it->second.goodbye) return;  // a resend
+  if (it == run.senders.end()) {
+    // Its Hello predates what this daemon remembers (a lost event): count it now.
+    RecordLocked(Event{EventType::kJoin, 0, run_id, run.attempt, rank, sender, 0, NowUnixMillis()});
+  }
+  RecordLocked(Event{EventType::kGoodbye, 0, run_id, run.attempt, rank, sender, 0, NowUnixMillis()});
+  const bool all_done = std::all_of(run.senders.begin(), run.senders.end(),
+                                    [](const auto& entry) { return entry.second.goodbye; });
+  if (all_done && !run.ended) {
+    const int64_t last_step = tracker_ != nullptr ? tracker_->LastStep(run_id) : -1;
+    RecordLocked(Event{EventType::kEnd, 0, run_id, run.attempt, rank, sender, last_step,
+                       NowUnixMillis()});
+    spdlog::info("run {} ended at step {}: every sender of attempt {} said goodbye; its open "
+                 "alerts resolve (run_ended)",
+                 run_id, last_step, run.attempt);
+    if (alerts_ != nullptr) alerts_->CloseRunEpisodes(run_id, alerts::kRunEnded, MarkOf(run));
+  }
+  MaybeCheckpointLocked();
+}
+
+// ---------------------------------------------------------------------------
+// Query.
+
+std::optional<RunLifecycle::Status> RunLifecycle::GetStatus(const std::string& run_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = runs_.find(run_id);
+  if (it == runs_.end()) return std::nullopt;
+  const Run& run = it->second;
+  Status status;
+  status.attempt = run.attempt;
+  const alerts::LifecycleMark mark = MarkOf(run);
+  status.attempt_start_step = mark.rewound_to;
+  status.ended = run.ended;
+  status.ended_ms = run.ended_ms;
+  status.ended_step = run.ended_step;
+  return status;
+}
+
+std::vector<RunLifecycle::Boundary> RunLifecycle::Boundaries(const std::string& run_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = runs_.find(run_id);
+  return it == runs_.end() ? std::vector<Boundary>{} : it->second.boundaries;
+}
+
+void RunLifecycle::LatestAttempt(std::vector<Point>& points,
+                                 const std::vector<Boundary>& boundaries) {
+  if (boundaries.empty()) return;
+  std::erase_if(points, [&](const Point& p) {
+    return std::any_of(boundaries.begin(), boundaries.end(), [&](const Boundary& b) {
+      return p.step >= b.from_step && p.wall_time_ms <= b.wall_ms;
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Checkpoint: Header "FSLC" v1, U64 last event seq included, U64 runs, per
+// run (by name): String name, I32 attempt, Bool rewind_pending, Bool ended,
+// I64 ended_ms, I64 ended_step, U64 senders each (I32 rank, U64 sender, Bool
+// goodbye), U64 boundaries each (I32 attempt, I64 from_step, I64 wall_ms).
+
+std::string RunLifecycle::SaveState() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return SaveStateLocked();
+}
+
+std::string RunLifecycle::SaveStateLocked() const {
+  codec::StateWriter w;
+  w.PutHeader(kStateMagic, kStateVersion);
+  w.PutU64(next_seq_ - 1);
+  w.PutU64(runs_.size());
+  for (const auto& [name, run] : runs_) {
+    w.PutString(name);
+    w.PutI32(run.attempt);
+    w.PutBool(run.rewind_pending);
+    w.PutBool(run.ended);
+    w.PutI64(run.ended_ms);
+    w.PutI64(run.ended_step);
+    w.PutU64(run.senders.size());
+    for (const auto& [key, sender] : run.senders) {
+      w.PutI32(key.first);
+      w.PutU64(key.second);
+      w.PutBool(sender.goodbye);
+    }
+    w.PutU64(run.boundaries.size());
+    for (const Boundary& b : run.boundaries) {
+      w.PutI32(b.attempt);
+      w.PutI64(b.from_step);
+      w.PutI64(b.wall_ms);
+    }
+  }
+  return w.Take();
+}
+
+bool RunLifecycle::LoadState(std::string_view bytes) {
+  codec::StateReader r(bytes);
+  std::map<std::string, Run, std::less<>> runs;
+  uint32_t version = 0;
+  uint64_t seq = 0, count = 0;
+  bool ok = r.GetHeader(kStateMagic, kStateVersion, kStateVersion, version) && r.GetU64(seq) &&
+            r.GetCount(count, 30);
+  for (uint64_t i = 0; ok && i < count; ++i) {
+    std::string name;
+    Run run;
+    uint64_t senders = 0, boundaries = 0;
+    ok = r.GetString(name) && r.GetI32(run.attempt) && r.GetBool(run.rewind_pending) &&
+         r.GetBool(run.ended) && r.GetI64(run.ended_ms) && r.GetI64(run.ended_step) &&
+         r.GetCount(senders, 13);
+    for (uint64_t j = 0; ok && j < senders; ++j) {
+      int32_t rank = 0;
+      uint64_t sender = 0;
+      bool goodbye = false;
+      ok = r.GetI32(rank) && r.GetU64(sender) && r.GetBool(goodbye);
+      run.senders[{rank, sender}].goodbye = goodbye;
+    }
+    ok = ok && r.GetCount(boundaries, 20);
+    for (uint64_t j = 0; ok && j < boundaries; ++j) {
+      Boundary b;
+      ok = r.GetI32(b.attempt) && r.GetI64(b.from_step) && r.GetI64(b.wall_ms);
+      run.boundaries.push_back(b);
+    }
+    ok = ok && run.attempt >= 1 && runs.emplace(std::move(name), std::move(run)).second;
+  }
+  if (!ok || !r.ExpectEnd()) {
+    spdlog::warn("the run lifecycle checkpoint is unusable ({}); rebuilding it from the event log",
+                 r.error().empty() ? std::string("inconsistent") : r.error());
+    return false;
+  }
+  runs_ = std::move(runs);
+  checkpoint_seq_ = seq;
+  next_seq_ = seq + 1;
+  return true;
+}
+
+bool RunLifecycle::Checkpoint() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (store_ == nullptr) return true;
+  const uint64_t seq = next_seq_ - 1;
+  if (!store_->WriteCheckpoint(kCheckpointName, SaveStateLocked())) return false;
+  checkpoint_seq_ = seq;
+  events_since_checkpoint_ = 0;
+  return true;
+}
+
+void RunLifecycle::MaybeCheckpointLocked() {
+  // The store keeps only the newest events of a kind: checkpoint well before
+  // the oldest one still needed could fall out.
+  if (store_ == nullptr || events_since_checkpoint_ < kCheckpointEvery) return;
+  if (store_->WriteCheckpoint(kCheckpointName, SaveStateLocked())) {
+    checkpoint_seq_ = next_seq_ - 1;
+    events_since_checkpoint_ = 0;
+  }
+}
+
+void RunLifecycle::Restore() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (store_ == nullptr) return;
+  if (auto blob = store_->ReadCheckpoint(kCheckpointName)) LoadState(*blob);
+  const uint64_t from_checkpoint = checkpoint_seq_;
+  uint64_t replayed = 0, oldest = 0;
+  for (const std::string& bytes : store_->Events(kEventKind)) {
+    std::optional<Event> event = Decode(bytes);
+    if (!event) {
+      spdlog::warn("skipping an unreadable run lifecycle event ({} bytes)", bytes.size());
+      continue;
+    }
+    if (oldest == 0) oldest = event->seq;
+    next_seq_ = std::max(next_seq_, event->seq + 1);
+    if (event->seq <= from_checkpoint) continue;
+    Apply(runs_, *event);
+    ++replayed;
+  }
+  if (oldest > from_checkpoint + 1) {
+    spdlog::warn("run lifecycle events {}..{} are no longer in the store; runs changed by them "
+                 "may show an older state",
+                 from_checkpoint + 1, oldest - 1);
+  }
+  events_since_checkpoint_ = static_cast<int>(replayed);
+
+  // Bring the restored alert engine, detectors and run tracker up to date:
+  // their checkpoints may predate changes the events carry.
+  size_t reapplied = 0;
+  for (const auto& [name, run] : runs_) {
+    const alerts::LifecycleMark want = MarkOf(run);
+    if (alerts_ != nullptr) {
+      alerts::LifecycleMark have = alerts_->GetLifecycleMark(name);
+      if (want.attempt > have.attempt) {
+        if (pool_ != nullptr) pool_->ForgetRun(name);
+        have = alerts::LifecycleMark{want.attempt, -1, false};
+        alerts_->CloseRunEpisodes(name, alerts::kRunResumed, have);
+        ++reapplied;
+      }
+      if (want.attempt == have.attempt && want.rewound_to >= 0 &&
+          have.rewound_to != want.rewound_to) {
+        if (pool_ != nullptr) pool_->ForgetRun(name);
+        have.rewound_to = want.rewound_to;
+        alerts_->RewindRun(name, want.rewound_to, have);
+        ++reapplied;
+      }
+      if (want.attempt == have.attempt && want.ended && !have.ended) {
+        have.ended = true;
+        alerts_->CloseRunEpisodes(name, alerts::kRunEnded, have);
+        ++reapplied;
+      }
+    }
+    if (tracker_ != nullptr && !run.boundaries.empty()) {
+      // The tracker restored the highest step stored, superseded or not.
+      const int64_t visible = VisibleLastStep(name, run.boundaries);
+      if (visible < tracker_->LastStep(name)) tracker_->ResetLastStep(name, visible);
+    }
+  }
+  if (!runs_.empty()) {
+    spdlog::info("restored the lifecycle of {} run(s) ({} event(s) after the checkpoint); {} "
+                 "change(s) re-applied to the alert state",
+                 runs_.size(), replayed, reapplied);
+  }
+}
+
+int64_t RunLifecycle::VisibleLastStep(const std::string& run,
+                                      const std::vector<Boundary>& boundaries) const {
+  int64_t first_boundary = std::numeric_limits<int64_t>::max();
+  for (const Boundary& b : boundaries) first_boundary = std::min(first_boundary, b.from_step);
+  int64_t last = -1;
+  for (const store::SeriesInfo& series : store_->ListSeries(run)) {
+    if (series.last_step < first_boundary) {
+      last = std::max(last, series.last_step);
+      continue;
+    }
+    std::vector<Point> tail =
+        store_->Range(series.key, first_boundary, std::numeric_limits<int64_t>::max());
+    LatestAttempt(tail, boundaries);
+    if (!tail.empty()) {
+      last = std::max(last, tail.back().step);
+      continue;
+    }
+    std::vector<Point> head = store_->Range(series.key, std::numeric_limits<int64_t>::min(),
+                                            first_boundary - 1);
+    if (!head.empty()) last = std::max(last, head.back().step);
+  }
+  return last;
+}
+
+}  // namespace foreshock::server

@@ -1,0 +1,166 @@
+// Run lifecycle: when a run has ended, and when it restarted from a
+// checkpoint under the same run_id (docs/DESIGN.md §3.4, §5.3).
+//
+// A sender is the (rank, Hello.sender_id) of an ingest stream; sender_id 0
+// for clients without Hello.first_seq, whose restarts cannot be told from
+// reconnects. Per run, the lifecycle keeps the current attempt's senders:
+// how many streams each has open and whether it said goodbye (Batch.goodbye,
+// sent by Monitor.close()).
+//
+// - End: once every sender of the current attempt has said goodbye, the run
+//   has ended: its open alert episodes close with reason run_ended (resolved
+//   in Alertmanager, WatchAlerts, the gauge) and ListRuns says so.
+// - Restart: a Hello from a sender new to the attempt starts a new attempt
+//   when the run has ended, or when every sender the attempt has for that
+//   rank vanished (no stream open, no goodbye: the process died). The run's
+//   open episodes close with reason run_resumed before the HelloAck goes
+//   out, so a watcher the new process subscribes after its HelloAck
+//   (Monitor.on_alert) is not handed the old attempt's alerts as active.
+// - Rewind: the first accepted records of a new attempt give its first step
+//   S (the checkpoint it resumed from). Before they are dispatched, the
+//   detectors forget the run, the alert engine forgets steps >= S
+//   (AlertEngine::RewindRun), the run's last step becomes S - 1 if it was
+//   beyond, and a boundary (S, now) is recorded: LatestAttempt then leaves
+//   out every stored point of a step >= S written before it, so a series
+//   shows one point per step, the resumed attempt's.
+//   A restart is also recognized there when the Hello could not tell it: a
+//   second live sender of a rank whose first records go back to or below
+//   its predecessor's highest step (the predecessor's host vanished and its
+//   stream has not timed out yet). The old alerts close at that point.
+//
+// Durability: each change is appended to the store's event log (kind
+// "lifecycle") before it takes effect; the whole state is a checkpoint
+// (SaveState) written with the daemon's other checkpoints and after every
+// kCheckpointEvery events, so the event ring (the newest events of a kind)
+// never has to reach further back. Restore reads the checkpoint, replays the
+// newer events, and re-applies to the restored alert engine and detectors
+// what their own checkpoints missed (alerts::LifecycleMark).
+//
+// Thread-safe. Lock order: an ingest stream's lock, then this one, then the
+// alert hub's, the worker pool's detector locks, the run tracker's and the
+// store's; none of those calls back in here.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "alerts/alert_engine.h"
+#include "server/pipeline/series_store.h"
+
+namespace foreshock::server {
+
+class AlertHub;
+class RunTracker;
+class WorkerPool;
+
+class RunLifecycle {
+ public:
+  static constexpr std::string_view kEventKind = "lifecycle";
+  static constexpr std::string_view kCheckpointName = "lifecycle";
+  static constexpr int kCheckpointEvery = 256;
+
+  // Every collaborator may be null (then that effect is skipped: tests).
+  RunLifecycle(SeriesStore* store, AlertHub* alerts, WorkerPool* pool, RunTracker* runs);
+
+  // Ingest: an accepted Hello, before its HelloAck.
+  void OnHello(const std::string& run, int32_t rank, uint64_t sender);
+  // Ingest: a stream whose Hello went to OnHello ended.
+  void OnStreamClosed(const std::string& run, int32_t rank, uint64_t sender);
+  // Ingest: before a batch's accepted records of sender (rank, sender) are
+  // dispatched; `min_step` and `max_step` are their smallest and largest step.
+  void BeforeRecords(const std::string& run, int32_t rank, uint64_t sender, int64_t min_step,
+                     int64_t max_step);
+  // Ingest: a Batch with goodbye, once it and every earlier batch of its
+  // stream were processed, before its Ack. Idempotent (resends).
+  void OnGoodbye(const std::string& run, int32_t rank, uint64_t sender);
+
+  struct Boundary {
+    int32_t attempt = 0;
+    int64_t from_step = 0;  // the attempt's first step
+    int64_t wall_ms = 0;    // points stored before this time at steps >= from_step are superseded
+  };
+  struct Status {
+    int32_t attempt = 1;
+    int64_t attempt_start_step = -1;  // the current attempt's boundary step; -1: none
+    bool ended = false;
+    int64_t ended_ms = 0;
+    int64_t ended_step = -1;  // the run's last step when it ended
+  };
+  std::optional<Status> GetStatus(const std::string& run) const;  // nullopt: never seen
+  std::vector<Boundary> Boundaries(const std::string& run) const;
+
+  // Leaves out of `points` (sorted by step, as SeriesStore::Range returns
+  // them) every point a later attempt superseded: step >= b.from_step and
+  // stored at or before b.wall_ms, for some boundary b.
+  static void LatestAttempt(std::vector<Point>& points, const std::vector<Boundary>& boundaries);
+
+  // The whole state, for the checkpoint kCheckpointName (format in the .cc).
+  std::string SaveState() const;
+  // Writes it to the store. False if the write failed.
+  bool Checkpoint();
+  // At startup, after the alert and detector checkpoints were restored and
+  // before ingest starts: reads the checkpoint and the newer events, then
+  // brings the alert engine, the detectors and the run tracker up to it.
+  void Restore();
+
+ private:
+  struct Sender {
+    int open = 0;  // streams open now (not stored: none survive a restart)
+    bool goodbye = false;
+    // Since this daemon started (not stored): whether it sent records, and its highest step.
+    bool records = false;
+    int64_t max_step = -1;
+  };
+  struct Run {
+    int32_t attempt = 1;
+    std::map<std::pair<int32_t, uint64_t>, Sender> senders;  // of the current attempt
+    bool rewind_pending = false;  // a new attempt whose first records have not come yet
+    bool ended = false;
+    int64_t ended_ms = 0;
+    int64_t ended_step = -1;
+    std::vector<Boundary> boundaries;  // oldest first
+  };
+  enum class EventType : uint8_t { kJoin = 1, kGoodbye = 2, kAttempt = 3, kRewind = 4, kEnd = 5 };
+  struct Event {
+    EventType type = EventType::kJoin;
+    uint64_t seq = 0;
+    std::string run;
+    int32_t attempt = 0;
+    int32_t rank = 0;
+    uint64_t sender = 0;
+    int64_t step = 0;
+    int64_t wall_ms = 0;
+  };
+
+  // Appends `event` (numbered here) to the store's log, then applies it to
+  // the state. Effects on other components are the caller's.
+  void RecordLocked(Event event);
+  static void Apply(std::map<std::string, Run, std::less<>>& runs, const Event& event);
+  static std::string Encode(const Event& event);
+  static std::optional<Event> Decode(std::string_view bytes);
+  static alerts::LifecycleMark MarkOf(const Run& run);
+  std::string SaveStateLocked() const;
+  bool LoadState(std::string_view bytes);
+  void MaybeCheckpointLocked();
+  // The highest step of `run` in its latest attempt (superseded points left out).
+  int64_t VisibleLastStep(const std::string& run, const std::vector<Boundary>& boundaries) const;
+
+  SeriesStore* const store_;
+  AlertHub* const alerts_;
+  WorkerPool* const pool_;
+  RunTracker* const tracker_;
+
+  mutable std::mutex mu_;
+  std::map<std::string, Run, std::less<>> runs_;
+  uint64_t next_seq_ = 1;
+  uint64_t checkpoint_seq_ = 0;  // the last event seq the stored checkpoint includes
+  int events_since_checkpoint_ = 0;
+};
+
+}  // namespace foreshock::server

@@ -1,0 +1,486 @@
+// Several ranks' step scalars -> the run's series (server/pipeline/rank_scalars.h):
+// the mean over the ranks that reported a step, when the step is complete,
+// independent of the order the ranks' reports arrive in; and, through the
+// worker pool, what the detectors and the sinks see.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <map>
+#include <optional>
+#include <mutex>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "server/pipeline/rank_scalars.h"
+#include "server/pipeline/worker_pool.h"
+
+namespace foreshock::server {
+namespace {
+
+using detectors::Sample;
+using detectors::ScalarsSample;
+
+Sample Report(const std::string& run, int32_t rank, int64_t step, std::optional<double> loss,
+              std::optional<double> grad_norm = std::nullopt,
+              std::optional<double> lr = std::nullopt, int32_t world_size = 0) {
+  ScalarsSample s;
+  s.has_loss = loss.has_value();
+  s.loss = loss.value_or(0);
+  s.has_grad_norm = grad_norm.has_value();
+  s.grad_norm = grad_norm.value_or(0);
+  s.has_lr = lr.has_value();
+  s.lr = lr.value_or(0);
+  Sample sample;
+  sample.run = run;
+  sample.rank = rank;
+  sample.world_size = world_size;
+  sample.step = step;
+  sample.payload = s;
+  return sample;
+}
+
+// A deterministic loss per (rank, step), different per rank.
+double LossOf(int32_t rank, int64_t step) {
+  return 2.0 + 0.1 * rank + 1.0 / (1.0 + step) + 1e-7 * rank * step;
+}
+
+// (step, loss bits, has grad_norm, grad_norm bits, lr bits) of what came out.
+using Emitted = std::tuple<int64_t, uint64_t, bool, uint64_t, uint64_t>;
+
+Emitted Key(const Sample& s) {
+  const auto& x = std::get<ScalarsSample>(s.payload);
+  return {s.step, x.has_loss ? std::bit_cast<uint64_t>(x.loss) : 0, x.has_grad_norm,
+          x.has_grad_norm ? std::bit_cast<uint64_t>(x.grad_norm) : 0,
+          x.has_lr ? std::bit_cast<uint64_t>(x.lr) : 0};
+}
+
+std::vector<Sample> Feed(RankScalars& merge, const std::vector<Sample>& reports,
+                         std::vector<bool>* per_rank = nullptr) {
+  std::vector<Sample> out;
+  for (const Sample& r : reports) {
+    RankScalars::Result result = merge.Offer(r);
+    if (per_rank) per_rank->push_back(result.per_rank);
+    for (Sample& s : result.ready) out.push_back(std::move(s));
+  }
+  return out;
+}
+
+double Loss(const Sample& s) { return std::get<ScalarsSample>(s.payload).loss; }
+
+TEST(RankScalars, OneRankPassesThroughUnchangedAndAtOnce) {
+  RankScalars merge;
+  std::vector<Sample> reports;
+  for (int64_t step : {0, 1, 2, 3, 2, 3, 4}) {  // a resume from step 2 included
+    reports.push_back(Report("solo", 5, step, LossOf(5, step), 1.5, 3e-4));
+  }
+  std::vector<bool> per_rank;
+  RankScalars::Result first = merge.Offer(reports[0]);
+  ASSERT_EQ(first.ready.size(), 1u);
+  EXPECT_EQ(first.ready[0].rank, 5);  // the sample itself
+  std::vector<Sample> out = Feed(merge, {reports.begin() + 1, reports.end()}, &per_rank);
+  ASSERT_EQ(out.size(), reports.size() - 1);
+  for (size_t i = 0; i < out.size(); ++i) {
+    EXPECT_EQ(Key(out[i]), Key(reports[i + 1]));
+    EXPECT_FALSE(per_rank[i]);
+  }
+  EXPECT_EQ(merge.OpenSteps(), 0u);
+  // A world_size label of 1 is one rank too.
+  RankScalars one;
+  EXPECT_EQ(one.Offer(Report("w1", 0, 0, 1.0, {}, {}, 1)).ready.size(), 1u);
+}
+
+TEST(RankScalars, MeanOverRanksOncePerStepWhenEveryRankReported) {
+  RankScalars merge;
+  constexpr int kRanks = 3;
+  std::vector<Sample> out;
+  for (int64_t step = 0; step < 5; ++step) {
+    for (int32_t rank = 0; rank < kRanks; ++rank) {
+      RankScalars::Result r =
+          merge.Offer(Report("r", rank, step, LossOf(rank, step), 1.0 + rank, 1e-3, kRanks));
+      EXPECT_TRUE(r.per_rank);
+      // Only the last rank's report completes the step.
+      EXPECT_EQ(r.ready.size(), rank == kRanks - 1 ? 1u : 0u) << step << " " << rank;
+      for (Sample& s : r.ready) out.push_back(std::move(s));
+    }
+  }
+  ASSERT_EQ(out.size(), 5u);
+  for (int64_t step = 0; step < 5; ++step) {
+    const auto& s = std::get<ScalarsSample>(out[step].payload);
+    EXPECT_EQ(out[step].step, step);
+    EXPECT_EQ(out[step].rank, -1);
+    double sum = 0;
+    for (int32_t rank = 0; rank < kRanks; ++rank) sum += LossOf(rank, step);
+    EXPECT_DOUBLE_EQ(s.loss, sum / kRanks);
+    EXPECT_DOUBLE_EQ(s.grad_norm, 2.0);
+    EXPECT_EQ(s.lr, 1e-3);  // equal values: exactly that value
+  }
+}
+
+TEST(RankScalars, EqualValuesGiveThatValueExactly) {
+  // 0.1 * 3 / 3 != 0.1 in doubles; the merged lr must be the lr every rank sent.
+  RankScalars merge;
+  const double lr = 0.1;
+  ASSERT_NE((lr + lr + lr) / 3, lr);
+  std::vector<Sample> out;
+  for (int32_t rank = 0; rank < 3; ++rank) {
+    for (Sample& s : merge.Offer(Report("r", rank, 0, {}, {}, lr, 3)).ready) out.push_back(s);
+  }
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(std::get<ScalarsSample>(out[0].payload).lr, lr);
+  EXPECT_FALSE(std::get<ScalarsSample>(out[0].payload).has_loss);
+}
+
+TEST(RankScalars, EachFieldAveragesOverTheRanksThatReportedIt) {
+  // Pipeline parallel: only the last stage has the loss; every stage the lr.
+  RankScalars merge;
+  std::vector<Sample> out;
+  for (Sample& s : merge.Offer(Report("pp", 0, 7, {}, 3.0, 1e-3, 2)).ready) out.push_back(s);
+  for (Sample& s : merge.Offer(Report("pp", 1, 7, 4.25, 5.0, 1e-3, 2)).ready) out.push_back(s);
+  ASSERT_EQ(out.size(), 1u);
+  const auto& m = std::get<ScalarsSample>(out[0].payload);
+  EXPECT_TRUE(m.has_loss);
+  EXPECT_EQ(m.loss, 4.25);
+  EXPECT_EQ(m.grad_norm, 4.0);
+  EXPECT_EQ(m.lr, 1e-3);
+}
+
+TEST(RankScalars, NonFiniteOnOneRankMakesTheMeanNonFinite) {
+  RankScalars merge;
+  std::vector<Sample> out;
+  for (Sample& s : merge.Offer(Report("nan", 0, 0, 2.0, {}, {}, 2)).ready) out.push_back(s);
+  for (Sample& s : merge.Offer(Report("nan", 1, 0, NAN, {}, {}, 2)).ready) out.push_back(s);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_TRUE(std::isnan(Loss(out[0])));
+}
+
+// Reports of `ranks` ranks for `steps` steps, each rank in step order, the
+// ranks interleaved at random with each rank at most `max_lead` steps ahead
+// of the slowest (stream batching, connect times).
+std::vector<Sample> Interleaved(int ranks, int steps, int max_lead, std::mt19937& rng,
+                                int32_t world_size) {
+  std::vector<int64_t> next(ranks, 0);
+  std::vector<Sample> out;
+  while (true) {
+    const int64_t slowest = *std::min_element(next.begin(), next.end());
+    std::vector<int> can;
+    for (int r = 0; r < ranks; ++r) {
+      if (next[r] < steps && next[r] < slowest + max_lead) can.push_back(r);
+    }
+    if (can.empty()) break;
+    const int r = can[std::uniform_int_distribution<size_t>(0, can.size() - 1)(rng)];
+    out.push_back(Report("run", r, next[r], LossOf(r, next[r]), 1.0 + 0.5 * r, 3e-4, world_size));
+    ++next[r];
+  }
+  return out;
+}
+
+TEST(RankScalars, SameSeriesForAnyArrivalOrderWithinTheWindow) {
+  // Live and replayed streams interleave differently: the run's series must
+  // not depend on it, bit for bit, while no rank runs `window` steps ahead.
+  std::mt19937 rng(7);
+  for (int ranks : {2, 3, 8}) {
+    std::vector<Emitted> reference;
+    for (int trial = 0; trial < 20; ++trial) {
+      RankScalars merge(RankScalars::kDefaultWindow);
+      const std::vector<Sample> reports =
+          Interleaved(ranks, 60, RankScalars::kDefaultWindow, rng, ranks);
+      const std::vector<Sample> out = Feed(merge, reports);
+      ASSERT_EQ(out.size(), 60u) << ranks << " ranks, trial " << trial;
+      std::vector<Emitted> keys;
+      for (const Sample& s : out) keys.push_back(Key(s));
+      for (size_t i = 0; i < keys.size(); ++i) ASSERT_EQ(std::get<0>(keys[i]), int64_t(i));
+      if (trial == 0) {
+        reference = keys;
+        // And it is the mean of the ranks' values (summed in rank order).
+        for (int64_t step = 0; step < 60; ++step) {
+          double sum = 0;
+          for (int r = 0; r < ranks; ++r) sum += LossOf(r, step);
+          EXPECT_EQ(std::bit_cast<double>(std::get<1>(keys[step])), sum / ranks);
+        }
+      } else {
+        EXPECT_EQ(keys, reference) << ranks << " ranks, trial " << trial;
+      }
+      EXPECT_EQ(merge.OpenSteps(), 0u);
+    }
+  }
+}
+
+TEST(RankScalars, WithoutTheWorldSizeHintRanksAreLearned) {
+  // Older clients send no world_size: the second rank's first report makes
+  // the run multi-rank; steps the first rank completed alone stay as they were.
+  RankScalars merge(4);
+  std::vector<bool> per_rank;
+  std::vector<Sample> reports = {Report("r", 0, 0, 1.0), Report("r", 0, 1, 1.0),
+                                 Report("r", 1, 0, 3.0), Report("r", 1, 1, 3.0),
+                                 Report("r", 0, 2, 1.0), Report("r", 1, 2, 3.0)};
+  std::vector<Sample> out = Feed(merge, reports, &per_rank);
+  ASSERT_EQ(out.size(), 3u);
+  EXPECT_EQ(Loss(out[0]), 1.0);  // rank 0 alone, passed through
+  EXPECT_EQ(Loss(out[1]), 1.0);
+  EXPECT_EQ(out[2].step, 2);
+  EXPECT_EQ(Loss(out[2]), 2.0);
+  EXPECT_EQ(per_rank, (std::vector<bool>{false, false, true, true, true, true}));
+}
+
+TEST(RankScalars, ADeadRankDelaysTheSeriesByTheWindowThenIsNoLongerWaitedFor) {
+  constexpr int kWindow = 4;
+  RankScalars merge(kWindow);
+  std::vector<std::pair<int64_t, int64_t>> completed;  // (step, at the report of step)
+  auto offer = [&](int32_t rank, int64_t step) {
+    for (const Sample& s : merge.Offer(Report("dead", rank, step, 1.0 + rank, {}, {}, 2)).ready) {
+      completed.push_back({s.step, step});
+    }
+  };
+  for (int64_t step = 0; step < 10; ++step) {
+    offer(0, step);
+    offer(1, step);
+  }
+  ASSERT_EQ(completed.size(), 10u);
+  // Rank 1 dies after step 9.
+  completed.clear();
+  for (int64_t step = 10; step < 30; ++step) offer(0, step);
+  // Steps 10..13 wait until 4 newer steps are open; then rank 1 has missed
+  // kWindow steps and is dropped: the rest complete at once.
+  ASSERT_EQ(completed.size(), 20u);
+  for (size_t i = 0; i < completed.size(); ++i) EXPECT_EQ(completed[i].first, int64_t(10 + i));
+  EXPECT_EQ(completed[0].second, 14);
+  EXPECT_EQ(completed.back().second, 29);
+  EXPECT_EQ(completed.back().first, 29);
+  EXPECT_EQ(merge.OpenSteps(), 0u);
+  // Its steps are rank 0's value alone.
+  completed.clear();
+  // Rank 1 comes back at the front: it is waited for again.
+  offer(1, 30);
+  EXPECT_TRUE(completed.empty());
+  offer(0, 30);
+  ASSERT_EQ(completed.size(), 1u);
+}
+
+TEST(RankScalars, OnlyRankZeroReportingWithAWorldSizeHintDelaysOnlyTheFirstSteps) {
+  // The hint says 2 ranks, but only rank 0 created a Monitor.
+  constexpr int kWindow = 8;
+  RankScalars merge(kWindow);
+  std::vector<std::pair<int64_t, int64_t>> completed;
+  for (int64_t step = 0; step < 40; ++step) {
+    for (const Sample& s : merge.Offer(Report("r0", 0, step, 1.0, {}, {}, 2)).ready) {
+      completed.push_back({s.step, step});
+    }
+  }
+  ASSERT_EQ(completed.size(), 40u);
+  for (size_t i = 0; i < completed.size(); ++i) {
+    EXPECT_EQ(completed[i].first, int64_t(i));
+    EXPECT_LE(completed[i].second, int64_t(i) + kWindow);
+  }
+  EXPECT_EQ(completed.back().second, 39);  // caught up: immediate after the first window
+}
+
+TEST(RankScalars, LateReportsAreTheRanksOwnOnly) {
+  // Rank 1's stream connects late: the first kWindow steps wait for it (the
+  // world_size hint), later ones go on with rank 0 alone, and what rank 1
+  // then sends for completed steps is its own value only.
+  constexpr int kWindow = 4;
+  RankScalars merge(kWindow);
+  std::vector<Sample> out;
+  for (int64_t step = 0; step < 6; ++step) {
+    RankScalars::Result r = merge.Offer(Report("late", 0, step, 1.0, {}, {}, 2));
+    EXPECT_EQ(r.ready.size(), step < 4 ? 0u : step == 4 ? 5u : 1u) << step;
+    for (Sample& s : r.ready) out.push_back(s);
+  }
+  ASSERT_EQ(out.size(), 6u);
+  for (int64_t step = 0; step < 6; ++step) EXPECT_EQ(out[step].step, step);
+  for (int64_t step = 0; step < 6; ++step) {
+    RankScalars::Result late = merge.Offer(Report("late", 1, step, 5.0, {}, {}, 2));
+    EXPECT_TRUE(late.per_rank);
+    EXPECT_TRUE(late.ready.empty());
+  }
+  // From now on rank 1 is waited for.
+  EXPECT_TRUE(merge.Offer(Report("late", 1, 6, 5.0, {}, {}, 2)).ready.empty());
+  RankScalars::Result both = merge.Offer(Report("late", 0, 6, 1.0, {}, {}, 2));
+  ASSERT_EQ(both.ready.size(), 1u);
+  EXPECT_EQ(Loss(both.ready[0]), 3.0);
+}
+
+TEST(RankScalars, ACompletedStepCompletesOlderOpenStepsFirst) {
+  RankScalars merge(16);
+  std::vector<Sample> out;
+  auto offer = [&](int32_t rank, int64_t step, double loss) {
+    for (Sample& s : merge.Offer(Report("gap", rank, step, loss, {}, {}, 2)).ready) {
+      out.push_back(s);
+    }
+  };
+  offer(0, 0, 1.0);
+  offer(0, 1, 1.0);
+  offer(1, 1, 3.0);  // rank 1 skipped step 0
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[0].step, 0);
+  EXPECT_EQ(Loss(out[0]), 1.0);
+  EXPECT_EQ(out[1].step, 1);
+  EXPECT_EQ(Loss(out[1]), 2.0);
+}
+
+TEST(RankScalars, AResumedJobStartsTheRunAfresh) {
+  RankScalars merge(8);
+  std::vector<Sample> out;
+  auto offer = [&](int32_t rank, int64_t step, double loss) {
+    for (Sample& s : merge.Offer(Report("resume", rank, step, loss, {}, {}, 2)).ready) {
+      out.push_back(s);
+    }
+  };
+  for (int64_t step = 0; step < 10; ++step) {
+    offer(0, step, 1.0);
+    offer(1, step, 3.0);
+  }
+  offer(0, 10, 1.0);  // rank 1 crashed before reporting step 10
+  ASSERT_EQ(out.size(), 10u);
+  // The job resumes from its checkpoint at step 6.
+  offer(0, 6, 5.0);
+  ASSERT_EQ(out.size(), 11u);  // step 10 closed with rank 0 alone
+  EXPECT_EQ(out[10].step, 10);
+  EXPECT_EQ(Loss(out[10]), 1.0);
+  offer(1, 6, 7.0);
+  ASSERT_EQ(out.size(), 12u);
+  EXPECT_EQ(out[11].step, 6);
+  EXPECT_EQ(Loss(out[11]), 6.0);
+}
+
+TEST(RankScalars, ForgetRunDropsOpenStepsOfTheAbandonedAttempt) {
+  RankScalars merge;
+  EXPECT_TRUE(merge.Offer(Report("f", 0, 10, 1.0, {}, {}, 2)).ready.empty());
+  EXPECT_EQ(merge.OpenSteps(), 1u);
+  merge.ForgetRun("f");  // the run resumed from a checkpoint (run lifecycle rewind)
+  EXPECT_EQ(merge.OpenSteps(), 0u);
+  // The new attempt starts over: its step 6 waits for both ranks, and rank 0's
+  // abandoned step 10 value is in no mean.
+  EXPECT_TRUE(merge.Offer(Report("f", 0, 6, 5.0, {}, {}, 2)).ready.empty());
+  RankScalars::Result r = merge.Offer(Report("f", 1, 6, 7.0, {}, {}, 2));
+  ASSERT_EQ(r.ready.size(), 1u);
+  EXPECT_EQ(r.ready[0].step, 6);
+  EXPECT_EQ(Loss(r.ready[0]), 6.0);
+}
+
+TEST(RankScalars, RunsAreIndependent) {
+  RankScalars merge;
+  EXPECT_TRUE(merge.Offer(Report("a", 0, 0, 1.0, {}, {}, 2)).ready.empty());
+  EXPECT_EQ(merge.Offer(Report("b", 0, 0, 1.0)).ready.size(), 1u);
+  EXPECT_EQ(merge.Offer(Report("a", 1, 0, 3.0, {}, {}, 2)).ready.size(), 1u);
+}
+
+// Through the worker pool: the detectors see the run's series (the mean),
+// the sinks also get each rank's own finite values in the head slot (not for
+// detection), and every sample is done once.
+class CollectingSink final : public ObservationSink {
+ public:
+  struct Obs {
+    std::string run;
+    int64_t step;
+    int32_t sample_rank;
+    std::string signal;
+    int head;
+    double value;
+    bool for_detection;
+  };
+  void OnObservation(const Sample& sample, const detectors::Observation& o) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    obs_.push_back({sample.run, sample.step, sample.rank, std::string(o.signal), o.head, o.value,
+                    o.for_detection});
+  }
+  void OnNonFinite(const Sample& sample, detectors::SampleKind, int64_t count) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    nonfinite_.push_back({sample.step, count});
+  }
+  void OnSampleDone(const Sample&) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++done_;
+    cv_.notify_all();
+  }
+  void WaitFor(size_t n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    ASSERT_TRUE(cv_.wait_for(lock, std::chrono::seconds(30), [&] { return done_ >= n; }));
+  }
+  std::vector<Obs> obs() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return obs_;
+  }
+  std::vector<std::pair<int64_t, int64_t>> nonfinite() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return nonfinite_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Obs> obs_;
+  std::vector<std::pair<int64_t, int64_t>> nonfinite_;
+  size_t done_ = 0;
+};
+
+TEST(RankScalarsInWorkerPool, DetectorsSeeTheMeanAndSinksKeepEachRank) {
+  CollectingSink sink;
+  WorkerPool pool(3, detectors::DetectorOptions{}, sink, [](size_t) {});
+  std::vector<WorkItem> items;
+  for (int64_t step = 0; step < 4; ++step) {
+    for (int32_t rank : {1, 0}) {
+      WorkItem item;
+      item.sample = Report("ddp", rank, step, step == 3 && rank == 1 ? NAN : 2.0 + rank,
+                           0.5 * (rank + 1), 1e-3, 2);
+      items.push_back(std::move(item));
+    }
+  }
+  WorkItem solo;
+  solo.sample = Report("solo", 0, 0, 9.0, 1.0, 1e-3);
+  items.push_back(std::move(solo));
+  pool.Dispatch(std::move(items));
+  sink.WaitFor(9);
+  pool.DrainAndStop();
+
+  std::map<std::tuple<std::string, int, int64_t>, double> run_level;  // (signal, head, step)
+  int solo_loss = 0;
+  for (const auto& o : sink.obs()) {
+    if (o.run == "solo") {
+      // One rank: its own sample, unchanged, and no per-rank copy.
+      EXPECT_EQ(o.sample_rank, 0);
+      EXPECT_EQ(o.head, -1);
+      solo_loss += o.signal == "loss" && o.value == 9.0;
+      continue;
+    }
+    if (o.signal != "loss" && o.signal != "grad_norm" && o.signal != "lr") continue;
+    if (o.head == -1) {
+      EXPECT_EQ(o.sample_rank, -1);
+      EXPECT_TRUE(o.for_detection);
+    } else {
+      EXPECT_EQ(o.sample_rank, o.head);  // a rank's own value, at its own report
+      EXPECT_FALSE(o.for_detection);
+    }
+    EXPECT_TRUE(run_level.emplace(std::make_tuple(o.signal, o.head, o.step), o.value).second)
+        << o.signal << " " << o.head << " " << o.step;
+  }
+  EXPECT_EQ(solo_loss, 1);
+  for (int64_t step = 0; step < 3; ++step) {
+    EXPECT_EQ(run_level.at({"loss", -1, step}), 2.5);
+    EXPECT_EQ(run_level.at({"loss", 0, step}), 2.0);
+    EXPECT_EQ(run_level.at({"loss", 1, step}), 3.0);
+    EXPECT_EQ(run_level.at({"grad_norm", -1, step}), 0.75);
+    EXPECT_EQ(run_level.at({"lr", -1, step}), 1e-3);
+  }
+  // Step 3: rank 1's NaN is not stored as its own value, and the run's loss
+  // is non-finite (counted once, at the merged step), its grad_norm still there.
+  EXPECT_FALSE(run_level.contains({"loss", 1, 3}));
+  EXPECT_FALSE(run_level.contains({"loss", -1, 3}));
+  EXPECT_EQ(run_level.at({"grad_norm", -1, 3}), 0.75);
+  bool counted = false;
+  for (const auto& [step, count] : sink.nonfinite()) counted |= step == 3 && count >= 1;
+  EXPECT_TRUE(counted);
+  // The baselines ran on the merged series, once per step.
+  int olmo = 0;
+  for (const auto& o : sink.obs()) olmo += o.run == "ddp" && o.signal == "baseline_nonfinite";
+  EXPECT_EQ(olmo, 4);
+}
+
+}  // namespace
+}  // namespace foreshock::server

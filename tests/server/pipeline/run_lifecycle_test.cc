@@ -1,0 +1,292 @@
+// RunLifecycle (server/pipeline/run_lifecycle.h): when a run ends, when it
+// restarted, the attempt boundary GetSeries filters by, and the restore that
+// re-applies to the alert state what its checkpoint missed.
+#include "server/pipeline/run_lifecycle.h"
+
+#include <gtest/gtest.h>
+#include <prometheus/registry.h>
+
+#include <memory>
+
+#include "server/alerting/alert_hub.h"
+#include "server/clock.h"
+#include "server/pipeline/run_tracker.h"
+#include "server/pipeline/worker_pool.h"
+#include "tests/server/metric_reader.h"
+
+namespace foreshock::server {
+namespace {
+
+using testing::MetricValue;
+
+// The daemon's parts a lifecycle drives, on one store; Restart() builds them
+// anew on the same store, as a restarted daemon would.
+class LifecycleTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Build(); }
+
+  void Build(const std::string& alert_checkpoint = "") {
+    lifecycle_.reset();
+    pool_.reset();
+    hub_.reset();
+    tracker_.reset();
+    metrics_.reset();
+    registry_ = std::make_unique<prometheus::Registry>();
+    metrics_ = std::make_unique<DaemonMetrics>(*registry_, false);
+    hub_ = std::make_unique<AlertHub>(alerts::DefaultAlertConfig(), *metrics_, nullptr);
+    if (!alert_checkpoint.empty()) ASSERT_TRUE(hub_->RestoreState(alert_checkpoint));
+    tracker_ = std::make_unique<RunTracker>(*metrics_);
+    pool_ = std::make_unique<WorkerPool>(1, detectors::DetectorOptions{}, *hub_, [](size_t) {});
+    lifecycle_ = std::make_unique<RunLifecycle>(&store_, hub_.get(), pool_.get(), tracker_.get());
+  }
+  void Restart(const std::string& alert_checkpoint) {
+    Build(alert_checkpoint);
+    lifecycle_->Restore();
+  }
+
+  // ForeshockNonFinite fires for `run` at `step`.
+  void Fire(const std::string& run, int64_t step) {
+    detectors::Sample sample;
+    sample.run = run;
+    sample.step = step;
+    hub_->OnNonFinite(sample, detectors::SampleKind::kScalars, 1);
+  }
+  std::vector<foreshock::v1::Alert> Alerts(const std::string& run) {
+    return hub_->Alerts(run, /*include_resolved=*/true);
+  }
+  double Active(const std::string& run) {
+    return MetricValue(*registry_, "foreshock_alert_active",
+                       {{"alertname", "ForeshockNonFinite"}, {"run", run}, {"layer", "all"},
+                        {"severity", "critical"}});
+  }
+
+  InMemorySeriesStore store_{64};
+  std::unique_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<DaemonMetrics> metrics_;
+  std::unique_ptr<AlertHub> hub_;
+  std::unique_ptr<RunTracker> tracker_;
+  std::unique_ptr<WorkerPool> pool_;
+  std::unique_ptr<RunLifecycle> lifecycle_;
+};
+
+TEST_F(LifecycleTest, TheRunEndsWhenEverySenderSaidGoodbye) {
+  lifecycle_->OnHello("r", 0, 11);
+  lifecycle_->OnHello("r", 1, 22);
+  Fire("r", 5);
+  ASSERT_EQ(Active("r"), 1);
+
+  lifecycle_->OnGoodbye("r", 0, 11);
+  lifecycle_->OnGoodbye("r", 0, 11);  // a resend changes nothing
+  EXPECT_FALSE(lifecycle_->GetStatus("r")->ended);
+  EXPECT_EQ(Alerts("r")[0].state(), "firing");
+
+  lifecycle_->OnGoodbye("r", 1, 22);
+  const RunLifecycle::Status status = *lifecycle_->GetStatus("r");
+  EXPECT_TRUE(status.ended);
+  EXPECT_GT(status.ended_ms, 0);
+  EXPECT_EQ(status.attempt, 1);
+  const auto alerts = Alerts("r");
+  ASSERT_EQ(alerts.size(), 1u);
+  EXPECT_EQ(alerts[0].state(), "resolved");
+  EXPECT_EQ(alerts[0].resolved_reason(), "run_ended");
+  EXPECT_EQ(alerts[0].annotations().at("resolved_reason"), "run_ended");
+  EXPECT_EQ(Active("r"), 0);
+  EXPECT_EQ(hub_->GetLifecycleMark("r"), (alerts::LifecycleMark{1, -1, true}));
+
+  // A sender reconnecting to resend its goodbye does not reopen the run.
+  lifecycle_->OnHello("r", 1, 22);
+  lifecycle_->OnGoodbye("r", 1, 22);
+  EXPECT_TRUE(lifecycle_->GetStatus("r")->ended);
+  EXPECT_EQ(lifecycle_->GetStatus("r")->attempt, 1);
+  // Two joins, two goodbyes, one end: the log grows per sender, not per stream.
+  EXPECT_EQ(store_.Events(RunLifecycle::kEventKind).size(), 5u);
+  EXPECT_FALSE(lifecycle_->GetStatus("never-seen").has_value());
+}
+
+TEST_F(LifecycleTest, ANewProcessForARankWhoseProcessVanishedStartsAnAttempt) {
+  lifecycle_->OnHello("r", 0, 11);
+  Fire("r", 40);
+  lifecycle_->OnStreamClosed("r", 0, 11);  // killed: no goodbye
+  EXPECT_EQ(lifecycle_->GetStatus("r")->attempt, 1);
+
+  lifecycle_->OnHello("r", 0, 33);
+  RunLifecycle::Status status = *lifecycle_->GetStatus("r");
+  EXPECT_EQ(status.attempt, 2);
+  EXPECT_EQ(status.attempt_start_step, -1);  // known at the first records
+  EXPECT_FALSE(status.ended);
+  const auto alerts = Alerts("r");
+  ASSERT_EQ(alerts.size(), 1u);
+  EXPECT_EQ(alerts[0].state(), "resolved");
+  EXPECT_EQ(alerts[0].resolved_reason(), "run_resumed");
+  EXPECT_EQ(Active("r"), 0);
+
+  // Another rank of the new process joins the attempt; so does a reconnect.
+  lifecycle_->OnHello("r", 1, 44);
+  lifecycle_->OnStreamClosed("r", 0, 33);
+  lifecycle_->OnHello("r", 0, 33);
+  EXPECT_EQ(lifecycle_->GetStatus("r")->attempt, 2);
+  // The run ends with the attempt's senders only (11 is gone with attempt 1).
+  lifecycle_->OnGoodbye("r", 0, 33);
+  lifecycle_->OnGoodbye("r", 1, 44);
+  EXPECT_TRUE(lifecycle_->GetStatus("r")->ended);
+  // After the end, any new sender starts the next attempt.
+  lifecycle_->OnHello("r", 0, 55);
+  EXPECT_EQ(lifecycle_->GetStatus("r")->attempt, 3);
+  EXPECT_FALSE(lifecycle_->GetStatus("r")->ended);
+}
+
+TEST_F(LifecycleTest, NoRestartWhileTheRanksProcessIsThereOrCannotBeTold) {
+  // Two processes claiming rank 0 at once (a misconfigured job): both join.
+  lifecycle_->OnHello("dup", 0, 11);
+  lifecycle_->OnHello("dup", 0, 22);
+  EXPECT_EQ(lifecycle_->GetStatus("dup")->attempt, 1);
+  // A rank that said goodbye and comes back with a new monitor joins too.
+  lifecycle_->OnHello("again", 0, 11);
+  lifecycle_->OnHello("again", 1, 22);
+  lifecycle_->OnGoodbye("again", 0, 11);
+  lifecycle_->OnStreamClosed("again", 0, 11);
+  lifecycle_->OnHello("again", 0, 33);
+  EXPECT_EQ(lifecycle_->GetStatus("again")->attempt, 1);
+  // Clients without Hello.first_seq (sender 0): a restart looks like a reconnect.
+  lifecycle_->OnHello("old", 0, 0);
+  lifecycle_->OnStreamClosed("old", 0, 0);
+  lifecycle_->OnHello("old", 0, 0);
+  EXPECT_EQ(lifecycle_->GetStatus("old")->attempt, 1);
+}
+
+TEST_F(LifecycleTest, TheFirstRecordsOfANewAttemptSetItsBoundaryOnce) {
+  lifecycle_->OnHello("r", 0, 11);
+  tracker_->OnStep("r", 45);
+  lifecycle_->BeforeRecords("r", 0, 11, 10, 45);  // attempt 1: no boundary
+  EXPECT_TRUE(lifecycle_->Boundaries("r").empty());
+  lifecycle_->OnStreamClosed("r", 0, 11);
+  lifecycle_->OnHello("r", 0, 22);
+
+  const int64_t before = NowUnixMillis();
+  lifecycle_->BeforeRecords("r", 0, 22, 30, 34);
+  const int64_t after = NowUnixMillis();
+  lifecycle_->BeforeRecords("r", 0, 22, 35, 39);  // later batches: nothing
+  const auto boundaries = lifecycle_->Boundaries("r");
+  ASSERT_EQ(boundaries.size(), 1u);
+  EXPECT_EQ(boundaries[0].attempt, 2);
+  EXPECT_EQ(boundaries[0].from_step, 30);
+  EXPECT_GE(boundaries[0].wall_ms, before);
+  // Points stored from now on are stamped after the boundary.
+  EXPECT_GT(after, boundaries[0].wall_ms);
+  EXPECT_EQ(lifecycle_->GetStatus("r")->attempt_start_step, 30);
+  EXPECT_EQ(tracker_->LastStep("r"), 29);  // where the resumed attempt stands
+  EXPECT_EQ(MetricValue(*registry_, "foreshock_last_step", {{"run", "r"}}), 29);
+  EXPECT_EQ(hub_->GetLifecycleMark("r"), (alerts::LifecycleMark{2, 30, false}));
+}
+
+TEST_F(LifecycleTest, ARestartWhoseOldStreamOutlivedItsProcessIsSeenAtItsFirstRecords) {
+  lifecycle_->OnHello("r", 0, 11);
+  lifecycle_->BeforeRecords("r", 0, 11, 0, 40);
+  Fire("r", 40);
+  // The host vanished: its stream is still open when the job restarts.
+  lifecycle_->OnHello("r", 0, 22);
+  EXPECT_EQ(lifecycle_->GetStatus("r")->attempt, 1);  // could be a second live process
+  EXPECT_EQ(Alerts("r")[0].state(), "firing");
+  lifecycle_->BeforeRecords("r", 0, 22, 30, 31);  // it goes back: a restart
+  EXPECT_EQ(lifecycle_->GetStatus("r")->attempt, 2);
+  EXPECT_EQ(lifecycle_->GetStatus("r")->attempt_start_step, 30);
+  EXPECT_EQ(Alerts("r")[0].state(), "resolved");
+  EXPECT_EQ(Alerts("r")[0].resolved_reason(), "run_resumed");
+  // The old stream ending later changes nothing; the new sender alone ends the run.
+  lifecycle_->OnStreamClosed("r", 0, 11);
+  lifecycle_->OnGoodbye("r", 0, 22);
+  EXPECT_TRUE(lifecycle_->GetStatus("r")->ended);
+
+  // Two live processes of one rank in lockstep, the second starting ahead: no restart.
+  lifecycle_->OnHello("twins", 0, 11);
+  lifecycle_->BeforeRecords("twins", 0, 11, 0, 10);
+  lifecycle_->OnHello("twins", 0, 22);
+  lifecycle_->BeforeRecords("twins", 0, 22, 11, 12);
+  EXPECT_EQ(lifecycle_->GetStatus("twins")->attempt, 1);
+}
+
+TEST(LatestAttemptTest, LeavesOutWhatALaterAttemptSuperseded) {
+  const std::vector<RunLifecycle::Boundary> boundaries = {{2, 30, 1000}, {3, 20, 2000}};
+  std::vector<Point> points = {
+      {10, 1.0, 500},   // before every boundary step: kept
+      {20, 2.0, 900},   // attempt 1, superseded by attempt 3
+      {30, 3.0, 900},   // attempt 1
+      {30, 3.5, 1000},  // stored at the boundary's time: still attempt 1
+      {30, 4.0, 1500},  // attempt 2, superseded by attempt 3 (from 20)
+      {20, 5.0, 2001},  // attempt 3
+      {30, 6.0, 2002},
+      {40, 7.0, 2003},
+  };
+  RunLifecycle::LatestAttempt(points, boundaries);
+  ASSERT_EQ(points.size(), 4u);
+  EXPECT_EQ(points[0].value, 1.0);
+  EXPECT_EQ(points[1].value, 5.0);
+  EXPECT_EQ(points[2].value, 6.0);
+  EXPECT_EQ(points[3].value, 7.0);
+  std::vector<Point> untouched = {{1, 1.0, 0}, {1, 2.0, 0}};  // two ranks, one attempt
+  RunLifecycle::LatestAttempt(untouched, {});
+  EXPECT_EQ(untouched.size(), 2u);
+}
+
+TEST_F(LifecycleTest, ARestartReappliesTheEndTheAlertCheckpointMissed) {
+  lifecycle_->OnHello("r", 0, 11);
+  Fire("r", 5);
+  const std::string checkpoint = hub_->SaveState();  // taken while the alert fired
+  lifecycle_->OnGoodbye("r", 0, 11);
+  ASSERT_EQ(Active("r"), 0);
+
+  Restart(checkpoint);  // a crash: only the event log knows the run ended
+  EXPECT_TRUE(lifecycle_->GetStatus("r")->ended);
+  ASSERT_EQ(Alerts("r").size(), 1u);
+  EXPECT_EQ(Alerts("r")[0].state(), "resolved");
+  EXPECT_EQ(Alerts("r")[0].resolved_reason(), "run_ended");
+  EXPECT_EQ(Active("r"), 0);
+  EXPECT_EQ(hub_->GetLifecycleMark("r"), (alerts::LifecycleMark{1, -1, true}));
+
+  // Restoring again from a checkpoint that has it changes nothing.
+  const std::string current = hub_->SaveState();
+  Restart(current);
+  EXPECT_EQ(hub_->SaveState(), current);
+}
+
+TEST_F(LifecycleTest, ARestartReappliesTheResumeTheAlertCheckpointMissed) {
+  lifecycle_->OnHello("r", 0, 11);
+  Fire("r", 40);
+  const std::string checkpoint = hub_->SaveState();
+  ASSERT_TRUE(lifecycle_->Checkpoint());  // part of the state from the checkpoint,
+  lifecycle_->OnStreamClosed("r", 0, 11);
+  lifecycle_->OnHello("r", 0, 22);        // the rest from the events after it
+  lifecycle_->BeforeRecords("r", 0, 22, 30, 30);
+  const auto boundaries = lifecycle_->Boundaries("r");
+
+  Restart(checkpoint);
+  const RunLifecycle::Status status = *lifecycle_->GetStatus("r");
+  EXPECT_EQ(status.attempt, 2);
+  EXPECT_EQ(status.attempt_start_step, 30);
+  ASSERT_EQ(lifecycle_->Boundaries("r").size(), 1u);
+  EXPECT_EQ(lifecycle_->Boundaries("r")[0].wall_ms, boundaries[0].wall_ms);
+  EXPECT_EQ(Alerts("r")[0].state(), "resolved");
+  EXPECT_EQ(Alerts("r")[0].resolved_reason(), "run_resumed");
+  EXPECT_EQ(hub_->GetLifecycleMark("r"), (alerts::LifecycleMark{2, 30, false}));
+  // The senders are remembered: the new process reconnecting is no restart,
+  // the old one is not part of the attempt.
+  lifecycle_->OnHello("r", 0, 22);
+  EXPECT_EQ(lifecycle_->GetStatus("r")->attempt, 2);
+  lifecycle_->OnGoodbye("r", 0, 22);
+  EXPECT_TRUE(lifecycle_->GetStatus("r")->ended);
+}
+
+TEST_F(LifecycleTest, TheStateIsCheckpointedBeforeOldEventsCouldLeaveTheLog) {
+  for (int i = 0; i < RunLifecycle::kCheckpointEvery; ++i) {
+    lifecycle_->OnHello("run-" + std::to_string(i), 0, 1);
+  }
+  EXPECT_TRUE(store_.ReadCheckpoint(RunLifecycle::kCheckpointName).has_value());
+  lifecycle_->OnGoodbye("run-7", 0, 1);
+  Restart("");
+  EXPECT_TRUE(lifecycle_->GetStatus("run-7")->ended);
+  EXPECT_FALSE(lifecycle_->GetStatus("run-8")->ended);
+  EXPECT_TRUE(lifecycle_->GetStatus("run-200").has_value());
+}
+
+}  // namespace
+}  // namespace foreshock::server
