@@ -24,7 +24,7 @@ setup(
     name="foreshock",
     version="0.1.0",
     description="Streams samples of model internals to foreshockd, the training-instability monitor",
-    packages=["foreshock", "foreshock.v1"],
+    packages=["foreshock", "foreshock.v1", "foreshock.integrations"],
     python_requires=">=3.9",
     # torch is deliberately not listed: users bring their own build (CPU, CUDA, distro).
     install_requires=["grpcio>=1.46", "protobuf>=4.21", "numpy"],

@@ -227,8 +227,18 @@ def test_faulted_training_run_alert_reaches_alertmanager(start_foreshockd, alert
     args = train.parse_args(["--endpoint", daemon.endpoint, "--run-id", "am-training",
                              "--steps", "40", "--every", "5", "--fault", "nan", "--fault-step",
                              "25", "--curvature-every", "0", "--no-alerts", "--log-every", "0"])
-    train.run(args, out=lambda *_: None)
-    assert wait_until(lambda: find(alertmanager.alerts(), "ForeshockNonFinite", "am-training"), 20)
-    (alert,) = find(alertmanager.alerts(), "ForeshockNonFinite", "am-training")
+    seen = {}
+
+    def tap(record):  # on the training thread: step 35 waits until Alertmanager has the alert
+        if record.step == 35 and "alerts" not in seen:
+            wait_until(lambda: find(alertmanager.alerts(), "ForeshockNonFinite", "am-training"), 20)
+            seen["alerts"] = find(alertmanager.alerts(), "ForeshockNonFinite", "am-training")
+
+    train.run(args, tap=tap, out=lambda *_: None)
+    assert seen["alerts"], "the alert did not reach Alertmanager while the run trained"
+    (alert,) = seen["alerts"]
     assert alert["annotations"]["first_step"] == "25"
     assert alert["labels"]["run"] == "am-training" and alert["labels"]["layer"] == "all"
+    # train.run closed its monitor, which ended the run: Alertmanager got the resolution.
+    assert wait_until(lambda: not find(alertmanager.alerts(), "ForeshockNonFinite", "am-training"),
+                      20), alertmanager.alerts()

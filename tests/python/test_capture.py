@@ -3,8 +3,10 @@
 No daemon: the monitor points at a port nobody listens on and the records are
 read from its `tap`.
 """
+import logging
 import math
 import time
+import types
 
 import numpy as np
 import pytest
@@ -156,6 +158,62 @@ class LlamaStack(nn.Module):
         return x
 
 
+# A transformers-style attention (no transformers needed): the module picks its
+# attention function from a module-level ALL_ATTENTION_FUNCTIONS, with
+# eager_attention_forward as the default, and hands it post-rotary q, k.
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, **kwargs):
+    rep = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    t = query.shape[2]
+    s = (query @ key.transpose(-1, -2)) * scaling + torch.full((t, t), float("-inf")).triu(1)
+    return (torch.softmax(s, -1) @ value).transpose(1, 2), None
+
+
+def sdpa_like_attention_forward(module, query, key, value, attention_mask, scaling, **kwargs):
+    out, _ = eager_attention_forward(module, query, key, value, attention_mask, scaling)
+    return out, None
+
+
+class AttentionFunctions:
+    """Stands in for transformers' AttentionInterface."""
+
+    def get_interface(self, name, default):
+        return {"sdpa": sdpa_like_attention_forward}.get(name, default)
+
+
+ALL_ATTENTION_FUNCTIONS = AttentionFunctions()
+
+
+class InterfaceAttention(LlamaAttention):
+    def __init__(self, c, n_head, n_kv, implementation="eager", scaling=None):
+        super().__init__(c, n_head, n_kv)
+        del self.num_heads, self.num_key_value_heads  # HF >= 4.48 keeps them in config only
+        self.config = types.SimpleNamespace(num_attention_heads=n_head, num_key_value_heads=n_kv,
+                                            attn_implementation=implementation)
+        self.scaling = scaling or self.head_dim ** -0.5
+
+    def forward(self, x, layer):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k = rotary(q), rotary(k)
+        if self.capture:
+            self.capture(layer, q, k)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config.attn_implementation,
+                                                          eager_attention_forward)
+        y, _ = attention(self, q, k, v, None, scaling=self.scaling)
+        return self.o_proj(y.reshape(b, t, -1))
+
+
+class InterfaceStack(LlamaStack):
+    def __init__(self, implementation, scaling=None, n_layer=2, c=32, n_head=4, n_kv=2, vocab=13):
+        super().__init__(n_layer, c, n_head, n_kv, vocab)
+        for layer in self.layers:
+            layer["self_attn"] = InterfaceAttention(c, n_head, n_kv, implementation, scaling)
+
+
 def set_capture(model, fn):
     for m in model.modules():
         if hasattr(m, "capture"):
@@ -290,6 +348,176 @@ def test_model_without_head_count_is_skipped_unless_model_info_gives_it():
         monitor.close(timeout=0.1)
 
 
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("scaling", [None, 0.5])
+def test_transformers_style_attention_is_sampled_after_rotary_through_the_interface(
+        implementation, scaling):
+    torch.manual_seed(3)
+    model = InterfaceStack(implementation, scaling)
+    probe = torch.randint(0, 13, (3, 6))
+    with torch.no_grad():
+        before = model(probe)
+    monitor, records = make_monitor(model, probe, dtype="fp32")
+    try:
+        assert [(s.kind, s.n_heads, s.n_kv_heads, s.head_dim, s.fallback_kind)
+                for s in monitor.attention_sites] == \
+            [("attention_interface", 4, 2, 8, "q_proj/k_proj")] * 2
+        monitor.step(0)
+        discovered = qk_records(records)
+        assert sorted(discovered) == [0, 1]
+        # What the forward hands its attention function: post-rotary, K with 2 heads.
+        model_qk = {}
+        set_capture(model, lambda layer, q, k: model_qk.setdefault(layer, (q.clone(), k.clone())))
+        with torch.no_grad():
+            model(probe)
+        # The model's logits are q·kᵀ·scaling; the daemon computes q·kᵀ/√d, so a
+        # scale other than 1/√d travels folded into Q.
+        fold = (scaling or 8 ** -0.5) * math.sqrt(8)
+        for layer, sample in discovered.items():
+            q, k = model_qk[layer]
+            np.testing.assert_allclose(encoding.decode_tensor(sample.q),
+                                       heads_tokens(q.numpy()) * fold, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(encoding.decode_tensor(sample.k),
+                                       heads_tokens(k.repeat_interleave(2, dim=1).numpy()),
+                                       rtol=1e-6, atol=1e-6)
+        # Only during the probe: the module globals are back, the output unchanged.
+        assert ALL_ATTENTION_FUNCTIONS.__class__ is AttentionFunctions
+        assert eager_attention_forward.__name__ == "eager_attention_forward" \
+            and not hasattr(eager_attention_forward, "_foreshock_original")
+        set_capture(model, None)
+        with torch.no_grad():
+            assert torch.equal(model(probe), before)
+    finally:
+        monitor.close(timeout=0.1)
+
+
+def test_interface_site_that_bypasses_the_interface_falls_back_to_its_projections(caplog):
+    torch.manual_seed(4)
+    model = InterfaceStack("eager")
+    for layer in model.layers:  # the forward never calls its attention function
+        layer["self_attn"].forward = types.MethodType(LlamaAttention.forward, layer["self_attn"])
+        layer["self_attn"].num_heads, layer["self_attn"].num_key_value_heads = 4, 2
+    caplog.set_level(logging.INFO, logger="foreshock")
+    monitor, records = make_monitor(model, torch.randint(0, 13, (2, 5)))
+    try:
+        monitor.step(0)
+        assert sorted(qk_records(records)) == [0, 1]  # this probe already, from the projections
+        assert [s.kind for s in monitor.attention_sites] == ["q_proj/k_proj"] * 2
+        warnings = capture_warnings(caplog)
+        assert len(warnings) == 2 and "layers.0.self_attn (InterfaceAttention) did not call " \
+            "transformers' attention interface" in warnings[0] and "capture_qk" in warnings[0]
+        records.clear()
+        monitor.step(1)
+        assert sorted(qk_records(records)) == [0, 1] and len(capture_warnings(caplog)) == 2
+    finally:
+        monitor.close(timeout=0.1)
+
+
+def capture_warnings(caplog):
+    """Warnings of discovery and capture (not the sender's: nothing listens)."""
+    return [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.WARNING and r.module in ("capture", "monitor")]
+
+
+def test_attention_discovery_cannot_read_is_named_with_the_fix(caplog):
+    class InterleavedAttention(nn.Module):
+        """Falcon-style query_key_value, heads interleaved: no layout discovery knows."""
+
+        def __init__(self):
+            super().__init__()
+            self.num_heads = 2
+            self.query_key_value = nn.Linear(8, 24)
+
+        def forward(self, x):
+            self.query_key_value(x)
+            return x
+
+    model = nn.Sequential(InterleavedAttention(), nn.Sequential(InterleavedAttention()),
+                          nn.MultiheadAttention(8, 2))
+    caplog.set_level(logging.INFO, logger="foreshock")
+    monitor, records = make_monitor(model[:2], torch.randn(1, 3, 8))
+    try:
+        assert monitor.attention_sites == []
+        (warning,) = capture_warnings(caplog)
+        assert warning.startswith("foreshock: 0 (InterleavedAttention), 1.0 "
+                                  "(InterleavedAttention) look like attention")
+        assert warning.endswith("call monitor.capture_qk(layer, q, k) from its forward, "
+                                "after rotary embedding")
+        monitor.step(0)
+        assert qk_records(records) == {}
+    finally:
+        monitor.close(timeout=0.1)
+    caplog.clear()
+    make_monitor(model[2:], None)[0].close(timeout=0.1)
+    assert capture_warnings(caplog)[0].startswith("foreshock: 2 (MultiheadAttention) looks like")
+
+
+def test_discovery_is_logged_at_info(caplog):
+    caplog.set_level(logging.INFO, logger="foreshock")
+    monitor, _ = make_monitor(demo_model(), None)
+    monitor.close(timeout=0.1)
+    (line,) = [r.getMessage() for r in caplog.records if "discovery found" in r.getMessage()]
+    assert line == ("foreshock: discovery found 4 attention layer(s): blocks.0.attn (fused:qkv), "
+                    "blocks.1.attn (fused:qkv), blocks.2.attn (fused:qkv), blocks.3.attn "
+                    "(fused:qkv) and 2 router(s): blocks.1.ffn.router (router), "
+                    "blocks.3.ffn.router (router)")
+    caplog.clear()
+    monitor, _ = make_monitor(nn.Sequential(nn.Linear(2, 2)), None)
+    monitor.close(timeout=0.1)
+    assert [r.getMessage() for r in caplog.records if "discovery found" in r.getMessage()] == \
+        ["foreshock: discovery found 0 attention layer(s) and 0 router(s)"]
+
+
+class TopKRouter(nn.Module):
+    """transformers >= 5 router: a [experts, hidden] weight, (logits, weights, indices) out."""
+
+    def __init__(self, hidden, experts, top_k):
+        super().__init__()
+        self.top_k, self.num_experts = top_k, experts
+        self.weight = nn.Parameter(torch.randn(experts, hidden))
+
+    def forward(self, x):
+        logits = nn.functional.linear(x.reshape(-1, x.shape[-1]), self.weight)
+        weights, indices = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
+        return logits, weights, indices
+
+
+def test_router_module_returning_a_tuple_is_discovered(caplog):
+    class Block(nn.Module):
+        def __init__(self, router):
+            super().__init__()
+            self.gate, self.experts = router, nn.ModuleList([nn.Linear(8, 8)] * 4)
+
+        def forward(self, x):
+            self.gate(x)
+            return x
+
+    class NoLogits(TopKRouter):
+        def forward(self, x):
+            return super().forward(x)[1:]
+
+    torch.manual_seed(5)
+    model = nn.Sequential(Block(TopKRouter(8, 4, 2)), Block(NoLogits(8, 4, 2)))
+    probe = torch.randn(2, 3, 8)
+    caplog.set_level(logging.INFO, logger="foreshock")
+    monitor, records = make_monitor(model, probe)
+    try:
+        assert [(s.name, s.layer, s.n_experts, s.top_k) for s in monitor.router_sites] == \
+            [("0.gate", 0, 4, 2), ("1.gate", 1, 4, 2)]
+        monitor.step(0)
+        routers = router_records(records)
+        assert sorted(routers) == [0]
+        with torch.no_grad():
+            want = model[0].gate(probe)[0]
+        np.testing.assert_array_equal(encoding.decode_tensor(routers[0].logits), want.numpy())
+        (warning,) = capture_warnings(caplog)
+        assert warning.startswith("foreshock: router 1.gate (NoLogits) returned no [tokens, 4] "
+                                  "logits") and "monitor.capture_router(layer, logits, top_k)" \
+            in warning
+    finally:
+        monitor.close(timeout=0.1)
+
+
 # -- explicit capture and probe hygiene ---------------------------------------------
 
 def test_capture_qk_broadcasts_grouped_query_k():
@@ -395,3 +623,63 @@ def test_only_rank_zero_probes_unless_asked():
     assert kinds[(0, False)] == ["qk", "router", "scalars"]
     assert kinds[(1, False)] == ["scalars"]  # data-parallel ranks send scalars only
     assert kinds[(1, True)] == ["qk", "router", "scalars"]
+
+
+# -- probe hygiene: the training job never pays for a probe's trouble ---------------
+
+class KwargsGPT(nn.Module):
+    """Takes its input as a keyword, as HF models do with a tokenizer's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = GPTStack(NanoGPTAttention)
+
+    def forward(self, input_ids):
+        return self.inner(input_ids)
+
+
+def test_a_failing_probe_is_logged_and_counted_and_training_continues(caplog):
+    torch.manual_seed(0)
+    model = GPTStack(NanoGPTAttention)
+    monitor, records = make_monitor(model, torch.randn(1, 5))  # floats into nn.Embedding: raises
+    try:
+        with caplog.at_level(logging.ERROR, logger="foreshock"):
+            for step in range(3):
+                monitor.step(step, loss=1.0)  # must not raise
+        assert monitor.stats()["probe_failures"] == 3
+        assert sum("probe at step 0 failed" in r.getMessage() for r in caplog.records) == 1
+        assert [r.step for r in records if r.WhichOneof("payload") == "scalars"] == [0, 1, 2]
+        assert model.training  # the failed probe's eval() was undone
+    finally:
+        monitor.close(timeout=0.1)
+
+
+def test_probe_restores_every_modules_own_mode_and_accepts_any_mapping():
+    from collections.abc import Mapping
+
+    class Encoding(Mapping):  # like transformers' BatchEncoding: a Mapping, not a dict
+        def __init__(self, **kw):
+            self._data = dict(kw)
+
+        def __getitem__(self, key):
+            return self._data[key]
+
+        def __iter__(self):
+            return iter(self._data)
+
+        def __len__(self):
+            return len(self._data)
+
+    torch.manual_seed(0)
+    model = KwargsGPT()
+    model.train()
+    frozen = model.inner.h[0]
+    frozen.eval()  # the user keeps this block in eval during training
+    monitor, records = make_monitor(model, Encoding(input_ids=torch.randint(0, 11, (2, 8))))
+    try:
+        monitor.step(0)
+        assert monitor.stats()["probe_failures"] == 0 and qk_records(records)
+        assert model.training and model.inner.training and model.inner.h[1].training
+        assert not any(m.training for m in frozen.modules())
+    finally:
+        monitor.close(timeout=0.1)

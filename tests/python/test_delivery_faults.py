@@ -124,7 +124,11 @@ def test_kill9_restarts_lose_and_duplicate_nothing_acknowledged(tmp_path):
             assert client.slowest_enqueue_s < ENQUEUE_BUDGET_S, client.slowest_enqueue_s
             assert stats["unsent_at_close"] == 0 and stats["dropped_unacked"] == 0, stats
             assert stats["rejected"] == {}, stats
-            assert stats["reconnects"] >= KILL_CYCLES, stats
+            # Every kill broke the stream; a restart that came back before the
+            # client's next attempt is one reconnect, one that was killed again
+            # first shows as failed attempts.
+            assert stats["reconnects"] >= 1, stats
+            assert stats["reconnects"] + stats["failed_connects"] >= KILL_CYCLES, stats
 
             series = _series(daemon, client.run)
             # Exactly once: no series holds two points of one step.

@@ -132,7 +132,8 @@ def recording(tmp_path_factory):
     finally:
         live.stop()
 
-    assert any(a[4] == "firing" for a in alerts), \
+    # Fired (firing_step set): at the end of the run (monitor.close()) they resolve.
+    assert any(a[6] >= 0 for a in alerts), \
         f"the faulted run raised no alert, nothing to compare:\n{train.stdout[-3000:]}"
     assert len(series) > 50 and len(series[("loss", -1, -1)]) == 400
     files = glob.glob(str(record_dir / "*.fsrec"))

@@ -140,7 +140,10 @@ def test_batches_unacked_when_the_stream_breaks_are_resent_with_their_seqs(serve
     assert stats["sent"] == 4 and stats["resent"] == 4 and settled(stats) == 4
     assert stats["unacked"] == 0 and stats["unsent_at_close"] == 0
     first, second = [s for s in server.servicer.streams if s["batches"]]
-    assert [b.seq for b in second["batches"]] == [b.seq for b in first["batches"]]
+    # The same seqs again; then close() ends with the goodbye batch (a new seq).
+    resent = [b.seq for b in second["batches"] if not b.HasField("goodbye")]
+    assert resent == [b.seq for b in first["batches"]]
+    assert [b.HasField("goodbye") for b in second["batches"]][-1]
     assert second["hello"].first_seq == first["batches"][0].seq
     assert second["hello"].sender_id == first["hello"].sender_id != 0
     assert [r.step for r in server.servicer.records()] == [0, 1, 2, 3] * 2

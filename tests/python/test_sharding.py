@@ -180,7 +180,8 @@ def runs_on(daemon):
 def alerts_on(daemon):
     with grpc.insecure_channel(daemon.endpoint) as channel:
         stub = query_pb2_grpc.QueryStub(channel)
-        return stub.ListAlerts(query_pb2.ListAlertsRequest(), timeout=10).alerts
+        # With resolved ones: closing the monitors ended the runs, which resolves their alerts.
+        return stub.ListAlerts(query_pb2.ListAlertsRequest(include_resolved=True), timeout=10).alerts
 
 
 def streams_opened(daemon):
@@ -242,6 +243,10 @@ def test_three_daemons_hold_disjoint_runs_and_all_alert_to_one_alertmanager(
                     and a["status"]["state"] == "active"}
         assert wait_until(lambda: firing_runs() >= set(RUNS), timeout_s=60, interval_s=0.5), \
             sorted(set(RUNS) - firing_runs())
+        # The one Alertmanager shows every run's alert once, whichever daemon sent it.
+        runs_in_am = [a["labels"]["run"] for a in alertmanager.alerts()
+                      if a["labels"].get("alertname") == "ForeshockLossSpike"]
+        assert sorted(runs_in_am) == sorted(RUNS)
 
         # on_alert watched the daemon that holds the run.
         def heard_all():
@@ -268,7 +273,8 @@ def test_three_daemons_hold_disjoint_runs_and_all_alert_to_one_alertmanager(
         fired = {a.run for a in alerts_on(daemon) if a.alertname == "ForeshockLossSpike"}
         assert fired == mine, daemon.endpoint
 
-    # The one Alertmanager shows every run's alert, whichever daemon sent it.
-    runs_in_am = [a["labels"]["run"] for a in alertmanager.alerts()
-                  if a["labels"].get("alertname") == "ForeshockLossSpike"]
-    assert sorted(runs_in_am) == sorted(RUNS)
+    # Closing the monitors ended the runs: every daemon sent the resolution
+    # to the one Alertmanager too.
+    assert wait_until(lambda: not [a for a in alertmanager.alerts()
+                                   if a["labels"].get("alertname") == "ForeshockLossSpike"],
+                      timeout_s=30, interval_s=0.5), alertmanager.alerts()

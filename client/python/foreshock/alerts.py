@@ -10,6 +10,7 @@ restarts; on reconnect the daemon first re-sends the alerts active then.
 import logging
 import random
 import threading
+import time
 
 import grpc
 
@@ -23,7 +24,7 @@ class AlertWatcher:
     """Streams foreshock.v1.Query/WatchAlerts for one run (or all, run="") to callbacks."""
 
     def __init__(self, endpoint, run, *, backoff_initial_s=0.2, backoff_max_s=5.0,
-                 channel_options=(), security=None):
+                 channel_options=(), security=None, ready=None, ready_timeout_s=10.0):
         self.endpoint = endpoint
         self._security = security or Security()  # TLS and token (foreshock.security)
         self.run = run
@@ -36,6 +37,10 @@ class AlertWatcher:
         self.events = 0
         self.callback_errors = 0
         self.reconnects = 0
+        # A threading.Event to wait for (at most ready_timeout_s) before the
+        # first watch: the monitor's HelloAck (Monitor.on_alert).
+        self._ready = ready
+        self._ready_timeout_s = ready_timeout_s
         self._thread = threading.Thread(target=self._run, name="foreshock-alerts", daemon=True)
 
     def add_callback(self, callback):
@@ -54,6 +59,10 @@ class AlertWatcher:
             self._thread.join(timeout)
 
     def _run(self):
+        if self._ready is not None:
+            deadline = time.monotonic() + self._ready_timeout_s
+            while not (self._ready.is_set() or self._stop.is_set()) and time.monotonic() < deadline:
+                self._ready.wait(0.05)
         backoff = self._backoff[0]
         first = True
         while not self._stop.is_set():

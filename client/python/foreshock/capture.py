@@ -1,14 +1,27 @@
-"""Finding Q/K projections and MoE routers in a model, and collecting them during a probe.
+"""Finding Q/K and MoE routers in a model, and collecting them during a probe.
 
 Two ways to get Q/K out of a forward pass (see README.md):
 - explicit: the attention forward calls `monitor.capture_qk(layer, q, k)`;
-- discovered: forward hooks on projection layers found by name (below).
+- discovered:
+  - Hugging Face transformers (>= 4.48) attention modules pick their attention
+    function from `ALL_ATTENTION_FUNCTIONS` (or call the modeling module's
+    `eager_attention_forward`). During the probe those two names, in the
+    globals of the module's forward, are replaced by wrappers that see the
+    function's `query` [B, H, T, d] and `key` [B, Hkv, T, d]: the tensors
+    whose product is the attention logits (after rotary, q_norm/k_norm, ...),
+    under every attn_implementation (eager, sdpa, flash, flex).
+  - anything else: forward hooks on projections found by name (q_proj/k_proj,
+    fused [Q | K | V]): Q and K before any rotary embedding.
 
-Hooks are attached only for the duration of a probe forward, so the training
-forward pays nothing for them.
+Hooks and wrappers are attached only for the duration of a probe forward, so
+the training forward pays nothing for them.
 """
 import dataclasses
+import functools
+import inspect
 import logging
+import math
+import threading
 
 import torch
 
@@ -21,9 +34,18 @@ HEAD_COUNT_ATTRS = ("n_head", "num_heads", "n_heads", "num_attention_heads")
 KV_HEAD_COUNT_ATTRS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_kv_head")
 # Fused projections whose output features are [Q | K | V], concatenated.
 FUSED_QKV_NAMES = ("c_attn", "qkv", "qkv_proj", "Wqkv")
-# Router projections inside an MoE block (a module that also has `experts`).
+# Router inside an MoE block (a module that also has `experts`): a projection
+# (nn.Linear) or, in transformers >= 5, a *TopKRouter with a [experts, hidden]
+# `weight` that returns (router_logits, weights, indices).
 ROUTER_NAMES = ("router", "gate")
+EXPERT_COUNT_ATTRS = ("num_experts", "num_local_experts", "moe_num_experts", "n_routed_experts")
 TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "moe_top_k", "k")
+# The globals through which a transformers attention forward reaches its
+# attention function (a forward naming either is an "attention_interface" site).
+HF_ATTENTION_GLOBALS = ("ALL_ATTENTION_FUNCTIONS", "eager_attention_forward")
+INTERFACE = "attention_interface"
+CAPTURE_QK_HINT = "call monitor.capture_qk(layer, q, k) from its forward, after rotary embedding"
+CAPTURE_ROUTER_HINT = "call monitor.capture_router(layer, logits, top_k) from its forward"
 
 
 @dataclasses.dataclass
@@ -66,6 +88,17 @@ def _is_projection(module):
     return module is not None and _out_features(module) is not None
 
 
+def _float_attr(module, name):
+    value = getattr(module, name, None)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        else None
+
+
+def _under(name, parent):
+    """Whether module `name` is `parent` or inside it ("" is the root)."""
+    return parent == "" or name == parent or name.startswith(parent + ".")
+
+
 def to_heads_tokens(x, n_heads):
     """[..., T, n_heads * d] projection output -> ([n_heads, B*T, d], T)."""
     if x.dim() == 2:
@@ -96,17 +129,37 @@ def broadcast_kv_heads(q, k):
     return k.repeat_interleave(hq // hk, dim=0)
 
 
+def fold_scaling(q, scaling, head_dim):
+    """The daemon takes the logits to be q·kᵀ/√d (docs/DESIGN.md §1.1). A model
+    whose scale differs (GPT-2's scale_attn_by_inverse_layer_idx, Granite's
+    attention_multiplier) gets it folded into Q, so that the daemon's logits
+    are the model's. No copy when the scale is the usual one."""
+    if scaling is None or head_dim <= 0:
+        return q
+    factor = float(scaling) * math.sqrt(head_dim)
+    return q if abs(factor - 1.0) < 1e-6 else q * factor
+
+
 @dataclasses.dataclass
 class AttentionSite:
     """One discovered attention module and how to read Q and K from it."""
     layer: int
     name: str
-    kind: str                 # "q_proj/k_proj" or "fused:<child name>"
+    kind: str                  # "attention_interface", "q_proj/k_proj" or "fused:<child name>"
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    q_module: torch.nn.Module
-    k_module: torch.nn.Module  # the fused projection for fused kinds
+    q_module: torch.nn.Module = None  # projections (None for an interface site without any)
+    k_module: torch.nn.Module = None  # the fused projection for fused kinds
+    module: torch.nn.Module = None    # the attention module itself
+    scaling: float = None      # its own logit scale, when it declares one (`scaling`)
+    # attention_interface sites: the (globals dict, name) pairs wrapped during
+    # the probe, the projection kind to fall back on if the module turns out
+    # not to call the interface, and whether it was seen calling it.
+    interface_globals: tuple = ()
+    fallback_kind: str = None
+    verified: bool = False
+    warned: set = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass
@@ -116,59 +169,150 @@ class RouterSite:
     n_experts: int
     top_k: int
     module: torch.nn.Module
+    warned: bool = False
+
+
+def _interface_globals(module):
+    """((globals, name), ...) through which module's forward reaches a transformers
+    attention function; () if it does not name one."""
+    cls = type(module)
+    cached = _INTERFACE_NAMES.get(cls)
+    if cached is None:
+        cached = ()
+        try:
+            fn = inspect.unwrap(cls.forward)
+            names = fn.__code__.co_names
+            cached = tuple((fn.__globals__, n) for n in HF_ATTENTION_GLOBALS
+                           if n in names and n in fn.__globals__)
+        except (AttributeError, TypeError, ValueError):
+            pass  # not a plain Python forward (scripted, builtin)
+        _INTERFACE_NAMES[cls] = cached
+    return cached
+
+
+_INTERFACE_NAMES = {}  # class -> its forward's interface globals
+
+
+def _projection_geometry(kind, q_mod, k_mod, n_heads, n_kv, head_dim):
+    """(n_kv, head_dim) of a q_proj/k_proj or fused site, or (None, reason)."""
+    if kind.startswith("fused"):
+        total = _out_features(q_mod)
+        if head_dim is None:
+            # [Q | K | V] with K, V of n_kv heads each (n_kv = n_heads without GQA).
+            head_dim = total // (n_heads + 2 * (n_kv or n_heads))
+        n_kv = n_kv or n_heads
+        if head_dim <= 0 or (n_heads + 2 * n_kv) * head_dim != total:
+            return None, (f"{kind[6:]} has {total} outputs, not ({n_heads} + 2*{n_kv}) heads "
+                          f"x {head_dim} (an interleaved layout?)")
+    else:
+        q_width, k_width = _out_features(q_mod), _out_features(k_mod)
+        head_dim = head_dim or q_width // n_heads
+        n_kv = n_kv or (k_width // head_dim if head_dim else 0)
+        if not head_dim or q_width != n_heads * head_dim or k_width != n_kv * head_dim:
+            return None, (f"q_proj/k_proj widths {q_width}/{k_width} do not fit {n_heads} "
+                          f"heads x {head_dim}")
+    if n_heads % n_kv:
+        return None, f"{n_heads} query heads cannot share {n_kv} key heads"
+    return (n_kv, head_dim), None
+
+
+def _attention_site(name, module, fallback_heads, layer):
+    children = dict(module.named_children())
+    interface = _interface_globals(module)
+    q, k = children.get("q_proj"), children.get("k_proj")
+    fused_name = next((n for n in FUSED_QKV_NAMES if _is_projection(children.get(n))), None)
+    if _is_projection(q) and _is_projection(k):
+        proj_kind, q_mod, k_mod = "q_proj/k_proj", q, k
+    elif fused_name is not None:
+        proj_kind, q_mod, k_mod = f"fused:{fused_name}", children[fused_name], children[fused_name]
+    else:
+        proj_kind = q_mod = k_mod = None
+    if not interface and proj_kind is None:
+        return None
+    where = f"{name} ({type(module).__name__})"
+    config = getattr(module, "config", None)
+    n_heads = _first_int_attr((module, config), HEAD_COUNT_ATTRS) or fallback_heads
+    if not n_heads:
+        log.warning("foreshock: %s looks like attention (%s) but has no head count attribute "
+                    "%s; pass model_info=ModelInfo(n_heads=...) or %s", where,
+                    INTERFACE if interface else proj_kind, HEAD_COUNT_ATTRS, CAPTURE_QK_HINT)
+        return None
+    n_kv = _first_int_attr((module, config), KV_HEAD_COUNT_ATTRS)
+    groups = _first_int_attr((module,), ("num_key_value_groups",))
+    if n_kv is None and groups and n_heads % groups == 0:
+        n_kv = n_heads // groups
+    head_dim = _first_int_attr((module,), ("head_dim",))
+    scaling = _float_attr(module, "scaling")
+    geometry, reason = None, None
+    if proj_kind is not None:
+        geometry, reason = _projection_geometry(proj_kind, q_mod, k_mod, n_heads, n_kv, head_dim)
+    if not interface:
+        if geometry is None:
+            log.warning("foreshock: %s: %s; skipped: %s", where, reason, CAPTURE_QK_HINT)
+            return None
+        return AttentionSite(layer, name, proj_kind, n_heads, geometry[0], geometry[1],
+                             q_mod, k_mod, module=module, scaling=scaling)
+    # transformers attention: Q/K come from the attention function's arguments;
+    # the shapes here are for ModelInfo and are checked against them at the probe.
+    if geometry is not None:
+        n_kv, head_dim = n_kv or geometry[0], head_dim or geometry[1]
+    head_dim = head_dim or _first_int_attr((config,), ("head_dim",))
+    if head_dim is None:
+        hidden = _first_int_attr((config,), ("hidden_size", "n_embd", "d_model"))
+        head_dim = hidden // n_heads if hidden and hidden % n_heads == 0 else None
+    n_kv = n_kv or n_heads
+    if head_dim is None or n_heads % n_kv:
+        log.warning("foreshock: %s calls transformers' attention interface, but its head_dim "
+                    "or key heads (%s query heads, %s key heads) are unknown; skipped: %s",
+                    where, n_heads, n_kv, CAPTURE_QK_HINT)
+        return None
+    return AttentionSite(layer, name, INTERFACE, n_heads, n_kv, head_dim,
+                         q_mod if geometry else None, k_mod if geometry else None,
+                         module=module, scaling=scaling, interface_globals=interface,
+                         fallback_kind=proj_kind if geometry else None)
 
 
 def discover_attention(model, fallback_heads=0):
     """Attention modules in forward registration order; the order is the layer index."""
     sites = []
     for name, module in model.named_modules():
-        children = dict(module.named_children())
-        q, k = children.get("q_proj"), children.get("k_proj")
-        fused_name = next((n for n in FUSED_QKV_NAMES if _is_projection(children.get(n))), None)
-        if _is_projection(q) and _is_projection(k):
-            kind, q_mod, k_mod = "q_proj/k_proj", q, k
-            q_width, k_width = _out_features(q), _out_features(k)
-        elif fused_name is not None:
-            kind, q_mod = f"fused:{fused_name}", children[fused_name]
-            k_mod = q_mod
-        else:
-            continue
-        config = getattr(module, "config", None)
-        n_heads = _first_int_attr((module, config), HEAD_COUNT_ATTRS) or fallback_heads
-        if not n_heads:
-            log.warning("foreshock: %s looks like attention (%s) but has no head count "
-                        "attribute %s; pass model_info=ModelInfo(n_heads=...) or call "
-                        "monitor.capture_qk from its forward", name, kind, HEAD_COUNT_ATTRS)
-            continue
-        n_kv = _first_int_attr((module, config), KV_HEAD_COUNT_ATTRS)
-        head_dim = _first_int_attr((module,), ("head_dim",))
-        if kind.startswith("fused"):
-            total = _out_features(q_mod)
-            if head_dim is None:
-                # [Q | K | V] with K, V of n_kv heads each (n_kv = n_heads without GQA).
-                head_dim = total // (n_heads + 2 * (n_kv or n_heads))
-            n_kv = n_kv or n_heads
-            if (n_heads + 2 * n_kv) * head_dim != total:
-                log.warning("foreshock: %s.%s has %d outputs, not (%d + 2*%d) heads x %d; skipped",
-                            name, fused_name, total, n_heads, n_kv, head_dim)
-                continue
-        else:
-            head_dim = head_dim or q_width // n_heads
-            n_kv = n_kv or k_width // head_dim
-            if q_width != n_heads * head_dim or k_width != n_kv * head_dim:
-                log.warning("foreshock: %s q_proj/k_proj widths %d/%d do not fit %d heads x %d; "
-                            "skipped", name, q_width, k_width, n_heads, head_dim)
-                continue
-        if n_heads % n_kv:
-            log.warning("foreshock: %s has %d query heads and %d key heads; skipped",
-                        name, n_heads, n_kv)
-            continue
-        sites.append(AttentionSite(len(sites), name, kind, n_heads, n_kv, head_dim, q_mod, k_mod))
+        site = _attention_site(name, module, fallback_heads, len(sites))
+        if site is not None:
+            sites.append(site)
+    _warn_undiscovered_attention(model, sites)
     return sites
 
 
+def _warn_undiscovered_attention(model, sites):
+    """A module named like attention with no discovered site in or around it is
+    a layer the probe would silently miss: name it and the fix."""
+    found = [s.name for s in sites]
+    warned, missed = [], []
+    for name, module in model.named_modules():
+        if "attention" not in type(module).__name__.lower():
+            continue
+        if any(_under(name, f) or _under(f, name) for f in found) \
+                or any(_under(name, w) for w in warned):
+            continue
+        warned.append(name)
+        missed.append(f"{name or '<model>'} ({type(module).__name__})")
+    if missed:
+        shown = ", ".join(missed[:4]) + (f", ... ({len(missed) - 4} more)" if len(missed) > 4
+                                         else "")
+        log.warning("foreshock: %s look%s like attention, but discovery cannot read Q and K "
+                    "there (no transformers attention-interface call, no q_proj/k_proj, no "
+                    "fused [Q | K | V] child %s): not sampled; %s", shown,
+                    "s" if len(missed) == 1 else "", FUSED_QKV_NAMES, CAPTURE_QK_HINT)
+
+
+def _n_experts(router):
+    return _out_features(router) or _first_int_attr((router,), EXPERT_COUNT_ATTRS) or (
+        router.weight.shape[0] if isinstance(getattr(router, "weight", None), torch.Tensor)
+        and router.weight.dim() == 2 else None)
+
+
 def discover_routers(model, attention_sites, fallback_top_k=0):
-    """Router projections of MoE blocks, each given the layer of the attention before it."""
+    """Routers of MoE blocks, each given the layer of the attention before it."""
     layer_of = {s.name: s.layer for s in attention_sites}
     sites = []
     current_layer = -1
@@ -177,20 +321,25 @@ def discover_routers(model, attention_sites, fallback_top_k=0):
         children = dict(module.named_children())
         if "experts" not in children:
             continue
-        router_name = next((n for n in ROUTER_NAMES if _is_projection(children.get(n))), None)
+        router_name = next((n for n in ROUTER_NAMES
+                            if children.get(n) is not None and _n_experts(children[n])), None)
         if router_name is None:
+            log.warning("foreshock: %s (%s) has experts but no router child %s with an expert "
+                        "count; router skipped: %s", name, type(module).__name__, ROUTER_NAMES,
+                        CAPTURE_ROUTER_HINT)
             continue
-        top_k = _first_int_attr((module, getattr(module, "config", None)), TOP_K_ATTRS) \
-            or fallback_top_k
+        router = children[router_name]
+        top_k = _first_int_attr((module, router, getattr(module, "config", None),
+                                 getattr(router, "config", None)), TOP_K_ATTRS) or fallback_top_k
         if not top_k:
-            log.warning("foreshock: MoE block %s has no top-k attribute %s; router skipped",
-                        name, TOP_K_ATTRS)
+            log.warning("foreshock: MoE block %s (%s) has no top-k attribute %s; router skipped: "
+                        "pass model_info=ModelInfo(top_k=...) or %s", name,
+                        type(module).__name__, TOP_K_ATTRS, CAPTURE_ROUTER_HINT)
             continue
         # Without any attention module seen yet, fall back to the router's own order.
         layer = current_layer if current_layer >= 0 else len(sites)
-        sites.append(RouterSite(layer, f"{name}.{router_name}",
-                                _out_features(children[router_name]), top_k,
-                                children[router_name]))
+        sites.append(RouterSite(layer, f"{name}.{router_name}", _n_experts(router), top_k,
+                                router))
     return sites
 
 
@@ -206,6 +355,108 @@ def model_info_from_sites(attention, routers):
     )
 
 
+def router_logits(out, n_experts):
+    """The [..., n_experts] logits in a router's output: the output itself, or the
+    first such tensor of a tuple ((logits, weights, indices) in transformers >= 5;
+    Llama-4's router returns (scores [E, T], logits))."""
+    candidates = out if isinstance(out, (tuple, list)) else (out,)
+    for t in candidates:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1 \
+                and t.shape[-1] == n_experts:
+            return t
+    return None
+
+
+# -- wrapping transformers' attention functions during a probe ---------------------
+
+_tap_lock = threading.Lock()
+_taps = {}      # id(attention module) -> callback(module, query, key, kwargs)
+_patches = {}   # (id(globals), name) -> [globals, original, users]
+_wrapped = {}   # attention function -> its wrapper
+
+
+def _wrap_attention_fn(fn):
+    """fn(module, query, key, value, mask, **kwargs) with a tap on (query, key)."""
+    if not callable(fn) or getattr(fn, "_foreshock_original", None) is not None:
+        return fn
+    wrapper = _wrapped.get(fn)
+    if wrapper is None:
+        @functools.wraps(fn)
+        def wrapper(module, *args, **kwargs):
+            callback = _taps.get(id(module))
+            if callback is not None:
+                query = args[0] if args else kwargs.get("query")
+                key = args[1] if len(args) > 1 else kwargs.get("key")
+                callback(module, query, key, kwargs)
+            return fn(module, *args, **kwargs)
+
+        wrapper._foreshock_original = fn
+        _wrapped[fn] = wrapper
+    return wrapper
+
+
+class _InterfaceProxy:
+    """Stands in for ALL_ATTENTION_FUNCTIONS: the same mapping, wrapped functions."""
+
+    def __init__(self, real):
+        self._foreshock_real = real
+
+    def get_interface(self, *args, **kwargs):   # transformers >= 4.56
+        return _wrap_attention_fn(self._foreshock_real.get_interface(*args, **kwargs))
+
+    def __getitem__(self, key):                  # transformers 4.48-4.55
+        return _wrap_attention_fn(self._foreshock_real[key])
+
+    def get(self, key, default=None):
+        return _wrap_attention_fn(self._foreshock_real.get(key, default))
+
+    def __contains__(self, key):
+        return key in self._foreshock_real
+
+    def __iter__(self):
+        return iter(self._foreshock_real)
+
+    def __len__(self):
+        return len(self._foreshock_real)
+
+    def __getattr__(self, name):
+        return getattr(self._foreshock_real, name)
+
+
+class _InterfaceTap:
+    """Handle: routes one module's attention-function calls to a callback, until
+    remove(). The patched globals are shared by every module of that modeling
+    file (and every thread) while any tap is on; the wrappers pass calls of
+    other modules straight through."""
+
+    def __init__(self, site, callback):
+        self._module_id = id(site.module)
+        self._keys = []
+        with _tap_lock:
+            _taps[self._module_id] = callback
+            for globs, name in site.interface_globals:
+                key = (id(globs), name)
+                entry = _patches.get(key)
+                if entry is None:
+                    original = globs[name]
+                    entry = _patches[key] = [globs, original, 0]
+                    globs[name] = _InterfaceProxy(original) if name == "ALL_ATTENTION_FUNCTIONS" \
+                        else _wrap_attention_fn(original)
+                entry[2] += 1
+                self._keys.append(key)
+
+    def remove(self):
+        with _tap_lock:
+            _taps.pop(self._module_id, None)
+            for key in self._keys:
+                entry = _patches[key]
+                entry[2] -= 1
+                if entry[2] == 0:
+                    globs, original, _ = _patches.pop(key)
+                    globs[key[1]] = original
+            self._keys = []
+
+
 class ProbeCollector:
     """What one probe forward produced: Q/K per layer and router logits per layer.
 
@@ -217,8 +468,10 @@ class ProbeCollector:
     def __init__(self):
         self.explicit_qk = {}      # layer -> (q [H, N, d], k [H, N, d], seq_len)
         self.discovered_qk = {}
+        self.fallback_qk = {}      # projection samples of interface sites not yet verified
         self.explicit_router = {}  # layer -> (logits [N, E], top_k)
         self.discovered_router = {}
+        self._attention_sites = []
 
     def add_qk(self, store, layer, q, k, seq_len):
         if layer in store:
@@ -233,35 +486,129 @@ class ProbeCollector:
         if layer not in store:
             store[layer] = (logits.detach().reshape(-1, logits.shape[-1]), top_k)
 
+    def _on_attention(self, site, query, key, kwargs):
+        """A tapped attention function's query [B, H, T, d] and key [B, Hkv, T, d]."""
+        if site.layer in self.discovered_qk:
+            return
+        shape_ok = (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)
+                    and query.dim() == 4 and key.dim() == 4
+                    and query.shape[1] == site.n_heads and key.shape[1] == site.n_kv_heads
+                    and query.shape[-1] == key.shape[-1] == site.head_dim)
+        if not shape_ok:
+            _warn_once(site, "shape", "foreshock: %s (%s) passed query %s and key %s to its "
+                       "attention function, not [B, %d, T, %d] and [B, %d, T, %d]; not sampled: "
+                       "%s", site.name, type(site.module).__name__, _shape(query), _shape(key),
+                       site.n_heads, site.head_dim, site.n_kv_heads, site.head_dim,
+                       CAPTURE_QK_HINT)
+            return
+        seq_len = query.shape[2]
+        window = kwargs.get("sliding_window")
+        if isinstance(window, int) and 0 < window < seq_len:
+            _warn_once(site, "window", "foreshock: %s attends over a sliding window of %d "
+                       "tokens, shorter than the probe's %d: the daemon's attention entropy and "
+                       "max logit assume full causal attention", site.name, window, seq_len)
+        if kwargs.get("softcap") is not None:
+            _warn_once(site, "softcap", "foreshock: %s soft-caps its attention logits; the "
+                       "daemon's attention entropy and max logit are of the uncapped logits",
+                       site.name)
+        scaling = kwargs.get("scaling", site.scaling)
+        q, _ = heads_tokens_from_bhtd(fold_scaling(query, scaling, site.head_dim))
+        k, _ = heads_tokens_from_bhtd(key)
+        self.add_qk(self.discovered_qk, site.layer, q, k, seq_len)
+
+    def _attach_projection(self, site, kind, store, handles):
+        if kind == "q_proj/k_proj":
+            pending = {}
+
+            def on_q(_m, _i, out, site=site, pending=pending):
+                pending["q"] = to_heads_tokens(fold_scaling(out, site.scaling, site.head_dim),
+                                               site.n_heads)
+
+            def on_k(_m, _i, out, site=site, pending=pending):
+                if "q" in pending:  # q_proj runs before k_proj in the forward
+                    q, seq_len = pending.pop("q")
+                    k, _ = to_heads_tokens(out, site.n_kv_heads)
+                    self.add_qk(store, site.layer, q, k, seq_len)
+
+            handles.append(site.q_module.register_forward_hook(on_q))
+            handles.append(site.k_module.register_forward_hook(on_k))
+        else:
+            def on_fused(_m, _i, out, site=site):
+                qw, kw = site.n_heads * site.head_dim, site.n_kv_heads * site.head_dim
+                q = fold_scaling(out[..., :qw], site.scaling, site.head_dim)
+                q, seq_len = to_heads_tokens(q, site.n_heads)
+                k, _ = to_heads_tokens(out[..., qw:qw + kw], site.n_kv_heads)
+                self.add_qk(store, site.layer, q, k, seq_len)
+
+            handles.append(site.q_module.register_forward_hook(on_fused))
+
     def attach(self, attention_sites, router_sites):
-        """Registers the discovery hooks; returns their handles for removal."""
+        """Registers the discovery hooks and taps; returns their handles for removal."""
         handles = []
+        self._attention_sites = list(attention_sites)
         for site in attention_sites:
-            if site.kind == "q_proj/k_proj":
-                pending = {}
-
-                def on_q(_m, _i, out, site=site, pending=pending):
-                    pending["q"] = to_heads_tokens(out, site.n_heads)
-
-                def on_k(_m, _i, out, site=site, pending=pending):
-                    if "q" in pending:  # q_proj runs before k_proj in the forward
-                        q, seq_len = pending.pop("q")
-                        k, _ = to_heads_tokens(out, site.n_kv_heads)
-                        self.add_qk(self.discovered_qk, site.layer, q, k, seq_len)
-
-                handles.append(site.q_module.register_forward_hook(on_q))
-                handles.append(site.k_module.register_forward_hook(on_k))
-            else:
-                def on_fused(_m, _i, out, site=site):
-                    qw, kw = site.n_heads * site.head_dim, site.n_kv_heads * site.head_dim
-                    q, seq_len = to_heads_tokens(out[..., :qw], site.n_heads)
-                    k, _ = to_heads_tokens(out[..., qw:qw + kw], site.n_kv_heads)
-                    self.add_qk(self.discovered_qk, site.layer, q, k, seq_len)
-
-                handles.append(site.q_module.register_forward_hook(on_fused))
+            if site.kind != INTERFACE:
+                self._attach_projection(site, site.kind, self.discovered_qk, handles)
+                continue
+            handles.append(_InterfaceTap(site, functools.partial(self._tapped, site)))
+            if not site.verified and site.fallback_kind:
+                # Until the module is seen calling the interface, also sample its
+                # projections, in case it bypasses the interface (GPT-2's eager
+                # reorder_and_upcast_attn).
+                self._attach_projection(site, site.fallback_kind, self.fallback_qk, handles)
         for site in router_sites:
             def on_router(_m, _i, out, site=site):
-                self.add_router(self.discovered_router, site.layer, out, site.top_k)
+                logits = router_logits(out, site.n_experts)
+                if logits is None:
+                    if not site.warned:
+                        site.warned = True
+                        log.warning("foreshock: router %s (%s) returned no [tokens, %d] logits; "
+                                    "not sampled: %s", site.name, type(site.module).__name__,
+                                    site.n_experts, CAPTURE_ROUTER_HINT)
+                    return
+                self.add_router(self.discovered_router, site.layer, logits, site.top_k)
 
             handles.append(site.module.register_forward_hook(on_router))
         return handles
+
+    def _tapped(self, site, _module, query, key, kwargs):
+        try:
+            self._on_attention(site, query, key, kwargs)
+        except Exception as e:  # noqa: BLE001 - never break the user's forward
+            _warn_once(site, "error", "foreshock: sampling Q/K of %s failed (%s); not sampled: %s",
+                       site.name, e, CAPTURE_QK_HINT)
+
+    def finish(self):
+        """After a successful probe forward: an attention_interface site that did not
+        call its attention function through the interface falls back to its
+        projections (or is reported), for this probe and the next ones."""
+        if self.explicit_qk:
+            return  # explicit capture replaces discovery anyway
+        for site in self._attention_sites:
+            if site.kind != INTERFACE:
+                continue
+            if site.layer in self.discovered_qk:
+                site.verified = True
+                continue
+            if site.fallback_kind is None:
+                _warn_once(site, "bypass", "foreshock: %s (%s) did not call transformers' "
+                           "attention interface during the probe; not sampled: %s", site.name,
+                           type(site.module).__name__, CAPTURE_QK_HINT)
+                continue
+            log.warning("foreshock: %s (%s) did not call transformers' attention interface "
+                        "during the probe; sampling Q/K from its %s instead (before any rotary "
+                        "embedding): for post-rotary Q/K %s", site.name,
+                        type(site.module).__name__, site.fallback_kind, CAPTURE_QK_HINT)
+            site.kind = site.fallback_kind
+            if site.layer in self.fallback_qk:
+                self.discovered_qk[site.layer] = self.fallback_qk[site.layer]
+
+
+def _shape(x):
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _warn_once(site, what, *args):
+    if what not in site.warned:
+        site.warned.add(what)
+        log.warning(*args)

@@ -13,11 +13,12 @@ fixed probe batch. Everything that touches the network runs on the sender
 thread (sender.py).
 """
 import logging
+from collections.abc import Mapping
 import time
 
 import torch
 
-from foreshock import capture, encoding, sharding
+from foreshock import capture, distributed, encoding, sharding
 from foreshock.alerts import AlertWatcher
 from foreshock.security import Security
 from foreshock.sender import RecordQueue, Sender
@@ -37,14 +38,18 @@ class Monitor:
         run_id (foreshock.sharding), so every rank of a run, and on_alert, use
         the same daemon; `monitor.endpoint` says which.
       endpoints: the daemon list as a keyword (instead of endpoint).
-      run_id, job, rank, labels: identify the stream (sent in Hello).
+      run_id, job, rank, labels: identify the stream (sent in Hello). rank
+        defaults to torch.distributed's rank when it is initialized (else 0);
+        with several ranks, labels get world_size (foreshock.distributed).
       probe_all_ranks: by default only rank 0 probes Q/K, routers and curvature
         (data-parallel ranks hold the same weights, and the daemon pairs
         consecutive samples of a (run, layer, probe_id): several ranks probing
         the same batch would interleave). Every rank still sends its scalars.
         Set it when ranks hold different shards (tensor/pipeline parallel)
         and give each rank its own probe_id.
-      model: the torch module to probe (None: scalars only).
+      model: the torch module to probe (None: scalars only). A DDP, FSDP2
+        (fully_shard) or torch.compile'd model works as given; FSDP1 and
+        DeepSpeed engines are refused (foreshock.distributed).
       probe_batch: the fixed model input of every probe: a tensor (model(x)),
         a tuple/list (model(*x)) or a dict (model(**x)). Keep it fixed for the
         whole run: increments compare consecutive samples of the same batch.
@@ -69,7 +74,7 @@ class Monitor:
     """
 
     def __init__(self, endpoint=None, run_id=None, job=None, model=None, probe_batch=None,
-                 every=100, rank=0,
+                 every=100, rank=None,
                  labels=None, model_info=None, dtype="bf16", queue_size=1024, tap=None, *,
                  probe_id="default", causal=True, discover=True, discover_routers=True,
                  router_dtype="fp32", queue_bytes=256 << 20, max_unacked_bytes=64 << 20,
@@ -83,6 +88,13 @@ class Monitor:
             raise TypeError("Monitor() needs one of endpoint and endpoints")
         if every < 1:
             raise ValueError("every must be >= 1")
+        # DDP, torch.compile: discover on and probe through the wrapped module;
+        # FSDP2: the probe forward is collective (foreshock.distributed).
+        self._layout = distributed.layout_of(model, discover or discover_routers)
+        model = self._layout.module
+        rank = distributed.default_rank(rank)
+        labels = distributed.hello_labels(labels)
+        self.rank = rank
         self.model = model
         self.probe_batch = probe_batch
         self.every = every
@@ -128,12 +140,13 @@ class Monitor:
         self._collector = None  # a ProbeCollector while a probe forward runs
 
         self._counts = dict(enqueued=0, dropped_queue_full=0, dropped_after_close=0, probes=0,
-                            curvature_estimates=0, curvature_failures=0)
+                            probes_joined=0, curvature_estimates=0, curvature_failures=0,
+                            probe_failures=0)
         self._probe_seconds = 0.0
         self._curvature_seconds = 0.0
         self._queue = RecordQueue(queue_size, queue_bytes)
         hello = pb.Hello(run_id=run_id, job=job, rank=rank,
-                         model=self.model_info.to_proto(), labels=dict(labels or {}))
+                         model=self.model_info.to_proto(), labels=labels)
         # Sent batches are kept (up to max_unacked_bytes) until acked, and
         # resent after a reconnect (foreshock.sender).
         self._sender = Sender(self.endpoint, hello, self._queue, max_unacked_bytes=max_unacked_bytes,
@@ -160,10 +173,21 @@ class Monitor:
         if lr is not None:
             record.scalars.lr = float(lr)
         self._emit(record)
+        probe_due = self.model is not None and self.probe_batch is not None and \
+            step % self.every == 0
         if not self.probes_here:
+            if probe_due and self._layout.collective:
+                self._join_probe()  # FSDP2: every rank runs the forward; this one sends nothing
             return
-        if self.model is not None and self.probe_batch is not None and step % self.every == 0:
-            self.probe(step)
+        if probe_due:
+            try:
+                self.probe(step)
+            except Exception:  # the training step is sacred: log, count, go on
+                self._counts["probe_failures"] += 1
+                n = self._counts["probe_failures"]
+                if n == 1 or n % 100 == 0:
+                    log.exception("foreshock: probe at step %d failed (%d so far); training "
+                                  "continues without this probe", step, n)
         if self.curvature is not None and self.curvature.due(step):
             self.estimate_curvature(step)
 
@@ -198,23 +222,15 @@ class Monitor:
         handles = collector.attach(
             [] if self._explicit_qk else self.attention_sites,
             [] if self._explicit_router else self.router_sites)
-        was_training = self.model.training
-        self.model.eval()
+        distributed.guard_hooks(handles)  # a failing hook skips its sample, never the forward
         self._collector = collector
         try:
-            with torch.no_grad():
-                batch = self.probe_batch
-                if isinstance(batch, dict):
-                    self.model(**batch)
-                elif isinstance(batch, (tuple, list)):
-                    self.model(*batch)
-                else:
-                    self.model(batch)
+            self._probe_forward()
         finally:
             self._collector = None
             for handle in handles:
                 handle.remove()
-            self.model.train(was_training)
+        collector.finish()  # transformers attention that bypassed the interface: fall back
         self._explicit_qk |= bool(collector.explicit_qk)
         self._explicit_router |= bool(collector.explicit_router)
         qk = collector.explicit_qk if self._explicit_qk else collector.discovered_qk
@@ -235,6 +251,35 @@ class Monitor:
                 logits=encoding.encode_tensor(logits, self.router_dtype)))
             self._emit(record)
         self._counts["probes"] += 1
+        self._probe_seconds += time.perf_counter() - start
+
+    def _probe_forward(self):
+        """One no-grad eval-mode forward of the probe batch. Every module's own
+        train/eval flag is put back afterwards (model.train(was_training) would
+        switch modules the user keeps in eval, e.g. a frozen dropout, to train)."""
+        modes = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                batch = self.probe_batch
+                if isinstance(batch, Mapping):  # dict, or a tokenizer's BatchEncoding
+                    self.model(**batch)
+                elif isinstance(batch, (tuple, list)):
+                    self.model(*batch)
+                else:
+                    self.model(batch)
+        finally:
+            for module, training in modes:
+                module.training = training
+            self._layout.after_probe()
+
+    def _join_probe(self):
+        """The probe forward without capture, on a rank that does not send: the
+        forward of a sharded (FSDP2) model is collective, so every rank runs it
+        at the same steps."""
+        start = time.perf_counter()
+        self._probe_forward()
+        self._counts["probes_joined"] += 1
         self._probe_seconds += time.perf_counter() - start
 
     def capture_qk(self, layer, q, k):
@@ -276,18 +321,31 @@ class Monitor:
         (foreshock.v1.AlertEvent: event.alert has alertname, layer, signal,
         probable_cause, first_step, ...; event.to_state is "pending", "firing"
         or "resolved"). It runs on a background thread, never the training
-        thread: set a flag there and act on it in the training loop."""
+        thread: set a flag there and act on it in the training loop.
+
+        The watch starts once the daemon has acknowledged this monitor's Hello
+        (or after 10 s without one), so that a process resumed from a
+        checkpoint under the same run_id is not handed the previous attempt's
+        alerts as active: the daemon resolves them (resolved_reason
+        "run_resumed") when it sees the new process (docs/DESIGN.md §3.4)."""
         if self._alerts is None:
             self._alerts = AlertWatcher(self.endpoint, self._run_id,
                                         channel_options=self._channel_options,
-                                        security=self._security)
+                                        security=self._security,
+                                        ready=self._sender.hello_acked)
         self._alerts.add_callback(callback)
 
-    def close(self, timeout=5.0):
-        """Sends what is queued and waits for its acks for up to `timeout` s, then stops."""
+    def close(self, timeout=5.0, end=True):
+        """Sends what is queued and waits for its acks for up to `timeout` s, then stops.
+
+        With end (the default), this rank is done with the run: once every rank
+        of the run has closed its monitor, the daemon marks the run ended and
+        resolves its open alerts (resolved_reason "run_ended"; docs/DESIGN.md
+        §3.4). end=False stops streaming without saying so (e.g. a process
+        handing the run over to another)."""
         if not self._closed:
             self._closed = True
-            self._sender.close(timeout)
+            self._sender.close(timeout, goodbye=end)
             if self._alerts is not None:
                 self._alerts.close(timeout)
 

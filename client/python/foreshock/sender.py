@@ -26,7 +26,11 @@ One sender thread owns the gRPC stream `foreshock.v1.Ingest/Stream`:
   not resent, and its records counted as `dropped_too_large`;
 - a stream the daemon ended for idleness (stream_idle_timeout: nothing sent
   for its --stream_idle_timeout_ms, everything sent acked) is reopened only
-  once there is something to send (counted as `idle_closes`).
+  once there is something to send (counted as `idle_closes`);
+- close(goodbye=True) (Monitor.close) sends, after everything queued, one last
+  batch with Batch.goodbye: this sender is done with the run. It is kept and
+  resent like any batch until its Ack, which the daemon sends once the end
+  counts (docs/DESIGN.md §3.4); older daemons ack it as an empty batch.
 """
 import collections
 import logging
@@ -126,7 +130,8 @@ class Sender:
         self._call = None
         self._counts = dict(sent=0, batches_sent=0, acked_records=0, duplicates=0, resent=0,
                             dropped_unacked=0, unacked=0, reconnects=0, unsent_at_close=0,
-                            dropped_too_large=0, idle_closes=0, failed_connects=0)
+                            dropped_too_large=0, idle_closes=0, failed_connects=0,
+                            goodbye_acked=False)
         self._ever_accepted = False  # a stream got its HelloAck before: the next one is a reconnect
         # Batches sent and not acked, oldest first: seq -> [(record, size)].
         self._max_unacked_bytes = max_unacked_bytes
@@ -136,6 +141,11 @@ class Sender:
         self._unacked_bytes = 0
         self._next_seq = time.time_ns() // 1000
         self._sender_id = random.getrandbits(63) + 1
+        self._goodbye = False       # close(goodbye=True): end with a Batch.goodbye
+        self._goodbye_seq = None    # its seq, once sent
+        # Set at the first HelloAck: the daemon has taken this sender's Hello
+        # (and with it, a restart of the run: Monitor.on_alert waits for it).
+        self.hello_acked = threading.Event()
         # Called on the sender's response thread as on_settled(records, ack)
         # for every batch an Ack settles (accepted, rejected or duplicate).
         self._on_settled = on_settled
@@ -155,8 +165,23 @@ class Sender:
         with self._lock:
             return not self._unacked
 
-    def close(self, timeout):
-        """Sends what is queued and waits for its acks, for at most `timeout` seconds."""
+    def _done(self):
+        """Closing and nothing left to deliver, the goodbye included."""
+        with self._lock:
+            goodbye_done = not self._goodbye or self._counts["goodbye_acked"]
+        return (self._closing.is_set() and len(self._queue) == 0 and self._settled()
+                and goodbye_done)
+
+    def _batch(self, seq, batch):
+        return pb.StreamRequest(batch=pb.Batch(seq=seq, records=[r for r, _ in batch],
+                                               goodbye=pb.Goodbye() if seq == self._goodbye_seq
+                                               else None))
+
+    def close(self, timeout, goodbye=False):
+        """Sends what is queued and waits for its acks, for at most `timeout` seconds.
+        With goodbye, then tells the daemon this sender is done with the run and
+        waits for that to be acked too."""
+        self._goodbye = goodbye
         self._closing.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -176,7 +201,7 @@ class Sender:
         backoff = self._backoff_initial_s
         failures = 0  # consecutive streams without a HelloAck: log only the first
         while not self._abort.is_set():
-            if self._closing.is_set() and len(self._queue) == 0 and self._settled():
+            if self._done():
                 return  # nothing left to deliver
             handshaken, finished = self._run_stream(quiet=failures > 0)
             if finished:
@@ -227,6 +252,7 @@ class Sender:
                     log.info("foreshock: connected to %s (session %s)", self._endpoint,
                              response.hello_ack.session_id)
                     stream.hello_acked.set()
+                    self.hello_acked.set()
                 elif kind == "ack":
                     self._on_ack(stream, response.ack)
             # The server ends the stream after our half-close, i.e. after a flush.
@@ -282,11 +308,25 @@ class Sender:
                 if stream.closed:
                     return
                 stream.in_flight[seq] = len(batch)
-            yield pb.StreamRequest(batch=pb.Batch(seq=seq, records=[r for r, _ in batch]))
+            yield self._batch(seq, batch)
         while not (stream.closed or self._abort.is_set()):
             if self._closing.is_set() and len(self._queue) == 0:
                 if self._settled():
-                    return  # half-close: everything queued was sent and acked
+                    with self._lock:
+                        send_goodbye = self._goodbye and self._goodbye_seq is None
+                    if not send_goodbye:
+                        return  # half-close: everything queued (and the goodbye) acked
+                    with stream.lock:
+                        if stream.closed:
+                            return
+                        with self._lock:
+                            seq = self._goodbye_seq = self._next_seq
+                            self._next_seq += 1
+                            self._keep_unacked(seq, [])
+                            self._counts["batches_sent"] += 1
+                        stream.in_flight[seq] = 0
+                    yield self._batch(seq, [])
+                    continue
                 time.sleep(_POLL_S)
                 continue
             batch = self._queue.take_batch(self._max_batch_bytes, _POLL_S)
@@ -303,7 +343,7 @@ class Sender:
                     self._counts["sent"] += len(batch)
                     self._counts["batches_sent"] += 1
                 stream.in_flight[seq] = len(batch)
-            yield pb.StreamRequest(batch=pb.Batch(seq=seq, records=[r for r, _ in batch]))
+            yield self._batch(seq, batch)
 
     def _after_refusal(self, err):
         """A stream the daemon ended at one of its limits: honour its retry hint, and drop
@@ -364,6 +404,8 @@ class Sender:
         with self._lock:
             self._counts["acked_records"] += ack.accepted
             self._counts["duplicates"] += ack.duplicates
+            if ack.seq == self._goodbye_seq:
+                self._counts["goodbye_acked"] = True
             for rejection in ack.rejections:
                 # Reasons read "<code>: <detail>"; the code is the stable part.
                 self._rejected[rejection.reason.split(":", 1)[0].strip()] += 1
