@@ -284,7 +284,8 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       // Before the HelloAck: a restart has closed the old attempt's alerts
       // by the time the client learns it is connected.
       lifecycle_sender_ = hello.first_seq() > 0 ? hello.sender_id() : 0;
-      service_.lifecycle_->OnHello(context_->run_id, context_->rank, lifecycle_sender_);
+      service_.lifecycle_->OnHello(context_->run_id, context_->rank, lifecycle_sender_,
+                                   context_->world_size);
       lifecycle_registered_ = true;
     }
     spdlog::info("stream {} opened: run={} job={} rank={}", session_, context_->run_id,

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <limits>
+#include <set>
 #include <thread>
 
 #include "detectors/state_codec.h"
@@ -119,9 +120,11 @@ alerts::LifecycleMark RunLifecycle::MarkOf(const Run& run) {
 // ---------------------------------------------------------------------------
 // Ingest.
 
-void RunLifecycle::OnHello(const std::string& run_id, int32_t rank, uint64_t sender) {
+void RunLifecycle::OnHello(const std::string& run_id, int32_t rank, uint64_t sender,
+                           int32_t world_size) {
   std::lock_guard<std::mutex> lock(mu_);
   Run& run = runs_[run_id];
+  run.world_size = std::max(run.world_size, world_size);
   const std::pair<int32_t, uint64_t> key{rank, sender};
   if (auto it = run.senders.find(key); it != run.senders.end()) {
     ++it->second.open;  // a reconnect (or a resent goodbye): nothing changes
@@ -230,8 +233,13 @@ void RunLifecycle::OnGoodbye(const std::string& run_id, int32_t rank, uint64_t s
     RecordLocked(Event{EventType::kJoin, 0, run_id, run.attempt, rank, sender, 0, NowUnixMillis()});
   }
   RecordLocked(Event{EventType::kGoodbye, 0, run_id, run.attempt, rank, sender, 0, NowUnixMillis()});
-  const bool all_done = std::all_of(run.senders.begin(), run.senders.end(),
-                                    [](const auto& entry) { return entry.second.goodbye; });
+  bool all_done = std::all_of(run.senders.begin(), run.senders.end(),
+                              [](const auto& entry) { return entry.second.goodbye; });
+  if (all_done && run.world_size > 1) {
+    std::set<int32_t> ranks_done;
+    for (const auto& [k, s] : run.senders) ranks_done.insert(k.first);
+    all_done = static_cast<int32_t>(ranks_done.size()) >= run.world_size;
+  }
   if (all_done && !run.ended) {
     const int64_t last_step = tracker_ != nullptr ? tracker_->LastStep(run_id) : -1;
     RecordLocked(Event{EventType::kEnd, 0, run_id, run.attempt, rank, sender, last_step,

@@ -69,7 +69,10 @@ class RunLifecycle {
   RunLifecycle(SeriesStore* store, AlertHub* alerts, WorkerPool* pool, RunTracker* runs);
 
   // Ingest: an accepted Hello, before its HelloAck.
-  void OnHello(const std::string& run, int32_t rank, uint64_t sender);
+  // `world_size` (Hello label world_size, 0 when absent): with it, the run
+  // ends only once that many distinct ranks said goodbye, so a rank that
+  // finishes before another rank's stream opened does not end the run.
+  void OnHello(const std::string& run, int32_t rank, uint64_t sender, int32_t world_size = 0);
   // Ingest: a stream whose Hello went to OnHello ended.
   void OnStreamClosed(const std::string& run, int32_t rank, uint64_t sender);
   // Ingest: before a batch's accepted records of sender (rank, sender) are
@@ -121,6 +124,7 @@ class RunLifecycle {
     int32_t attempt = 1;
     std::map<std::pair<int32_t, uint64_t>, Sender> senders;  // of the current attempt
     bool rewind_pending = false;  // a new attempt whose first records have not come yet
+    int32_t world_size = 0;  // the largest Hello world_size (not stored: a restart forgets it)
     bool ended = false;
     int64_t ended_ms = 0;
     int64_t ended_step = -1;

@@ -103,6 +103,26 @@ TEST_F(LifecycleTest, TheRunEndsWhenEverySenderSaidGoodbye) {
   EXPECT_FALSE(lifecycle_->GetStatus("never-seen").has_value());
 }
 
+TEST_F(LifecycleTest, WithAWorldSizeTheRunWaitsForThatManyRanksGoodbyes) {
+  // Rank 0 of a 2-rank job finishes before rank 1's stream opened (a slow
+  // connect): the run must not end, and rank 1 joins the same attempt.
+  lifecycle_->OnHello("ws", 0, 11, /*world_size=*/2);
+  Fire("ws", 5);
+  lifecycle_->OnGoodbye("ws", 0, 11);
+  EXPECT_FALSE(lifecycle_->GetStatus("ws")->ended);
+  EXPECT_EQ(Alerts("ws")[0].state(), "firing");
+  lifecycle_->OnHello("ws", 1, 22, 2);
+  EXPECT_EQ(lifecycle_->GetStatus("ws")->attempt, 1);
+  lifecycle_->OnGoodbye("ws", 1, 22);
+  EXPECT_TRUE(lifecycle_->GetStatus("ws")->ended);
+  EXPECT_EQ(Alerts("ws")[0].resolved_reason(), "run_ended");
+
+  // Without the label the first rank's goodbye ends the run (nothing else is known).
+  lifecycle_->OnHello("nows", 0, 11);
+  lifecycle_->OnGoodbye("nows", 0, 11);
+  EXPECT_TRUE(lifecycle_->GetStatus("nows")->ended);
+}
+
 TEST_F(LifecycleTest, ANewProcessForARankWhoseProcessVanishedStartsAnAttempt) {
   lifecycle_->OnHello("r", 0, 11);
   Fire("r", 40);
