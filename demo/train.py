@@ -78,7 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--curvature-seqs", type=int, default=2,
                    help="held-out sequences in the curvature batch (its Hessian is estimated)")
     p.add_argument("--curvature-hvps", type=int, default=3,
-                   help="Hessian-vector products (Lanczos steps) per curvature estimate")
+                   help="Hessian-vector products (Lanczos steps) per curvature estimate, at "
+                        "least; up to 3x as many while the estimate has not converged")
     p.add_argument("--metrics-url", default=None,
                    help="foreshockd /metrics URL, scraped through the run for the final table")
     p.add_argument("--scrape-interval", type=float, default=2.0, help="seconds between scrapes")
@@ -293,7 +294,7 @@ def run(args, tap=None, out=print):
         out(f"curvature: {stats['curvature_estimates']} estimates, "
             f"{1e3 * stats['curvature_seconds_total'] / stats['curvature_estimates']:.0f} ms each, "
             f"{100 * stats['curvature_seconds_total'] / total_train:.1f}% of training time "
-            f"(every {args.curvature_every} steps, {args.curvature_hvps} HVPs)")
+            f"(every {args.curvature_every} steps, at least {args.curvature_hvps} HVPs)")
     if recorder is not None:
         out("\nSignals exported by foreshockd (rows: the daemon's last_step at each scrape)")
         out(recorder.table() if recorder.snapshots else

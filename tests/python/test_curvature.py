@@ -79,7 +79,8 @@ def test_warm_started_tracking_matches_exact_preconditioned_eigenvalue():
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(20):  # Adam's second moments settle before tracking starts
         train_step(model, optimizer, batch)
-    estimator = CurvatureEstimator(model, loss_fn, batch, optimizer, every=1, hvps=3)
+    # A fixed budget of 3 products (max_hvps=3): what the warm start alone achieves.
+    estimator = CurvatureEstimator(model, loss_fn, batch, optimizer, every=1, hvps=3, max_hvps=3)
     errors, counts = [], []
     for step in range(50):
         train_step(model, optimizer, batch)
@@ -195,9 +196,11 @@ def test_finite_difference_fallback_for_ops_without_double_backward():
     assert abs(c.lambda_max - a.lambda_max) > 0.05 * a.lambda_max
     assert b.hvp_mode == "finite_difference" and a.hvp_mode == "double_backward"
     assert b.lambda_max == pytest.approx(a.lambda_max, rel=1e-2)
-    # On a model whose ops all support double backward, auto keeps it.
+    # On a model whose ops all support double backward, auto keeps an exact method
+    # (torch.func instead where it exists and was faster).
     plain_auto = CurvatureEstimator(reference, loss_fn, batch, hvps=12, hvp_mode="auto")
-    assert plain_auto.estimate().hvp_mode == "double_backward"
+    assert plain_auto.estimate().hvp_mode in ("double_backward", "func")
+    assert "finite difference" in auto.hvp_choice and plain_auto.hvp_choice
 
 
 def _train(seed, estimate_every, hvp_mode="double_backward", steps=12, dropout=0.1):
@@ -214,7 +217,11 @@ def _train(seed, estimate_every, hvp_mode="double_backward", steps=12, dropout=0
     return model, optimizer
 
 
-@pytest.mark.parametrize("hvp_mode", ["double_backward", "finite_difference"])
+HAS_FUNC = hasattr(torch, "func")
+MODES = ["auto", "double_backward", "finite_difference"] + (["func"] if HAS_FUNC else [])
+
+
+@pytest.mark.parametrize("hvp_mode", MODES)
 def test_estimator_never_changes_training(hvp_mode):
     plain, plain_opt = _train(3, None)
     watched, watched_opt = _train(3, 2, hvp_mode)
@@ -242,3 +249,99 @@ def test_a_failing_estimate_never_reaches_the_training_loop():
         assert monitor.stats()["curvature_estimates"] == 0
     finally:
         monitor.close(timeout=0.5)
+
+
+def test_budget_grows_until_the_residual_is_small():
+    model, batch = make_task(n_blocks=3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(20):
+        train_step(model, optimizer, batch)
+    exact = exact_preconditioned_top_eigenvalue(model, loss_fn, batch, optimizer)
+    fixed = CurvatureEstimator(model, loss_fn, batch, optimizer, hvps=2, max_hvps=2)
+    adaptive = CurvatureEstimator(model, loss_fn, batch, optimizer, hvps=2, max_hvps=40, tol=1e-3)
+    a, b = fixed.estimate(), adaptive.estimate()
+    assert a.hvps == 2 and a.residual > 1e-3  # a cold start is far from converged after 2
+    assert 2 < b.hvps < 40 and b.residual <= 1e-3
+    assert b.lambda_max == pytest.approx(exact, rel=1e-3)
+    assert adaptive.hvps_total == b.hvps
+    # The reported residual is ||A v - lambda v|| / |lambda|, checked with one more product.
+    scales, _, _ = _optimizer_preconditioner(optimizer, adaptive.params)
+    v = adaptive._vector
+    with adaptive._products():
+        av = adaptive._apply(v, scales)
+    r = torch.sqrt(sum(((x - b.lambda_max * y) ** 2).sum() for x, y in zip(av, v)))
+    assert float(r) / b.lambda_max == pytest.approx(b.residual, rel=0.05, abs=1e-5)
+
+
+class BNNet(TinyNet):
+    """Batch norm (running statistics) and dropout between the blocks."""
+
+    def __init__(self):
+        super().__init__(dropout=0.2)
+        self.norm = nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        h = self.blocks[1](self.blocks[0](self.emb(x)))
+        return self.head(self.drop(self.norm(h)))
+
+
+def test_rng_buffers_and_dropout_untouched_even_by_a_random_loss_fn():
+    def noisy_loss(model, batch):  # draws from the global RNG, as label smoothing might
+        x, y = batch
+        return F.cross_entropy(model(x), y) + 1e-3 * torch.rand(()).item()
+
+    def run(estimate):
+        torch.manual_seed(4)
+        model = BNNet()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x = torch.randint(0, 12, (64,))
+        batch = (x, (5 * x + 3) % 12)
+        estimator = CurvatureEstimator(model, noisy_loss, batch, optimizer, hvps=3)
+        for step in range(8):
+            idx = torch.randint(0, 64, (32,))
+            train_step(model, optimizer, (batch[0][idx], batch[1][idx]))
+            if estimate and step % 3 == 0:
+                estimator.estimate()
+        return model, optimizer, torch.get_rng_state()
+
+    (plain, plain_opt, plain_rng), (watched, watched_opt, watched_rng) = run(False), run(True)
+    assert torch.equal(plain_rng, watched_rng)
+    for (name, a), b in zip(plain.state_dict().items(), watched.state_dict().values()):
+        assert torch.equal(a, b), name  # parameters and BN running statistics
+    for a, b in zip(plain.parameters(), watched.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    for a, b in zip(plain_opt.state.values(), watched_opt.state.values()):
+        assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    assert watched.training  # the estimate's eval mode is undone
+
+
+@pytest.mark.skipif(HAS_FUNC, reason="torch.func exists here")
+def test_func_mode_refused_without_torch_func():
+    model, batch = make_task()
+    with pytest.raises(ValueError, match="torch.func"):
+        CurvatureEstimator(model, loss_fn, batch, hvp_mode="func")
+
+
+class FarQuadratic(nn.Module):
+    """0.5 sum h_i theta_i^2 far from the origin: large gradients, moderate curvature."""
+
+    def __init__(self, n=1000):
+        super().__init__()
+        self.h = torch.linspace(-1.0, 2.0, n)
+        self.theta = nn.Parameter(torch.full((n,), 100.0))
+
+    def forward(self):
+        return 0.5 * (self.h * self.theta * self.theta).sum()
+
+
+def test_auto_keeps_double_backward_where_a_fixed_fd_step_drowns_in_rounding():
+    model = FarQuadratic()
+    # A step of norm 1e-3 (the old default): float32 rounding of gradients ~1e2
+    # swamps the difference, the check fails and auto falls back to it.
+    fixed = CurvatureEstimator(model, lambda m, _: m(), None, hvps=3, fd_eps=1e-3)
+    assert fixed.estimate().hvp_mode == "finite_difference"
+    # The default step scales with ||theta||: the exact method passes the check.
+    scaled = CurvatureEstimator(model, lambda m, _: m(), None, hvps=20, max_hvps=60, tol=1e-4)
+    estimate = scaled.estimate()
+    assert estimate.hvp_mode in ("double_backward", "func")
+    assert estimate.lambda_max == pytest.approx(2.0, rel=1e-3)

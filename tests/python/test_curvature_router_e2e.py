@@ -20,7 +20,8 @@ def test_router_and_curvature_reach_metrics(foreshockd):
     curvature = [r for r in sent if r.WhichOneof("payload") == "curvature"]
     assert [r.step for r in curvature] == [0, 20, 40]
     last = curvature[-1].curvature
-    assert last.preconditioned and last.hvps == 3 and last.beta1 == 0.9
+    # At least --curvature-hvps products, more while the residual is high (up to 3x).
+    assert last.preconditioned and 3 <= last.hvps <= 9 and last.beta1 == 0.9
     assert len(last.layer_rayleigh) == 4  # one per transformer block
     routers = [r for r in sent if r.WhichOneof("payload") == "router"]
     assert sorted({r.router.layer for r in routers}) == [1, 3]  # the MoE layers, discovered

@@ -7,27 +7,35 @@ The operator is A = P^{-1/2} H P^{-1/2} with P = diag(sqrt(v_hat) + eps) read fr
 Adam's (bias-corrected) second moments, or plain H for SGD and before Adam has
 state. H is the Hessian of `loss_fn(model, probe_batch)` on the fixed probe batch.
 
-Each estimate runs K Hessian-vector products as Lanczos steps started from the
-previous estimate's eigenvector (warm start), and reports the largest Ritz
-value. Plain power iteration converges to the eigenvalue of largest
+Each estimate runs at least `hvps` Hessian-vector products as Lanczos steps
+started from the previous estimate's eigenvector (warm start), and more, up to
+`max_hvps`, while the Ritz residual is above `tol`; it reports the largest
+Ritz value. Plain power iteration converges to the eigenvalue of largest
 *magnitude*, which on a transformer can be a large negative one; the largest
 Ritz value of the Krylov space is the algebraically largest estimate. The Ritz
 vector is kept, on the model's device, as the next warm start.
 
-HVPs come from double backward, or from a central finite difference of
-gradients, (g(theta + e v) - g(theta - e v)) / 2e, for models whose custom ops
-lack double backward. "auto" checks double backward against a finite
-difference on the first product, since such ops often drop their second-order
-term silently instead of raising.
+HVPs come from torch.func (forward-over-reverse: jvp of grad, torch >= 2.0),
+from double backward (one gradient graph per estimate, reused by its
+products), or from a central finite difference of gradients,
+(g(theta + e v) - g(theta - e v)) / 2e, for models whose custom ops lack
+second derivatives. "auto" decides on the first product: it keeps the exact
+methods only where they agree with a finite difference (such ops often drop
+their second-order term silently instead of raising), and of torch.func and
+double backward the one that was faster on this model. Products run with
+SDPA's math backend: the fused attention kernels have no second derivatives.
 
 The estimator never touches training state: gradients come from
-torch.autograd.grad (nothing accumulates into .grad), the optimizer state is
-only read, parameters perturbed by the finite difference are restored bit for
-bit from a copy, the model runs in eval mode (no dropout, no running-stat
-updates) and random start vectors come from a private generator, so the
-training RNG stream is untouched.
+torch.autograd.grad / torch.func (nothing accumulates into .grad), the
+optimizer state is only read, parameters perturbed by the finite difference
+are restored bit for bit from a copy, the model runs in eval mode (no dropout,
+no running-stat updates), random start vectors come from a private generator,
+and the global RNG state (CPU and the model's CUDA devices) is restored after
+each estimate, so a loss_fn that draws random numbers leaves the training
+stream untouched too.
 """
 import contextlib
+import logging
 import math
 import re
 import time
@@ -35,7 +43,31 @@ from dataclasses import dataclass, field
 
 import torch
 
-HVP_MODES = ("auto", "double_backward", "finite_difference")
+HVP_MODES = ("auto", "func", "double_backward", "finite_difference")
+
+log = logging.getLogger("foreshock")
+
+try:  # torch >= 2.0
+    from torch.func import functional_call as _functional_call, grad as _func_grad, jvp as _func_jvp
+except ImportError:  # torch 1.13 (Debian): double backward only
+    _functional_call = _func_grad = _func_jvp = None
+
+
+def _second_order_attention():
+    """SDPA's fused kernels (flash, memory-efficient, cuDNN) have neither double
+    backward nor forward-mode AD; its math backend computes the same function
+    with plain differentiable ops. A no-op before torch.nn.attention existed."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.MATH])
+
+
+def _rng_fork(params):
+    """Restores the global RNG state (CPU, and the CUDA devices holding params) on exit."""
+    devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+    return torch.random.fork_rng(devices=devices)
 
 
 @dataclass
@@ -49,7 +81,7 @@ class CurvatureEstimate:
     beta1: float
     overlap: float           # |<v_t, v_{t-1}>|, 0 for the first estimate
     layer_rayleigh: list = field(default_factory=list)  # v_l^T (A v)_l per transformer block
-    hvp_mode: str = "double_backward"
+    hvp_mode: str = "double_backward"  # or "func", "finite_difference" (not on the wire)
     seconds: float = 0.0
 
     def to_proto(self, pb):
@@ -95,7 +127,10 @@ def _optimizer_preconditioner(optimizer, params):
 
 
 def _dot(xs, ys):
-    return sum((x * y).sum() for x, y in zip(xs, ys))
+    # torch.dot reads both vectors once, with no temporary; half types accumulate in float32.
+    return sum(torch.dot(x.reshape(-1), y.reshape(-1)) if x.dtype in (torch.float32, torch.float64)
+               else torch.dot(x.reshape(-1).float(), y.reshape(-1).float())
+               for x, y in zip(xs, ys))
 
 
 def _norm(xs):
@@ -104,8 +139,20 @@ def _norm(xs):
 
 def _axpy(a, xs, ys):
     """ys += a * xs, in place."""
-    for x, y in zip(xs, ys):
-        y.add_(x, alpha=float(a))
+    torch._foreach_add_(ys, xs, alpha=float(a))
+
+
+class _LossModule(torch.nn.Module):
+    """loss_fn(model, batch) as a module whose parameters are the model's
+    ("model.<name>"), so that torch.func.functional_call can substitute them."""
+
+    def __init__(self, model, loss):
+        super().__init__()
+        self.model = model
+        self._loss = loss
+
+    def forward(self):
+        return self._loss(self.model)
 
 
 class CurvatureEstimator:
@@ -117,41 +164,64 @@ class CurvatureEstimator:
       probe_batch: fixed input of every estimate (anything loss_fn accepts).
       optimizer: read for Adam's second moments, lr and beta1 (None: plain H, lr 0).
       every: estimate when step % every == 0 (default 50).
-      hvps: Hessian-vector products (Lanczos steps) per estimate (default 3).
-      hvp_mode: "auto" (double backward, unless on the first product it raises or
-        disagrees with a finite difference), "double_backward" or
-        "finite_difference".
-      fd_eps: finite-difference step along the unit direction.
+      hvps: Hessian-vector products (Lanczos steps) per estimate, at least (default 3).
+      max_hvps: at most this many per estimate: beyond `hvps`, Lanczos continues
+        while the residual is above `tol` (default `hvps`: a fixed budget; e.g.
+        3 * hvps for estimates that converge, see docs/PERFORMANCE.md).
+      tol: residual ||Av - lambda v|| / |lambda| that ends an estimate early
+        (default 0.05; the daemon keeps estimates above 0.1 out of detection).
+      hvp_mode: "auto" (decided on the first product, see the module docstring),
+        "func" (torch.func, torch >= 2.0), "double_backward" or "finite_difference".
+      fd_eps: norm of the finite-difference step in parameter space; None (default):
+        sqrt(machine eps) * (1 + ||theta||), the usual choice (Nocedal & Wright,
+        8.1), which balances float rounding against truncation. A fixed 1e-3
+        was 12% off on a 15M-parameter model in float32.
       seed: seed of the private generator for the first start vector.
     """
 
-    # Relative disagreement between double backward and finite differences
-    # beyond which "auto" concludes double backward is wrong (float32 central
+    # Relative disagreement between an exact product and finite differences
+    # beyond which "auto" concludes the exact one is wrong (float32 central
     # differences agree to ~1e-3).
     AUTO_AGREEMENT = 0.05
 
     def __init__(self, model, loss_fn, probe_batch, optimizer=None, every=50, hvps=3,
-                 hvp_mode="auto", fd_eps=1e-3, seed=0):
+                 hvp_mode="auto", fd_eps=None, seed=0, max_hvps=None, tol=0.05):
         if hvp_mode not in HVP_MODES:
             raise ValueError(f"hvp_mode must be one of {HVP_MODES}")
-        if hvps < 1 or every < 1:
-            raise ValueError("hvps and every must be >= 1")
+        if hvp_mode == "func" and _func_jvp is None:
+            raise ValueError(f"hvp_mode='func' needs torch.func (torch >= 2.0; this is torch "
+                             f"{torch.__version__}): use hvp_mode='auto' or 'double_backward'")
+        # Default: a fixed budget. The daemon's curvature rule was calibrated on
+        # fixed-budget estimates; converged ones read higher on healthy Adam runs
+        # (which sit at the edge of stability) and need the calibrated rule first.
+        max_hvps = hvps if max_hvps is None else max_hvps
+        if hvps < 1 or every < 1 or max_hvps < hvps:
+            raise ValueError("hvps and every must be >= 1, and max_hvps >= hvps")
+        # DDP: differentiate its .module (no reducer hooks, no collectives); a
+        # sharded model (FSDP2, FSDP1, ZeRO-3) is refused here (foreshock.distributed).
+        from foreshock.distributed import model_for_curvature
+        model = model_for_curvature(model)
         self.model = model
         self.loss_fn = loss_fn
         self.probe_batch = probe_batch
         self.optimizer = optimizer
         self.every = every
         self.hvps = hvps
+        self.max_hvps = max_hvps
+        self.tol = tol
         self.hvp_mode = hvp_mode
         self.fd_eps = fd_eps
         names_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in names_params]
+        self._names = [n for n, _ in names_params]
         self.blocks = [block_index_of(n) for n, _ in names_params]
         self.n_blocks = 1 + max((b for b in self.blocks if b is not None), default=-1)
         self._generator = torch.Generator(device="cpu").manual_seed(seed)
         self._vector = None        # warm start: the last Ritz vector (model device)
         self._graph = None         # (gradients with graph, indices that need it), see _fixed_point
         self._reuse_graph = False
+        self._loss_module = None   # see _hvp_func
+        self.hvp_choice = None     # why "auto" chose its method (logged once)
         self.hvps_total = 0
         self.seconds_total = 0.0
         self.estimates = 0
@@ -200,8 +270,31 @@ class CurvatureEstimator:
                                  retain_graph=self._reuse_graph)
         return [torch.zeros_like(p) if h is None else h.detach() for p, h in zip(self.params, hv)]
 
-    def _hvp_finite_difference(self, direction):
-        eps = self.fd_eps / max(float(_norm(direction)), 1e-30)
+    def _hvp_func(self, direction):
+        """Forward-over-reverse: the jvp of torch.func.grad along `direction`, with the
+        parameters substituted by detached copies (functional_call), so that no
+        graph reaches the model's parameters and nothing is kept between products."""
+        if self._loss_module is None:
+            self._loss_module = _LossModule(self.model,
+                                            lambda model: self.loss_fn(model, self.probe_batch))
+        names = ["model." + n for n in self._names]
+        module = self._loss_module
+
+        def loss_at(params):
+            return _functional_call(module, dict(zip(names, params)), ())
+
+        primals = tuple(p.detach() for p in self.params)
+        _, hv = _func_jvp(_func_grad(loss_at), (primals,), (tuple(direction),))
+        return [h.detach() for h in hv]
+
+    def _fd_step(self):
+        if self.fd_eps is not None:
+            return self.fd_eps
+        theta = float(_norm([p.detach() for p in self.params]))
+        return math.sqrt(torch.finfo(self.params[0].dtype).eps) * (1.0 + theta)
+
+    def _hvp_finite_difference(self, direction, step=None):
+        eps = (step or self._fd_step()) / max(float(_norm(direction)), 1e-30)
         saved = [p.detach().clone() for p in self.params]
         try:
             with torch.no_grad():
@@ -223,22 +316,86 @@ class CurvatureEstimator:
             return self._hvp_finite_difference(direction)
         if self.hvp_mode == "double_backward":
             return self._hvp_double_backward(direction)
-        # "auto", decided on the first product. A custom op without double backward
-        # either raises or, worse, silently drops its second-order term (e.g. a
-        # @once_differentiable kernel): check double backward against a finite
-        # difference once, and keep whichever is right.
-        finite = self._hvp_finite_difference(direction)
+        if self.hvp_mode == "func":
+            return self._hvp_func(direction)
+        return self._choose(direction)
+
+    def _choose(self, direction):
+        """"auto", on the first product. A custom op without second derivatives
+        either raises or, worse, silently drops its second-order term (e.g. a
+        @once_differentiable kernel): check the exact methods against a finite
+        difference once, and of those that agree keep the faster one for this
+        model, i.e. the smaller predicted cost of an `hvps`-product estimate:
+        torch.func pays every product in full; double backward pays one
+        gradient graph per estimate, then a cheaper product."""
+        # Two steps: if one of them is dominated by rounding (too small) or by
+        # truncation (too large), the other is not.
+        step = self._fd_step()
+        finites = [self._hvp_finite_difference(direction, step),
+                   self._hvp_finite_difference(direction, step / 4)]
+        finite = finites[0]
+        scale = max(float(_norm(finite)), 1e-30)
+
+        def timed(method):
+            start = time.perf_counter()
+            product = method(direction)
+            float(_norm(product))  # waits for an accelerator
+            return product, time.perf_counter() - start
+
+        def disagreement(product):
+            rel = min(float(_norm([a - b for a, b in zip(product, f)])) for f in finites) / scale
+            return None if rel <= self.AUTO_AGREEMENT else \
+                f"its product differs from a finite difference by {rel:.0%}"
+
+        func = func_s = None
+        if _func_jvp is None:
+            func_why = f"torch {torch.__version__} has no torch.func"
+        else:
+            try:
+                func, first_s = timed(self._hvp_func)
+                func_s = min(first_s, timed(self._hvp_func)[1])  # the first call warms up
+                func_why = disagreement(func)
+                func_why = func_why and "torch.func: " + func_why
+            except Exception as e:  # noqa: BLE001 - any failure means "not on this model"
+                func_why = f"torch.func failed on this model ({type(e).__name__}: {e})"
+                func = None
+            if func_why is not None:
+                func = None
+        double = None
         try:
-            double = self._hvp_double_backward(direction)
-        except RuntimeError:
+            double, graph_s = timed(self._hvp_double_backward)   # builds the gradient graph
+            double_s = timed(self._hvp_double_backward)[1]       # reuses it
+            double_why = disagreement(double)
+        except (RuntimeError, NotImplementedError) as e:
+            double_why = f"double backward failed ({type(e).__name__}: {e})"
+        else:
+            double_why = double_why and "double backward: " + double_why
+        if double_why is not None:
             double = None
+        k = self.hvps
+        if func is not None and double is not None:
+            func_cost, double_cost = k * func_s, graph_s + (k - 1) * double_s
+            timing = (f"{1e3 * func_cost:.0f} ms by torch.func, {1e3 * double_cost:.0f} ms by "
+                      f"double backward for {k} products")
+            if func_cost < double_cost:
+                self._decide("func", "faster on this model: " + timing)
+                self._graph = None  # frees the gradient graph built for timing
+                return func
+            self._decide("double_backward", "faster on this model: " + timing)
+            return double
+        if func is not None:
+            self._decide("func", double_why)
+            return func
         if double is not None:
-            diff = [a - b for a, b in zip(double, finite)]
-            if float(_norm(diff)) <= self.AUTO_AGREEMENT * max(float(_norm(finite)), 1e-30):
-                self.hvp_mode = "double_backward"
-                return double
-        self.hvp_mode = "finite_difference"
+            self._decide("double_backward", func_why)
+            return double
+        self._decide("finite_difference", f"{func_why}; {double_why}")
         return finite
+
+    def _decide(self, mode, why):
+        self.hvp_mode = mode
+        self.hvp_choice = f"{mode}: {why}"
+        log.info("foreshock: curvature HVPs by %s (%s)", mode.replace("_", " "), why)
 
     def _apply(self, vector, scales):
         """A v = S H S v with S = P^{-1/2} (identity when scales is None)."""
@@ -255,19 +412,33 @@ class CurvatureEstimator:
         return [torch.randn(p.shape, generator=self._generator, dtype=torch.float32)
                 .to(device=p.device, dtype=p.dtype) for p in self.params]
 
-    def estimate(self):
-        """Runs one estimate now and returns a CurvatureEstimate."""
-        start = time.perf_counter()
+    @contextlib.contextmanager
+    def _products(self):
+        """Where the products run: eval mode, the global RNG state restored on exit,
+        SDPA's math backend, one gradient graph for the whole estimate."""
         was_training = self.model.training
         self.model.eval()
         try:
-            scales, preconditioned, beta1 = _optimizer_preconditioner(self.optimizer, self.params)
-            with self._fixed_point():
-                lam, residual, ritz, a_ritz = _lanczos(
-                    lambda v: self._apply(v, scales), self._start_vector(), self.hvps)
+            with _rng_fork(self.params), _second_order_attention(), self._fixed_point():
+                yield
         finally:
             self.model.train(was_training)
-        self.hvps_total += self.hvps
+
+    def estimate(self):
+        """Runs one estimate now and returns a CurvatureEstimate."""
+        start = time.perf_counter()
+        products = [0]
+
+        def apply(v):
+            products[0] += 1
+            return self._apply(v, scales)
+
+        with self._products():
+            scales, preconditioned, beta1 = _optimizer_preconditioner(self.optimizer, self.params)
+            lam, residual, ritz, a_ritz = _lanczos(apply, self._start_vector(), self.hvps,
+                                                   tol=self.tol, k_max=self.max_hvps)
+        hvps = products[0]
+        self.hvps_total += hvps
         overlap = abs(float(_dot(ritz, self._vector))) if self._vector is not None else 0.0
         self._vector = [y.detach().clone() for y in ritz]
         contributions = [0.0] * self.n_blocks
@@ -279,36 +450,46 @@ class CurvatureEstimator:
         self.seconds_total += seconds
         self.estimates += 1
         return CurvatureEstimate(
-            lambda_max=lam, residual=residual, hvps=self.hvps, preconditioned=preconditioned,
+            lambda_max=lam, residual=residual, hvps=hvps, preconditioned=preconditioned,
             lr=lr, beta1=beta1, overlap=overlap, layer_rayleigh=contributions,
-            hvp_mode="finite_difference" if self.hvp_mode == "finite_difference"
-            else "double_backward", seconds=seconds)
+            hvp_mode=self.hvp_mode, seconds=seconds)
 
 
-def _lanczos(apply, start, k, on_step=None):
-    """k Lanczos steps of the symmetric operator `apply` from `start` (a list of
-    tensors). Returns (largest Ritz value, relative residual, Ritz vector, A times
-    the Ritz vector). on_step(j, largest Ritz value after j+1 steps) may return
-    True to stop early."""
+def _lanczos(apply, start, k, on_step=None, tol=None, k_max=None):
+    """At least k Lanczos steps of the symmetric operator `apply` from `start` (a
+    list of tensors), then more, up to k_max, while the relative residual of the
+    top Ritz pair is above tol. Returns (largest Ritz value, relative residual,
+    Ritz vector, A times the Ritz vector). on_step(j, largest Ritz value after
+    j+1 steps) may return True to stop early."""
+    k_max = max(k, k_max or k)
     norm = _norm(start)
     basis, alphas, betas = [[x / norm for x in start]], [], []
     w = None
-    for j in range(k):
+    for j in range(k_max):
         w = apply(basis[j])
         alpha = float(_dot(basis[j], w))
         alphas.append(alpha)
-        # Full reorthogonalization (twice): k is small and it keeps the Ritz values honest.
-        for _ in range(2):
-            for b in basis:
-                _axpy(-float(_dot(b, w)), b, w)
+        # The three-term recurrence. Orthogonality to the earlier basis is lost only
+        # towards Ritz vectors that have converged (Paige: by about eps ||A|| over
+        # their residual), so full reorthogonalization, one classical Gram-Schmidt
+        # pass, runs once some Ritz pair is nearly converged. Running it at every
+        # step cost as much as the products themselves on a 15M-parameter model.
+        _axpy(-alpha, basis[j], w)
+        if j > 0:
+            _axpy(-betas[-1], basis[j - 1], w)
         beta = float(_norm(w))
+        if _some_ritz_pair_converged(alphas, betas + [beta]):
+            for b, c in [(b, float(_dot(b, w))) for b in basis]:
+                _axpy(-c, b, w)
+            beta = float(_norm(w))
         betas.append(beta)
         if on_step is not None and on_step(j, _ritz(alphas, betas)[0][-1].item()):
             break
-        if j + 1 < k:
-            if beta < 1e-12 * max(1.0, abs(alpha)):
-                break  # invariant subspace: the Ritz values are exact
-            basis.append([x / beta for x in w])
+        if j + 1 == k_max or beta < 1e-12 * max(1.0, abs(alpha)):
+            break  # the budget is spent, or an invariant subspace: the Ritz values are exact
+        if j + 1 >= k and (tol is None or _top_residual(alphas, betas) <= tol):
+            break
+        basis.append([x / beta for x in w])
     evals, evecs = _ritz(alphas, betas)
     m = len(alphas)
     lam, s = float(evals[-1]), evecs[:, -1]
@@ -322,6 +503,23 @@ def _lanczos(apply, start, k, on_step=None):
     if beta_m > 0 and m == len(basis):
         _axpy(s_m, w, a_ritz)  # w = beta_m q_{m+1}
     return lam, residual, ritz, a_ritz
+
+
+# Relative Ritz residual below which the basis is reorthogonalized (float32:
+# orthogonality then stays within ~eps / REORTHOGONALIZE_BELOW = 6e-6).
+REORTHOGONALIZE_BELOW = 1e-2
+
+
+def _some_ritz_pair_converged(alphas, betas):
+    evals, evecs = _ritz(alphas, betas)
+    scale = max(float(evals.abs().max()), 1e-30)
+    return float((betas[-1] * evecs[-1, :]).abs().min()) <= REORTHOGONALIZE_BELOW * scale
+
+
+def _top_residual(alphas, betas):
+    """||A y - lambda y|| / |lambda| of the top Ritz pair after len(alphas) steps."""
+    evals, evecs = _ritz(alphas, betas)
+    return abs(betas[-1] * float(evecs[-1, -1])) / max(abs(float(evals[-1])), 1e-30)
 
 
 def _ritz(alphas, betas):
@@ -355,14 +553,9 @@ def hvps_to_tolerance(estimator, exact, rel_tol=0.01, max_hvps=300, warm=True):
             return True
         return False
 
-    was_training = estimator.model.training
-    estimator.model.eval()
-    try:
+    with estimator._products():
         scales, _, _ = _optimizer_preconditioner(estimator.optimizer, estimator.params)
-        with estimator._fixed_point():
-            _lanczos(lambda v: estimator._apply(v, scales), start, max_hvps, on_step)
-    finally:
-        estimator.model.train(was_training)
+        _lanczos(lambda v: estimator._apply(v, scales), start, max_hvps, on_step)
     return needed[0] if needed else None
 
 
@@ -376,7 +569,8 @@ def exact_preconditioned_top_eigenvalue(model, loss_fn, probe_batch, optimizer=N
     was_training = model.training
     model.eval()
     try:
-        loss = loss_fn(model, probe_batch)
+        with _second_order_attention():
+            loss = loss_fn(model, probe_batch)
         grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
         flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
                           for p, g in zip(params, grads)])
