@@ -76,7 +76,9 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
       options_.limits, *gate_, *pool_, *metrics_,
       [runs = runs_.get(), store = store_.get()](const foreshock::v1::Hello& hello) {
         runs->OnHello(hello);
-        store->AppendEvent(kHelloEvents, hello.SerializeAsString());
+        // Best effort: the Hello log is for ListRuns after a restart; a store
+        // that refuses writes says so through its own health and counters.
+        store->AppendEvent(kHelloEvents, hello.SerializeAsString()).IgnoreError();
       },
       options_.record_dir);
   delivery_ = std::make_unique<DeliveryTracker>(*store_);
@@ -118,7 +120,8 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
   }
   if (init_status_.ok()) delivery_->Restore();
   alerts_->SetEventLog([store = store_.get()](const foreshock::v1::AlertEvent& event) {
-    store->AppendEvent(kAlertEvents, event.SerializeAsString());
+    // Best effort, as above: alert state itself is checkpointed separately.
+    store->AppendEvent(kAlertEvents, event.SerializeAsString()).IgnoreError();
   });
 }
 
