@@ -83,6 +83,9 @@ def parse_args(argv=None):
     p.add_argument("--metrics-url", default=None,
                    help="foreshockd /metrics URL, scraped through the run for the final table")
     p.add_argument("--scrape-interval", type=float, default=2.0, help="seconds between scrapes")
+    p.add_argument("--keep-run-open", action="store_true",
+                   help="close the monitor without ending the run (its alerts stay active, "
+                        "e.g. for a dashboard to look at); by default the run ends at the end")
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--no-alerts", action="store_true",
                    help="do not watch the daemon's alerts (monitor.on_alert)")
@@ -269,7 +272,7 @@ def run(args, tap=None, out=print):
     finally:
         stats = None
         if monitor is not None:
-            monitor.close(timeout=10.0)
+            monitor.close(timeout=10.0, end=not args.keep_run_open)
             stats = monitor.stats()
         if recorder is not None:
             recorder.finish(args.steps - 1)
