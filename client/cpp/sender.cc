@@ -30,7 +30,7 @@ Sender::Sender(std::string endpoint, v1::Hello hello, SenderOptions options)
   thread_ = std::thread([this] { Run(); });
 }
 
-Sender::~Sender() { Close(std::chrono::milliseconds(0)); }
+Sender::~Sender() { Close(std::chrono::milliseconds(0), CloseMode::kKeepRunOpen); }
 
 void Sender::Enqueue(v1::Record record) {
   const size_t size = record.ByteSizeLong();
@@ -53,8 +53,10 @@ void Sender::Enqueue(v1::Record record) {
   cv_.notify_all();
 }
 
-bool Sender::Close(std::chrono::milliseconds timeout) {
+bool Sender::Close(std::chrono::milliseconds timeout, CloseMode mode) {
   std::unique_lock<std::mutex> lock(mu_);
+  // The first Close decides (the destructor's never turns a goodbye off).
+  if (!closing_) goodbye_ = mode == CloseMode::kEndRun;
   closing_ = true;
   cv_.notify_all();
   const bool drained =
@@ -171,28 +173,36 @@ bool Sender::RunStream(std::chrono::milliseconds* retry_hint) {
       {
         std::unique_lock<std::mutex> lock(mu_);
         cv_.wait_for(lock, kPoll, [&] {
-          return abort_ || read_side_done || !queue_.empty() ||
-                 (closing_ && state_.unacked().empty());
+          return abort_ || read_side_done || !queue_.empty() || GoodbyeDueLocked() ||
+                 (closing_ && DrainedLocked());
         });
         if (abort_ || read_side_done) break;
-        if (queue_.empty()) {
-          if (closing_ && state_.unacked().empty()) {  // drained: half-close
-            lock.unlock();
-            stream->WritesDone();
-            break;
+        if (GoodbyeDueLocked()) {
+          // After every queued record: the daemon applies it once this batch
+          // and all earlier ones of the stream are processed.
+          batch.mutable_goodbye();
+          state_.Assign(batch);  // resent after a reconnect, like any batch
+          goodbye_assigned_ = true;
+        } else {
+          if (queue_.empty()) {
+            if (closing_ && DrainedLocked()) {  // drained: half-close
+              lock.unlock();
+              stream->WritesDone();
+              break;
+            }
+            continue;
           }
-          continue;
+          size_t bytes = 0;
+          while (!queue_.empty() && (batch.records_size() == 0 ||
+                                     bytes + queue_.front().second <= options_.max_batch_bytes)) {
+            bytes += queue_.front().second;
+            queue_bytes_ -= queue_.front().second;
+            *batch.add_records() = std::move(queue_.front().first);
+            queue_.pop_front();
+          }
+          state_.Assign(batch);  // keeps a copy until the Ack
+          stats_.sent += static_cast<uint64_t>(batch.records_size());
         }
-        size_t bytes = 0;
-        while (!queue_.empty() && (batch.records_size() == 0 ||
-                                   bytes + queue_.front().second <= options_.max_batch_bytes)) {
-          bytes += queue_.front().second;
-          queue_bytes_ -= queue_.front().second;
-          *batch.add_records() = std::move(queue_.front().first);
-          queue_.pop_front();
-        }
-        state_.Assign(batch);  // keeps a copy until the Ack
-        stats_.sent += static_cast<uint64_t>(batch.records_size());
       }
       *request.mutable_batch() = std::move(batch);
       ok = stream->Write(request);

@@ -12,9 +12,11 @@
 #include <filesystem>
 #include <functional>
 #include <iostream>
+#include <optional>
 #include <set>
 #include <thread>
 
+#include "foreshock/v1/query.grpc.pb.h"
 #include "server/daemon.h"
 #include "server/pipeline/series_store.h"
 #include "tests/server/metric_reader.h"
@@ -90,6 +92,18 @@ class SenderTest : public ::testing::Test {
   }
   std::vector<server::Point> Loss(const std::string& run) {
     return daemon_->store().Range(server::SeriesKey{run, "loss", -1, -1}, INT64_MIN, INT64_MAX);
+  }
+
+  // The run as the daemon's Query service lists it (real gRPC).
+  std::optional<v1::RunInfo> Run(const std::string& run) {
+    auto stub = v1::Query::NewStub(grpc::CreateChannel(endpoint(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    v1::ListRunsResponse response;
+    EXPECT_TRUE(stub->ListRuns(&context, v1::ListRunsRequest(), &response).ok());
+    for (const v1::RunInfo& info : response.runs()) {
+      if (info.run() == run) return info;
+    }
+    return std::nullopt;
   }
 
   std::filesystem::path dir_;
@@ -209,6 +223,53 @@ TEST_F(SenderTest, ARefusedStreamWaitsForTheDaemonsRetryHint) {
   EXPECT_TRUE(holder.Close().ok());  // the slot frees: the record gets through
   ASSERT_TRUE(sender.Close(std::chrono::seconds(20)));
   EXPECT_EQ(Loss("hinted").size(), 1u);
+}
+
+TEST_F(SenderTest, CloseEndsTheRunUnlessToldToKeepItOpen) {
+  Start();
+  {
+    Sender ending(endpoint(), MakeHello("ends"), FastBackoff());
+    Sender keeping(endpoint(), MakeHello("kept-open"), FastBackoff());
+    for (int64_t step = 0; step < 5; ++step) {
+      ending.Enqueue(LossRecord(step));
+      keeping.Enqueue(LossRecord(step));
+    }
+    ASSERT_TRUE(ending.Close(std::chrono::seconds(20)));
+    ASSERT_TRUE(keeping.Close(std::chrono::seconds(20), CloseMode::kKeepRunOpen));
+    EXPECT_EQ(ending.stats().acked, 5u);  // the goodbye carries no record
+  }
+  const auto ended = Run("ends");
+  const auto kept = Run("kept-open");
+  ASSERT_TRUE(ended && kept);
+  EXPECT_TRUE(ended->ended());
+  EXPECT_EQ(ended->last_step(), 4);
+  EXPECT_FALSE(kept->ended());
+  EXPECT_EQ(kept->last_step(), 4);
+}
+
+TEST_F(SenderTest, TheGoodbyeSurvivesADaemonRestart) {
+  // Closing while the daemon is down: the goodbye waits (after the records)
+  // and goes out, in order, once the daemon is back.
+  Start();
+  Sender sender(endpoint(), MakeHello("goodbye-later"), FastBackoff());
+  for (int64_t step = 0; step < 3; ++step) sender.Enqueue(LossRecord(step));
+  for (int i = 0; i < 1000 && sender.stats().acked < 3; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(sender.stats().acked, 3u);
+  Kill();
+  sender.Enqueue(LossRecord(3));
+  std::thread restart([this] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    Start();
+  });
+  const bool drained = sender.Close(std::chrono::seconds(30));
+  restart.join();
+  ASSERT_TRUE(drained);
+  const auto run = Run("goodbye-later");
+  ASSERT_TRUE(run);
+  EXPECT_TRUE(run->ended());
+  EXPECT_EQ(run->last_step(), 3);
 }
 
 TEST_F(SenderTest, CloseGivesUpAfterItsTimeoutWhenTheDaemonNeverComes) {

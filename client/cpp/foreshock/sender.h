@@ -20,7 +20,15 @@
 //
 //   foreshock::client::Sender sender("127.0.0.1:50051", hello);
 //   sender.Enqueue(record);              // in the training loop
-//   sender.Close(std::chrono::seconds(10));
+//   sender.Close(std::chrono::seconds(10));  // and the run has ended
+//
+// - Close(timeout) ends by telling the daemon this sender is done with the
+//   run (Batch.goodbye, after everything queued; kept and resent like any
+//   batch until acked): once every sender of the run has said so, the run
+//   has ended and its alerts resolve (docs/DESIGN.md §3.4). Close(timeout,
+//   CloseMode::kKeepRunOpen) stops streaming without saying so (a process
+//   handing the run over to another). A Sender destroyed without Close says
+//   nothing either: to the daemon that looks like a crash.
 #pragma once
 
 #include <atomic>
@@ -69,18 +77,21 @@ struct SenderStats {
   uint64_t unacked = 0;             // batches waiting for an Ack now
 };
 
+enum class CloseMode { kEndRun, kKeepRunOpen };
+
 class Sender {
  public:
   Sender(std::string endpoint, foreshock::v1::Hello hello, SenderOptions options = {});
-  ~Sender();  // Close(0): whatever is not yet acked is abandoned
+  ~Sender();  // Close(0, kKeepRunOpen): whatever is not yet acked is abandoned
   Sender(const Sender&) = delete;
   Sender& operator=(const Sender&) = delete;
 
   // Queues a record; never blocks on the network.
   void Enqueue(foreshock::v1::Record record);
-  // Sends what is queued and waits for its Acks, at most `timeout`; then stops
-  // the thread. True when everything was acknowledged.
-  bool Close(std::chrono::milliseconds timeout);
+  // Sends what is queued and waits for its Acks, at most `timeout`; with
+  // kEndRun, then sends the goodbye and waits for its Ack too. Then stops the
+  // thread. True when everything (the goodbye included) was acknowledged.
+  bool Close(std::chrono::milliseconds timeout, CloseMode mode = CloseMode::kEndRun);
   SenderStats stats() const;
   bool connected() const { return connected_.load(); }
 
@@ -90,7 +101,15 @@ class Sender {
   bool RunStream(std::chrono::milliseconds* retry_hint);
   void OnAck(const foreshock::v1::Ack& ack);
   void DropTooLarge(const std::string& details);
-  bool DrainedLocked() const { return queue_.empty() && state_.unacked().empty(); }
+  // Nothing left to deliver: the queue, the unacked batches, and the goodbye
+  // (which, once assigned, is one of the unacked batches until its Ack).
+  bool DrainedLocked() const {
+    return queue_.empty() && state_.unacked().empty() && (!goodbye_ || goodbye_assigned_);
+  }
+  // Closing, everything queued is sent, and the goodbye is still to go.
+  bool GoodbyeDueLocked() const {
+    return closing_ && goodbye_ && !goodbye_assigned_ && queue_.empty();
+  }
 
   const std::string endpoint_;
   const foreshock::v1::Hello hello_;
@@ -106,6 +125,8 @@ class Sender {
   SenderStats stats_;
   bool closing_ = false;  // Close called: drain, then stop
   bool abort_ = false;    // stop now
+  bool goodbye_ = false;  // Close(kEndRun): end with a Batch.goodbye
+  bool goodbye_assigned_ = false;  // it has its seq (and is unacked until its Ack)
   grpc::ClientContext* live_context_ = nullptr;  // to cancel a blocked stream
   std::atomic<bool> connected_{false};
   bool ever_accepted_ = false;  // under mu_: a stream got its HelloAck before
