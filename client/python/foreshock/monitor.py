@@ -177,7 +177,7 @@ class Monitor:
             step % self.every == 0
         if not self.probes_here:
             if probe_due and self._layout.collective:
-                self._join_probe()  # FSDP2: every rank runs the forward; this one sends nothing
+                self.join_probe()  # FSDP2: every rank runs the forward; this one sends nothing
             return
         if probe_due:
             try:
@@ -273,10 +273,21 @@ class Monitor:
                 module.training = training
             self._layout.after_probe()
 
-    def _join_probe(self):
+    @property
+    def run_id(self):
+        return self._run_id
+
+    @property
+    def probe_is_collective(self):
+        """The probe forward runs collectives (FSDP2, tensor parallel): every
+        rank must run it at the same steps, those that do not send by join_probe()."""
+        return self._layout.collective
+
+    def join_probe(self):
         """The probe forward without capture, on a rank that does not send: the
         forward of a sharded (FSDP2) model is collective, so every rank runs it
-        at the same steps."""
+        at the same steps. step() does this itself; for callers that schedule
+        probes on their own (the Trainer and Lightning callbacks)."""
         start = time.perf_counter()
         self._probe_forward()
         self._counts["probes_joined"] += 1

@@ -10,6 +10,8 @@
   step (each rank's own loss kept in the head slot).
 - FSDP2 (fully_shard): every rank runs the collective probe forward, rank 0
   sends; also with the daemon unreachable and one rank slow: no hang.
+- FSDP2 from Lightning (ModelParallelStrategy, fully_shard in configure_model)
+  with the Lightning callback: the callback's probes are collective too.
 - Tensor parallel, split by hand: each rank holds half the heads, probes
   with probe_all_ranks=True and its own probe_id, and what it sends is its
   heads of the whole model's Q/K.
@@ -35,15 +37,17 @@ PROBE_STEPS = [0, 4, 8]
 TORCHRUN_TIMEOUT_S = 240       # a hang fails the test instead of the suite
 
 
-def torchrun(nproc, mode, endpoint, run_id, out_dir, slow_rank=None, steps=STEPS):
-    """Runs the worker on `nproc` ranks; returns {rank: result dict}."""
+def torchrun(nproc, mode, endpoint, run_id, out_dir, slow_rank=None, steps=STEPS, worker=WORKER):
+    """Runs the worker on `nproc` ranks; returns {rank: result dict}. A worker
+    other than distributed_worker.py takes no mode argument."""
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     paths = [ROOT] if INSTALLED_CLIENT else [CLIENT, ROOT]
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(
         os.pathsep) if p])
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", WORKER, mode, endpoint,
-           run_id, str(out_dir), str(steps), str(EVERY)]
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", worker] + \
+        ([mode] if worker == WORKER else []) + [endpoint, run_id, str(out_dir), str(steps),
+                                                  str(EVERY)]
     if slow_rank is not None:
         cmd.append(str(slow_rank))
     # Own process group: on a timeout, the launcher and every rank are killed.
@@ -222,6 +226,31 @@ def test_fsdp2_with_the_daemon_down_and_a_slow_rank_completes(tmp_path):
     assert results[0]["stats"]["probes"] == results[1]["stats"]["probes_joined"] == 3
     # The slow rank slept 50 ms per step; the other one waited for it.
     assert results[0]["train_s"] >= 0.05 * STEPS
+
+
+def test_lightning_fsdp2_callback_probes_on_every_rank(foreshockd, tmp_path):
+    # The callback schedules its own probes: on the rank that does not send it
+    # must still run the collective forward, or rank 0's all-gather hangs.
+    run = "lightning-fsdp2"
+    results = torchrun(2, None, foreshockd.endpoint, run, tmp_path,
+                       worker=os.path.join(HERE, "lightning_fsdp2_worker.py"))
+    zero, one = results[0], results[1]
+    for r in results.values():
+        assert r["collective"] and r["sharded"].startswith("FSDP"), r
+        assert r["stats"]["unsent_at_close"] == 0 and r["stats"]["goodbye_acked"], r["stats"]
+        assert r["stats"]["rejected"] == {}, r["stats"]
+    assert (zero["stats"]["probes"], zero["stats"]["probes_joined"]) == (3, 0)
+    assert (one["stats"]["probes"], one["stats"]["probes_joined"]) == (0, 3)
+    wait_processed(foreshockd)
+    for layer in (0, 1):  # the whole model's attention, from rank 0's probes
+        assert [s for s, _ in points(foreshockd, run, "attention_entropy", layer=layer)] == \
+            PROBE_STEPS
+    # Each rank's loss (Lightning steps 1..STEPS) is the head slot of the run's loss.
+    for rank, r in results.items():
+        assert [v for _, v in points(foreshockd, run, "loss", head=rank)] == \
+            pytest.approx(r["losses"], rel=1e-6)
+    runs = http_json(foreshockd, "/api/v1/runs")["runs"]
+    assert [x["ended"] for x in runs if x["run"] == run] == [True]  # both ranks said goodbye
 
 
 def test_tensor_parallel_ranks_send_their_own_heads(foreshockd, tmp_path):

@@ -204,15 +204,23 @@ def test_bad_arguments_are_refused_at_construction():
         monitor.close(timeout=0)
 
 
-def test_sharded_parameters_are_refused_before_rank0_probes_alone():
+def test_a_model_the_monitor_cannot_probe_is_refused_with_the_fix_named():
     model = _model()
     next(model.parameters()).ds_id = 0  # how DeepSpeed ZeRO-3 marks partitioned parameters
     args = types.SimpleNamespace(process_index=0, world_size=2, device=torch.device("cpu"),
                                  run_name="x", output_dir="out", logging_steps=1)
+    state = types.SimpleNamespace(global_step=0)
     callback = ForeshockCallback("127.0.0.1:1", probe_batch=_tokens()[:1])
     with pytest.raises(ValueError, match="DeepSpeed ZeRO-3.*probe_batch=None"):
-        callback.on_train_begin(args, types.SimpleNamespace(global_step=0), None, model=model)
+        callback.on_train_begin(args, state, None, model=model)
     assert callback.monitor is None
+    # The fix named works: scalars only, the same model.
+    callback = ForeshockCallback("127.0.0.1:1")
+    callback.on_train_begin(args, state, None, model=model)
+    try:
+        assert callback.monitor.model is None and callback.monitor.stats()["probes"] == 0
+    finally:
+        callback.monitor.close(timeout=0)
 
 
 def test_default_run_id():

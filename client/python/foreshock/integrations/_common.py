@@ -1,6 +1,6 @@
-"""What the Trainer and Lightning callbacks share: probe scheduling that
-leaves training undisturbed, sending scalars without a probe, probe batch
-placement and the check for sharded models."""
+"""What the Trainer and Lightning callbacks share: the monitor they create or
+are given, probe scheduling that leaves training undisturbed, sending
+scalars without a probe, and probe batch placement."""
 import inspect
 import logging
 from collections.abc import Mapping
@@ -53,9 +53,8 @@ def to_device(batch, device):
 
 
 def sharded_reason(model):
-    """Why a forward of `model` needs every rank (parameters sharded over
-    ranks), or None. Probing on rank 0 alone would then wait forever for
-    the other ranks' collectives."""
+    """Why the parameters of `model` are sharded over ranks (a rank's
+    gradients are then part of the total norm), or None."""
     for module in model.modules():
         name = type(module).__name__
         if name == "FullyShardedDataParallel" or name.startswith("FSDP"):
@@ -68,15 +67,67 @@ def sharded_reason(model):
     return None
 
 
-def check_not_sharded(model, world_size, probes_alone, framework):
-    if model is None or world_size <= 1 or not probes_alone:
-        return
-    reason = sharded_reason(model)
-    if reason:
-        raise ValueError(
-            f"ForeshockCallback: the model's parameters are sharded over ranks ({reason}), so a "
-            f"probe forward on rank 0 alone would hang the {framework}. Pass probe_batch=None "
-            f"(step scalars only), or probe_all_ranks=True with a distinct probe_id per rank.")
+class MonitorOwner:
+    """The callbacks' monitor: the one handed over as monitor= (used as it is,
+    never closed here), or one the callback creates when training starts,
+    from its constructor's arguments, and closes when training ends.
+
+    Wrapped and sharded models are the Monitor's business
+    (foreshock.distributed): DDP is probed through .module, an FSDP2 model's
+    probe forward runs on every rank (one sends), and what cannot be probed
+    is refused when the Monitor is created, with the fix named."""
+
+    def __init__(self, endpoint, run_id, job, probe_batch, every, model, monitor, monitor_kwargs,
+                 framework):
+        check_monitor_kwargs(monitor, endpoint, run_id, job, probe_batch, model, monitor_kwargs,
+                             framework)
+        if every < 1:
+            raise ValueError("every must be >= 1")
+        self._endpoint = endpoint
+        self._run_id = run_id
+        self._job = job
+        self._probe_batch = probe_batch
+        self._every = every
+        self.model = model  # None: the framework's model
+        self._monitor_kwargs = monitor_kwargs
+        self.owns_monitor = monitor is None
+        self.monitor = monitor
+        self.prober = Prober(monitor) if monitor is not None else None
+
+    def start(self, model, rank, device, run_id, job):
+        """At the start of training: the monitor of this training, on `rank`,
+        with the probe batch on `device`. `run_id` and `job` are the
+        framework's defaults, used unless the constructor was given them."""
+        if not self.owns_monitor:
+            if self.monitor.probe_batch is not None:
+                self.monitor.probe_batch = to_device(self.monitor.probe_batch, device)
+            return self.monitor
+        if self.monitor is not None:
+            self.monitor.close()  # a second train()/fit() call: a fresh stream
+        probe_batch = None
+        if self._probe_batch is not None:
+            probe_batch = to_device(self._probe_batch, device)
+        try:
+            # Without a probe batch the model is not needed (scalars only), so
+            # a model the Monitor cannot probe is no reason to refuse.
+            self.monitor = Monitor(self._endpoint, run_id=self._run_id or run_id,
+                                   job=self._job or job,
+                                   model=model if probe_batch is not None else None,
+                                   probe_batch=probe_batch, every=self._every, rank=rank,
+                                   **self._monitor_kwargs)
+        except ValueError as e:
+            raise ValueError(f"ForeshockCallback: {e} (here: probe_batch=None sends the "
+                             "scalars only)") from e
+        self.prober = Prober(self.monitor)
+        return self.monitor
+
+    def close(self):
+        """At the end of training: closes a monitor this owner created (the run has ended)."""
+        if self.owns_monitor and self.monitor is not None:
+            self.monitor.close()
+            stats = self.monitor.stats()
+            log.info("foreshock: closed; %d record(s) acked, %d probe(s), %d unsent at close",
+                     stats["acked_records"], stats["probes"], stats["unsent_at_close"])
 
 
 def send_scalars(monitor, step, loss=None, grad_norm=None, lr=None):
@@ -110,10 +161,13 @@ class Prober:
 
     def maybe_probe(self, step):
         monitor = self.monitor
+        due = (monitor.model is not None and monitor.probe_batch is not None
+               and step % monitor.every == 0)
         if not monitor.probes_here:
+            if due and monitor.probe_is_collective:
+                monitor.join_probe()  # FSDP2: every rank runs the forward; this one sends nothing
             return
-        if (monitor.model is not None and monitor.probe_batch is not None
-                and step % monitor.every == 0):
+        if due:
             self._probe(step)
         if monitor.curvature is not None and monitor.curvature.due(step):
             monitor.estimate_curvature(step)  # logs and counts its own failures

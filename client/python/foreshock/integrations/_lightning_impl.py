@@ -6,7 +6,6 @@ import os
 import torch
 
 from foreshock.integrations import _common
-from foreshock.monitor import Monitor
 
 log = logging.getLogger("foreshock")
 
@@ -96,22 +95,16 @@ class ForeshockCallbackMixin:
     def __init__(self, endpoint=None, run_id=None, job=None, probe_batch=None, every=100, *,
                  grad_norm=None, monitor=None, model=None, **monitor_kwargs):
         super().__init__()
-        _common.check_monitor_kwargs(monitor, endpoint, run_id, job, probe_batch, model,
-                                     monitor_kwargs, "Lightning Trainer (trainer.global_rank)")
-        if every < 1:
-            raise ValueError("every must be >= 1")
-        self._endpoint = endpoint
-        self._run_id = run_id
-        self._job = job
-        self._probe_batch = probe_batch
-        self._every = every
+        self._owner = _common.MonitorOwner(endpoint, run_id, job, probe_batch, every, model,
+                                           monitor, monitor_kwargs,
+                                           "Lightning Trainer (trainer.global_rank)")
         self._grad_norm = grad_norm
-        self._model = model
-        self._monitor_kwargs = monitor_kwargs
-        self._owns_monitor = monitor is None
-        self.monitor = monitor
-        self._prober = _common.Prober(monitor) if monitor is not None else None
         self._reset_step_state(0)
+
+    @property
+    def monitor(self):
+        """The foreshock.Monitor: the one given, or the one created at train start."""
+        return self._owner.monitor
 
     def _reset_step_state(self, step):
         self._last_step = step
@@ -123,8 +116,8 @@ class ForeshockCallbackMixin:
     # -- hooks ------------------------------------------------------------------
 
     def on_train_start(self, trainer, pl_module):
-        model = self._model if self._model is not None else pl_module
-        rank = trainer.global_rank
+        owner = self._owner
+        model = owner.model if owner.model is not None else pl_module
         reason = _common.sharded_reason(model) if trainer.world_size > 1 else None
         if self._grad_norm is None:
             self._grad_norm = reason is None
@@ -132,29 +125,12 @@ class ForeshockCallbackMixin:
             raise ValueError(f"ForeshockCallback(grad_norm=True): the parameters are sharded "
                              f"over ranks ({reason}), a rank's gradients are part of the norm; "
                              "pass grad_norm=False")
-        run_id = self._run_id or default_run_id(trainer)  # trainer.log_dir: a collective, all ranks
-        if self._owns_monitor:
-            if self.monitor is not None:
-                self.monitor.close()  # a second fit(): a fresh stream
-            probe_batch = None
-            if self._probe_batch is not None:
-                probe_batch = _common.to_device(self._probe_batch, pl_module.device)
-                _common.check_not_sharded(model, trainer.world_size,
-                                          not self._monitor_kwargs.get("probe_all_ranks"),
-                                          "Lightning Trainer")
-            self.monitor = Monitor(self._endpoint, run_id=run_id, job=self._job or DEFAULT_JOB,
-                                   model=model, probe_batch=probe_batch, every=self._every,
-                                   rank=rank, **self._monitor_kwargs)
-            self._prober = _common.Prober(self.monitor)
-        elif self.monitor.probe_batch is not None:
-            self.monitor.probe_batch = _common.to_device(self.monitor.probe_batch,
-                                                         pl_module.device)
-            _common.check_not_sharded(self.monitor.model, trainer.world_size,
-                                      rank != 0 and not self.monitor.probes_here,
-                                      "Lightning Trainer")
+        run_id = default_run_id(trainer)  # trainer.log_dir: a collective, all ranks call it
+        owner.start(model, rank=trainer.global_rank, device=pl_module.device, run_id=run_id,
+                    job=DEFAULT_JOB)
         self._reset_step_state(trainer.global_step)
         if trainer.global_step == 0:
-            self._prober.maybe_probe(0)  # the weights before the first update
+            owner.prober.maybe_probe(0)  # the weights before the first update
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self._step_lr = trainer.optimizers[0].param_groups[0]["lr"]
@@ -181,7 +157,7 @@ class ForeshockCallbackMixin:
                          self._step_lr)
         self._losses, self._step_grad_norm, self._step_lr = [], None, None
         self._last_step = step
-        self._prober.maybe_probe(step)
+        self._owner.prober.maybe_probe(step)
 
     def on_train_end(self, trainer, pl_module):
         self._send_pending()
@@ -205,8 +181,4 @@ class ForeshockCallbackMixin:
                              lr=lr)
 
     def _close(self):
-        if self._owns_monitor and self.monitor is not None:
-            self.monitor.close()
-            stats = self.monitor.stats()
-            log.info("foreshock: closed; %d record(s) acked, %d probe(s), %d unsent at close",
-                     stats["acked_records"], stats["probes"], stats["unsent_at_close"])
+        self._owner.close()

@@ -24,7 +24,10 @@ users import foreshock.integrations.pytorch_lightning instead).
   `on_train_batch_end` after the optimizer step when global_step % every
   == 0, and once at step 0 in `on_train_start`.
 - Ranks: the Monitor's rank is trainer.global_rank; every rank sends scalars,
-  only rank 0 probes (unless probe_all_ranks=True).
+  only rank 0 probes (unless probe_all_ranks=True). A model sharded with
+  FSDP2 (ModelParallelStrategy's fully_shard) runs the probe forward on
+  every rank (it is collective), rank 0 sends; what the Monitor cannot
+  probe (FSDP1, DeepSpeed ZeRO-3) is refused when training starts.
 - The monitor the callback creates is closed in `on_train_end`, and in
   `on_exception` when training fails.
 """

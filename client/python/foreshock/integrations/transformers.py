@@ -16,7 +16,10 @@
   s is the model after s optimizer steps, as in `monitor.step(s, ...)` of a
   hand-written loop.
 - Ranks: the Monitor's rank is args.process_index. Every rank sends its
-  scalars; only rank 0 probes (unless probe_all_ranks=True).
+  scalars; only rank 0 probes (unless probe_all_ranks=True). A model
+  sharded with FSDP2 runs the probe forward on every rank (it is
+  collective), rank 0 sends; what the Monitor cannot probe (FSDP1,
+  DeepSpeed ZeRO-3) is refused when training starts, with the fix named.
 - The monitor the callback creates is closed in `on_train_end`; a monitor
   passed as monitor= is left open (close it yourself).
 """
@@ -30,7 +33,6 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       "(pip install transformers)") from e
 
 from foreshock.integrations import _common
-from foreshock.monitor import Monitor
 
 log = logging.getLogger("foreshock")
 
@@ -65,56 +67,32 @@ class ForeshockCallback(TrainerCallback):
 
     def __init__(self, endpoint=None, run_id=None, job=None, probe_batch=None, every=100, *,
                  monitor=None, model=None, **monitor_kwargs):
-        _common.check_monitor_kwargs(monitor, endpoint, run_id, job, probe_batch, model,
-                                     monitor_kwargs, "Trainer (args.process_index)")
-        if every < 1:
-            raise ValueError("every must be >= 1")
-        self._endpoint = endpoint
-        self._run_id = run_id
-        self._job = job
-        self._probe_batch = probe_batch
-        self._every = every
-        self._model = model
-        self._monitor_kwargs = monitor_kwargs
-        self._owns_monitor = monitor is None
-        self.monitor = monitor
-        self._prober = _common.Prober(monitor) if monitor is not None else None
+        self._owner = _common.MonitorOwner(endpoint, run_id, job, probe_batch, every, model,
+                                           monitor, monitor_kwargs,
+                                           "Trainer (args.process_index)")
+
+    @property
+    def monitor(self):
+        """The foreshock.Monitor: the one given, or the one created at train start."""
+        return self._owner.monitor
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        model = self._model if self._model is not None else model
-        rank = args.process_index
-        if self._owns_monitor:
-            if self.monitor is not None:
-                self.monitor.close()  # a second train() call: a fresh stream
-            probe_batch = None
-            if self._probe_batch is not None:
-                probe_batch = _common.to_device(self._probe_batch, args.device)
-            probe_all_ranks = bool(self._monitor_kwargs.get("probe_all_ranks"))
-            if probe_batch is not None:
-                _common.check_not_sharded(model, args.world_size, not probe_all_ranks, "Trainer")
-            run_id = self._run_id or default_run_id(args)
-            self.monitor = Monitor(self._endpoint, run_id=run_id, job=self._job or DEFAULT_JOB,
-                                   model=model, probe_batch=probe_batch, every=self._every,
-                                   rank=rank, **self._monitor_kwargs)
-            self._prober = _common.Prober(self.monitor)
-            if rank == 0:
-                log.info("foreshock: run %s: scalars every %s step(s) (logging_steps), probes "
-                         "every %d step(s)%s", run_id, args.logging_steps, self._every,
-                         "" if probe_batch is not None else " (no probe_batch: none)")
-        else:
-            if self.monitor.probe_batch is not None:
-                self.monitor.probe_batch = _common.to_device(self.monitor.probe_batch, args.device)
-                # Rank 0 cannot tell whether a given monitor probes on every rank: the others can.
-                _common.check_not_sharded(self.monitor.model, args.world_size,
-                                          rank != 0 and not self.monitor.probes_here, "Trainer")
+        owner = self._owner
+        monitor = owner.start(owner.model if owner.model is not None else model,
+                              rank=args.process_index, device=args.device,
+                              run_id=default_run_id(args), job=DEFAULT_JOB)
+        if owner.owns_monitor and args.process_index == 0:
+            log.info("foreshock: run %s: scalars every %s step(s) (logging_steps), probes "
+                     "every %d step(s)%s", monitor.run_id, args.logging_steps, monitor.every,
+                     "" if monitor.probe_batch is not None else " (no probe_batch: none)")
         if state.global_step == 0:
-            self._prober.maybe_probe(0)  # the weights before the first update
+            owner.prober.maybe_probe(0)  # the weights before the first update
 
     def on_step_end(self, args, state, control, **kwargs):
         # After optimizer.step(), the scheduler step and zero_grad: the probe
         # at step s sees the model after s updates.
-        if self._prober is not None:
-            self._prober.maybe_probe(state.global_step)
+        if self._owner.prober is not None:
+            self._owner.prober.maybe_probe(state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
@@ -126,8 +104,4 @@ class ForeshockCallback(TrainerCallback):
                              lr=lr)
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self._owns_monitor and self.monitor is not None:
-            self.monitor.close()
-            stats = self.monitor.stats()
-            log.info("foreshock: closed; %d record(s) acked, %d probe(s), %d unsent at close",
-                     stats["acked_records"], stats["probes"], stats["unsent_at_close"])
+        self._owner.close()
