@@ -87,6 +87,19 @@ double Aggregate(HeadAggregation aggregation, const std::vector<double>& values)
   return sum / static_cast<double>(values.size());
 }
 
+// q [heads, tokens, dim] and k [kv_heads, tokens, dim] pair up: either
+// kv_head_of names a K head for every query head, or (empty) k has a head per
+// query head. What the server's validation guarantees, checked again here and
+// on restored state: a sample is never trusted blindly.
+bool ValidPairing(const std::vector<int64_t>& q, const std::vector<int64_t>& k,
+                  const std::vector<int32_t>& kv_head_of) {
+  if (q.size() != 3 || k.size() != 3 || q[1] != k[1] || q[2] != k[2]) return false;
+  if (kv_head_of.empty()) return q[0] == k[0];
+  if (static_cast<int64_t>(kv_head_of.size()) != q[0]) return false;
+  return std::all_of(kv_head_of.begin(), kv_head_of.end(),
+                     [&](int32_t kv) { return kv >= 0 && kv < k[0]; });
+}
+
 class QKDetector final : public Detector {
  public:
   static constexpr std::string_view kName = "qk";
@@ -102,9 +115,11 @@ class QKDetector final : public Detector {
     while (it != series_.end() && std::get<0>(it->first) == run) it = series_.erase(it);
   }
 
-  // State, version 1: U64 series count, then per series (in key order):
+  // State, version 2: U64 series count, then per series (in key order):
   //   run, I32 layer, probe_id, tensor q, tensor k (the previous finite sample),
+  //   Vector<i32> kv_head_of of that sample (empty: K head h for query head h),
   //   U64 heads, per head Vector<double> top direction (empty when unknown);
+  // version 1 (read too) had no kv_head_of: its K had one head per query head.
   // a tensor is U8 dtype, Vector<i64> shape, Bytes data.
   void SaveState(codec::StateWriter& writer) const override;
   bool RestoreState(codec::StateReader& reader, const SeriesFilter& keep) override;
@@ -116,6 +131,7 @@ class QKDetector final : public Detector {
     // half the memory for 16-bit dtypes).
     RawTensor q;
     RawTensor k;
+    std::vector<int32_t> kv_head_of;
     // Per head: the previous increment's top direction; empty when unknown.
     std::vector<std::vector<double>> top_vectors;
   };
@@ -129,7 +145,7 @@ class QKDetector final : public Detector {
 void QKDetector::Process(const Sample& sample, Emitter& emitter) {
   const auto& qk = std::get<QKSample>(sample.payload);
   // The server validates shapes; a malformed sample is dropped, never trusted.
-  if (qk.q.shape.size() != 3 || qk.q.shape != qk.k.shape) return;
+  if (!ValidPairing(qk.q.shape, qk.k.shape, qk.kv_head_of)) return;
 
   const int64_t non_finite = CountNonFinite(qk.q) + CountNonFinite(qk.k);
   if (non_finite > 0) {
@@ -143,7 +159,9 @@ void QKDetector::Process(const Sample& sample, Emitter& emitter) {
   const int64_t head_size = tokens * head_dim;
 
   SeriesState& state = series_[SeriesKey{sample.run, qk.layer, qk.probe_id}];
-  const bool has_previous = !state.q.shape.empty() && state.q.shape == qk.q.shape;
+  // The increment needs the same query heads paired with the same K heads.
+  const bool has_previous = !state.q.shape.empty() && state.q.shape == qk.q.shape &&
+                            state.k.shape == qk.k.shape && state.kv_head_of == qk.kv_head_of;
   if (!has_previous) state.top_vectors.clear();
   state.top_vectors.resize(static_cast<size_t>(heads));
 
@@ -161,8 +179,10 @@ void QKDetector::Process(const Sample& sample, Emitter& emitter) {
   for (int64_t h = 0; h < heads; ++h) {
     const int head = static_cast<int>(h);
     using HeadMap = Eigen::Map<const RowMajorMatrix<float>>;
+    // Grouped-query attention: this query head's K head (K is sent once per group).
+    const int64_t kv = qk.kv_head_of.empty() ? h : qk.kv_head_of[static_cast<size_t>(h)];
     const HeadMap q(q_.data() + h * head_size, tokens, head_dim);
-    const HeadMap k(k_.data() + h * head_size, tokens, head_dim);
+    const HeadMap k(k_.data() + kv * head_size, tokens, head_dim);
 
     AttentionStats attention = ComputeAttentionStats<float>(q, k, mask);
     if (!std::isfinite(attention.mean_entropy) || !std::isfinite(attention.max_logit)) {
@@ -176,7 +196,7 @@ void QKDetector::Process(const Sample& sample, Emitter& emitter) {
 
     if (!has_previous) continue;
     const HeadMap q_prev(q_prev_.data() + h * head_size, tokens, head_dim);
-    const HeadMap k_prev(k_prev_.data() + h * head_size, tokens, head_dim);
+    const HeadMap k_prev(k_prev_.data() + kv * head_size, tokens, head_dim);
     QKIncrementSpectrum spectrum =
         ComputeQKIncrementSpectrum<float>(q_prev, k_prev, q, k, spectrum_options);
     if (!std::isfinite(spectrum.normalized_entropy) || !std::isfinite(spectrum.top1_share) ||
@@ -219,9 +239,10 @@ void QKDetector::Process(const Sample& sample, Emitter& emitter) {
 
   state.q = qk.q;
   state.k = qk.k;
+  state.kv_head_of = qk.kv_head_of;
 }
 
-constexpr uint32_t kQKStateVersion = 1;
+constexpr uint32_t kQKStateVersion = 2;
 
 void PutTensor(codec::StateWriter& writer, const RawTensor& tensor) {
   writer.PutU8(static_cast<uint8_t>(tensor.dtype));
@@ -265,6 +286,7 @@ void QKDetector::SaveState(codec::StateWriter& writer) const {
     writer.PutString(probe_id);
     PutTensor(writer, state.q);
     PutTensor(writer, state.k);
+    writer.PutVector(state.kv_head_of);
     writer.PutU64(state.top_vectors.size());
     for (const std::vector<double>& top : state.top_vectors) writer.PutVector(top);
   }
@@ -275,7 +297,7 @@ bool QKDetector::RestoreState(codec::StateReader& reader, const SeriesFilter& ke
   auto read = [&]() -> bool {
     uint32_t version = 0;
     uint64_t count = 0;
-    if (!reader.GetVersion("qk", kQKStateVersion, kQKStateVersion, version) ||
+    if (!reader.GetVersion("qk", 1, kQKStateVersion, version) ||
         !reader.GetCount(count)) {
       return false;
     }
@@ -285,14 +307,18 @@ bool QKDetector::RestoreState(codec::StateReader& reader, const SeriesFilter& ke
       DType q_dtype{}, k_dtype{};
       std::vector<int64_t> q_shape, k_shape;
       std::string_view q_data, k_data;
+      std::vector<int32_t> kv_head_of;
       uint64_t heads = 0;
       if (!reader.GetString(run) || !reader.GetI32(layer) || !reader.GetString(probe_id) ||
           !GetTensor(reader, q_dtype, q_shape, q_data) ||
-          !GetTensor(reader, k_dtype, k_shape, k_data) || !reader.GetCount(heads, 8)) {
+          !GetTensor(reader, k_dtype, k_shape, k_data) ||
+          (version >= 2 && !reader.GetVector(kv_head_of)) || !reader.GetCount(heads, 8)) {
         return false;
       }
-      if (q_shape != k_shape) return reader.Fail("q and k shapes differ");
-      if (!q_shape.empty() && q_shape.size() != 3) return reader.Fail("q is not [heads, tokens, dim]");
+      if (q_shape.empty() != k_shape.empty() ||
+          (!q_shape.empty() && !ValidPairing(q_shape, k_shape, kv_head_of))) {
+        return reader.Fail("q, k and kv_head_of do not pair up");
+      }
       if (!q_shape.empty() && heads > static_cast<uint64_t>(q_shape[0])) {
         return reader.Fail("more top directions than heads");
       }
@@ -313,6 +339,7 @@ bool QKDetector::RestoreState(codec::StateReader& reader, const SeriesFilter& ke
       state.k.dtype = k_dtype;
       state.k.shape = std::move(k_shape);
       state.k.data.assign(k_data);
+      state.kv_head_of = std::move(kv_head_of);
       state.top_vectors = std::move(top_vectors);
       if (!restored.emplace(std::move(key), std::move(state)).second) {
         return reader.Fail("series saved twice");

@@ -43,7 +43,10 @@ struct QKSample {
   int layer = 0;
   std::string probe_id;
   RawTensor q;  // [heads, tokens, head_dim]
-  RawTensor k;  // same shape as q
+  RawTensor k;  // [kv_heads, tokens, head_dim]
+  // Query head h attends with K head kv_head_of[h] (grouped-query attention);
+  // one entry per query head. Empty: K head h (kv_heads == heads).
+  std::vector<int32_t> kv_head_of;
   bool causal = false;
   int seq_len = 0;  // > 0: block-diagonal mask over back-to-back sequences
 };

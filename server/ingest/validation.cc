@@ -110,9 +110,12 @@ std::optional<Rejection> ValidateQK(v1::QKSample& qk, const StreamContext& conte
   if (auto r = CheckId(qk.probe_id(), "probe_id", limits)) return r;
   if (auto r = CheckTensor(qk.q(), "q", 3)) return r;
   if (auto r = CheckTensor(qk.k(), "k", 3)) return r;
-  if (!std::equal(qk.q().shape().begin(), qk.q().shape().end(), qk.k().shape().begin())) {
-    return Reject(reason::kShapeMismatch, absl::StrCat("q has shape ", ShapeString(qk.q()),
-                                                       " but k has ", ShapeString(qk.k())));
+  if (qk.q().shape(1) != qk.k().shape(1) || qk.q().shape(2) != qk.k().shape(2) ||
+      qk.k().shape(0) > qk.q().shape(0)) {
+    return Reject(reason::kShapeMismatch,
+                  absl::StrCat("q has shape ", ShapeString(qk.q()), " but k has ",
+                               ShapeString(qk.k()),
+                               "; k must be [kv_heads <= heads, tokens, head_dim]"));
   }
   const int64_t heads = qk.q().shape(0), tokens = qk.q().shape(1), head_dim = qk.q().shape(2);
   if (heads > limits.max_heads || tokens > limits.max_tokens || head_dim > limits.max_head_dim) {
@@ -121,10 +124,42 @@ std::optional<Rejection> ValidateQK(v1::QKSample& qk, const StreamContext& conte
                                limits.max_heads, ", tokens ", limits.max_tokens, ", head_dim ",
                                limits.max_head_dim, "]"));
   }
+  const int64_t kv_heads = qk.k().shape(0);
+  // Which K head each query head pairs with: explicit, or contiguous groups
+  // (after the limits: heads is bounded now).
+  std::vector<int32_t> kv_head_of;
+  if (qk.kv_head_of_size() > 0) {
+    if (qk.kv_head_of_size() != heads) {
+      return Reject(reason::kShapeMismatch,
+                    absl::StrCat("kv_head_of has ", qk.kv_head_of_size(), " entries for ", heads,
+                                 " query heads"));
+    }
+    for (int h = 0; h < qk.kv_head_of_size(); ++h) {
+      if (qk.kv_head_of(h) < 0 || qk.kv_head_of(h) >= kv_heads) {
+        return Reject(reason::kShapeMismatch,
+                      absl::StrCat("kv_head_of[", h, "] = ", qk.kv_head_of(h),
+                                   " is not a K head (k has ", kv_heads, ")"));
+      }
+    }
+    kv_head_of.assign(qk.kv_head_of().begin(), qk.kv_head_of().end());
+  } else if (heads % kv_heads != 0) {
+    return Reject(reason::kShapeMismatch,
+                  absl::StrCat(heads, " query heads cannot share ", kv_heads,
+                               " K heads in contiguous groups; send kv_head_of"));
+  } else {
+    kv_head_of.resize(static_cast<size_t>(heads));
+    const int64_t group = heads / kv_heads;
+    for (int64_t h = 0; h < heads; ++h) kv_head_of[static_cast<size_t>(h)] = static_cast<int32_t>(h / group);
+  }
+  // One K head per query head, in order: the detectors' default (and what
+  // their state holds for samples of clients that broadcast K).
+  bool identity = kv_heads == heads;
+  for (int64_t h = 0; identity && h < heads; ++h) identity = kv_head_of[static_cast<size_t>(h)] == h;
+  if (identity) kv_head_of.clear();
   if (context.model.n_heads() > 0 && heads != context.model.n_heads()) {
     return Reject(reason::kHeadsMismatch,
-                  absl::StrCat("q/k have ", heads, " heads; Hello said n_heads = ",
-                               context.model.n_heads(), " (broadcast grouped-query K)"));
+                  absl::StrCat("q has ", heads, " heads; Hello said n_heads = ",
+                               context.model.n_heads()));
   }
   if (qk.seq_len() < 0 || (qk.seq_len() > 0 && tokens % qk.seq_len() != 0)) {
     return Reject(reason::kBadSeqLen, absl::StrCat("seq_len ", qk.seq_len(),
@@ -141,6 +176,7 @@ std::optional<Rejection> ValidateQK(v1::QKSample& qk, const StreamContext& conte
   sample.seq_len = qk.seq_len();
   sample.q = TakeTensor(*qk.mutable_q());
   sample.k = TakeTensor(*qk.mutable_k());
+  sample.kv_head_of = std::move(kv_head_of);
   out.payload = std::move(sample);
   return std::nullopt;
 }
@@ -299,7 +335,8 @@ std::optional<Rejection> ValidateRecord(v1::Record& record, const StreamContext&
 size_t SampleBytes(const detectors::Sample& sample) {
   size_t bytes = sizeof(detectors::Sample) + sample.run.size();
   if (const auto* qk = std::get_if<detectors::QKSample>(&sample.payload)) {
-    bytes += qk->q.data.size() + qk->k.data.size() + qk->probe_id.size();
+    bytes += qk->q.data.size() + qk->k.data.size() + qk->probe_id.size() +
+             qk->kv_head_of.size() * sizeof(int32_t);
   } else if (const auto* router = std::get_if<detectors::RouterSample>(&sample.payload)) {
     bytes += router->logits.data.size() + router->probe_id.size();
   } else if (const auto* curvature = std::get_if<detectors::CurvatureSample>(&sample.payload)) {

@@ -13,6 +13,7 @@
 #include "detectors/attention_stats.h"
 #include "detectors/detector.h"
 #include "detectors/qk_spectrum.h"
+#include "detectors/state_codec.h"
 
 namespace foreshock::detectors {
 namespace {
@@ -285,6 +286,103 @@ TEST_F(QKDetectorSeries, HugeFiniteValuesGiveFiniteSignals) {
   ASSERT_TRUE(by_signal.count("qk_increment_entropy"));
   for (const auto& [signal, values] : by_signal)
     for (const auto& [head, value] : values) EXPECT_TRUE(std::isfinite(value)) << signal << " head " << head;
+}
+
+// Grouped-query K sent once per group gives exactly what the same K
+// broadcast to every query head gives (what clients sent before kv_head_of),
+// for contiguous groups and for an explicit, interleaved mapping; and the
+// pairing survives a state save and restore.
+TEST(QKDetector, GroupedQueryKGivesWhatBroadcastKGives) {
+  std::mt19937 rng(3);
+  constexpr int kQueryHeads = 6, kKVHeads = 2, kTokens = 24, kDim = 8;
+  const Heads q0 = RandomHeads(kQueryHeads, kTokens, kDim, rng);
+  const Heads k0 = RandomHeads(kKVHeads, kTokens, kDim, rng);
+  const Heads q1 = Perturb(q0, rng, 0.05), k1 = Perturb(k0, rng, 0.05);
+  const Heads q2 = Perturb(q1, rng, 0.05), k2 = Perturb(k1, rng, 0.05);
+  for (const std::vector<int32_t>& kv_head_of :
+       {std::vector<int32_t>{0, 0, 0, 1, 1, 1}, std::vector<int32_t>{0, 1, 0, 1, 0, 1}}) {
+    auto broadcast = [&](const Heads& k) {
+      Heads out;
+      for (int32_t kv : kv_head_of) out.push_back(k[static_cast<size_t>(kv)]);
+      return out;
+    };
+    auto grouped = [&](const Heads& q, const Heads& k) {
+      Sample sample = MakeSample("run", 1, "p", q, k);
+      std::get<QKSample>(sample.payload).kv_head_of = kv_head_of;
+      return sample;
+    };
+    std::unique_ptr<Detector> reference = MakeDetector("qk"), gqa = MakeDetector("qk");
+    std::vector<std::map<std::string, std::map<int, double>>> want, got;
+    for (const auto& [q, k] : {std::pair{&q0, &k0}, std::pair{&q1, &k1}}) {
+      RecordingEmitter a, b;
+      reference->Process(MakeSample("run", 1, "p", *q, broadcast(*k)), a);
+      gqa->Process(grouped(*q, *k), b);
+      want.push_back(a.BySignal());
+      got.push_back(b.BySignal());
+    }
+    // Restored from its state, the grouped detector still pairs the previous sample right.
+    codec::StateWriter writer;
+    gqa->SaveState(writer);
+    std::unique_ptr<Detector> restored = MakeDetector("qk");
+    const std::string state = writer.Take();
+    codec::StateReader reader(state);
+    ASSERT_TRUE(restored->RestoreState(reader, {}));
+    RecordingEmitter a, b;
+    reference->Process(MakeSample("run", 1, "p", q2, broadcast(k2)), a);
+    restored->Process(grouped(q2, k2), b);
+    want.push_back(a.BySignal());
+    got.push_back(b.BySignal());
+    EXPECT_EQ(got, want);
+    EXPECT_EQ(got[1].count("qk_increment_entropy"), 1u);
+    EXPECT_EQ(got[2].count("qk_increment_entropy"), 1u);
+    EXPECT_EQ(got[2].at("qk_increment_entropy").size(), static_cast<size_t>(kQueryHeads + 1));
+  }
+}
+
+// A checkpoint written before kv_head_of (state version 1) restores: its
+// previous sample pairs with the next one as before.
+TEST(QKDetector, RestoresVersion1State) {
+  std::mt19937 rng(5);
+  const Heads q0 = RandomHeads(2, 16, 4, rng), k0 = RandomHeads(2, 16, 4, rng);
+  const Heads q1 = Perturb(q0, rng, 0.05), k1 = Perturb(k0, rng, 0.05);
+  codec::StateWriter writer;
+  writer.PutU32(1);
+  writer.PutU64(1);
+  writer.PutString("run");
+  writer.PutI32(0);
+  writer.PutString("p");
+  for (const Heads* heads : {&q0, &k0}) {
+    const RawTensor t = ToFloat32Tensor(*heads);
+    writer.PutU8(static_cast<uint8_t>(t.dtype));
+    writer.PutVector(t.shape);
+    writer.PutBytes(t.data);
+  }
+  writer.PutU64(0);  // no top directions yet
+  const std::string state = writer.Take();
+  std::unique_ptr<Detector> restored = MakeDetector("qk"), reference = MakeDetector("qk");
+  codec::StateReader reader(state);
+  ASSERT_TRUE(restored->RestoreState(reader, {})) << reader.error();
+  RecordingEmitter ignored, a, b;
+  reference->Process(MakeSample("run", 0, "p", q0, k0), ignored);
+  reference->Process(MakeSample("run", 0, "p", q1, k1), a);
+  restored->Process(MakeSample("run", 0, "p", q1, k1), b);
+  EXPECT_EQ(b.BySignal().count("qk_increment_entropy"), 1u);
+  EXPECT_EQ(b.BySignal(), a.BySignal());
+}
+
+TEST(QKDetector, AChangedPairingRestartsTheIncrement) {
+  std::mt19937 rng(4);
+  const Heads q = RandomHeads(4, 16, 4, rng), k = RandomHeads(2, 16, 4, rng);
+  std::unique_ptr<Detector> detector = MakeDetector("qk");
+  Sample first = MakeSample("run", 0, "p", q, k);
+  std::get<QKSample>(first.payload).kv_head_of = {0, 0, 1, 1};
+  Sample second = MakeSample("run", 0, "p", Perturb(q, rng, 0.1), k);
+  std::get<QKSample>(second.payload).kv_head_of = {0, 1, 0, 1};
+  RecordingEmitter a, b;
+  detector->Process(first, a);
+  detector->Process(second, b);
+  EXPECT_EQ(b.BySignal().count("qk_increment_entropy"), 0u);  // no increment across pairings
+  EXPECT_EQ(b.BySignal().count("attention_entropy"), 1u);
 }
 
 TEST(QKDetector, NoOverlapWhenTopVectorTrackingIsOff) {

@@ -261,7 +261,7 @@ def test_llama_q_proj_k_proj_is_discovered_pre_rotary_and_capture_qk_overrides()
         assert [(s.kind, s.n_kv_heads) for s in monitor.attention_sites] == \
             [("q_proj/k_proj", 2)] * 2
 
-        # Discovery reads the projections: pre-rotary, with K broadcast to 4 heads.
+        # Discovery reads the projections: pre-rotary, K with its own 2 heads.
         monitor.step(0)
         discovered = qk_records(records)
         attn = model.layers[0]["self_attn"]
@@ -271,10 +271,9 @@ def test_llama_q_proj_k_proj_is_discovered_pre_rotary_and_capture_qk_overrides()
             k = attn.k_proj(x).view(3, 6, 2, 8).transpose(1, 2)
         np.testing.assert_allclose(encoding.decode_tensor(discovered[0].q),
                                    heads_tokens(q.numpy()), rtol=1e-6, atol=1e-6)
-        k_sent = encoding.decode_tensor(discovered[0].k)
-        for head in range(4):  # query heads 0,1 share K head 0; heads 2,3 share K head 1
-            np.testing.assert_allclose(k_sent[head], k[:, head // 2].reshape(18, 8),
-                                       rtol=1e-6, atol=1e-6)
+        # Query heads 0,1 share K head 0; heads 2,3 share K head 1 (the daemon's default).
+        np.testing.assert_allclose(encoding.decode_tensor(discovered[0].k),
+                                   heads_tokens(k.numpy()), rtol=1e-6, atol=1e-6)
 
         # Once the forward calls capture_qk (post-rotary), explicit samples replace discovery.
         set_capture(model, monitor.capture_qk)
@@ -286,7 +285,7 @@ def test_llama_q_proj_k_proj_is_discovered_pre_rotary_and_capture_qk_overrides()
         np.testing.assert_allclose(encoding.decode_tensor(explicit[0].q),
                                    heads_tokens(q_rot.numpy()), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(encoding.decode_tensor(explicit[0].k),
-                                   heads_tokens(k_rot.repeat_interleave(2, dim=1).numpy()),
+                                   heads_tokens(k_rot.numpy()),
                                    rtol=1e-5, atol=1e-6)
         assert not np.allclose(encoding.decode_tensor(explicit[0].q),
                                encoding.decode_tensor(discovered[0].q))
@@ -378,7 +377,7 @@ def test_transformers_style_attention_is_sampled_after_rotary_through_the_interf
             np.testing.assert_allclose(encoding.decode_tensor(sample.q),
                                        heads_tokens(q.numpy()) * fold, rtol=1e-6, atol=1e-6)
             np.testing.assert_allclose(encoding.decode_tensor(sample.k),
-                                       heads_tokens(k.repeat_interleave(2, dim=1).numpy()),
+                                       heads_tokens(k.numpy()),
                                        rtol=1e-6, atol=1e-6)
         # Only during the probe: the module globals are back, the output unchanged.
         assert ALL_ATTENTION_FUNCTIONS.__class__ is AttentionFunctions
@@ -520,7 +519,7 @@ def test_router_module_returning_a_tuple_is_discovered(caplog):
 
 # -- explicit capture and probe hygiene ---------------------------------------------
 
-def test_capture_qk_broadcasts_grouped_query_k():
+def test_capture_qk_sends_grouped_query_k_once_per_group():
     captured = {}
 
     class OneLayer(nn.Module):
@@ -534,13 +533,23 @@ def test_capture_qk_broadcasts_grouped_query_k():
     try:
         monitor.step(0)
         (sample,) = qk_records(records).values()
+        assert list(sample.q.shape) == [4, 14, 3] and list(sample.k.shape) == [2, 14, 3]
+        assert sample.seq_len == 7 and list(sample.kv_head_of) == []  # contiguous groups
+        np.testing.assert_array_equal(encoding.decode_tensor(sample.k),
+                                      heads_tokens(captured["k"].numpy()))
+        np.testing.assert_array_equal(encoding.decode_tensor(sample.q),
+                                      heads_tokens(captured["q"].numpy()))
+    finally:
+        monitor.close(timeout=0.1)
+    # For older daemons: K repeated for every query head (h uses K head h // 2).
+    monitor, records = make_monitor(OneLayer(), probe, dtype="fp32", broadcast_kv=True)
+    try:
+        monitor.step(0)
+        (sample,) = qk_records(records).values()
         assert list(sample.q.shape) == list(sample.k.shape) == [4, 14, 3]
-        assert sample.seq_len == 7
         k_sent, k_in = encoding.decode_tensor(sample.k), captured["k"].numpy()
         for head in range(4):
             np.testing.assert_array_equal(k_sent[head], k_in[:, head // 2].reshape(14, 3))
-        np.testing.assert_array_equal(encoding.decode_tensor(sample.q),
-                                      heads_tokens(captured["q"].numpy()))
     finally:
         monitor.close(timeout=0.1)
 

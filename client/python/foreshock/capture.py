@@ -119,7 +119,9 @@ def heads_tokens_from_bhtd(x):
 
 
 def broadcast_kv_heads(q, k):
-    """Grouped-query attention: repeat each K head for the query heads that share it."""
+    """Grouped-query attention: repeat each K head for the query heads that
+    share it (Monitor(broadcast_kv=True), for daemons that predate K with its
+    own heads on the wire)."""
     hq, hk = q.shape[0], k.shape[0]
     if hq == hk:
         return k
@@ -480,7 +482,12 @@ class ProbeCollector:
             log.warning("foreshock: layer %d has %d query tokens and %d key tokens "
                         "(cross-attention?); not sampled", layer, q.shape[1], k.shape[1])
             return
-        store[layer] = (q.detach(), broadcast_kv_heads(q.detach(), k.detach()), seq_len)
+        hq, hk = q.shape[0], k.shape[0]
+        if hk == 0 or hq % hk:
+            raise ValueError(f"layer {layer}: {hq} query heads cannot share {hk} key heads")
+        # Grouped-query K goes on the wire once per group: the daemon pairs
+        # query head h with K head h // (hq/hk), the layout of HF's repeat_kv.
+        store[layer] = (q.detach(), k.detach(), seq_len)
 
     def add_router(self, store, layer, logits, top_k):
         if layer not in store:

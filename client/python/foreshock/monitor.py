@@ -61,6 +61,10 @@ class Monitor:
       tap: optional callable receiving every Record before it is queued.
       probe_id: names the probe batch; increments pair samples of one probe_id.
       causal: whether the sampled attention is causal.
+      broadcast_kv: send grouped-query K repeated for every query head, as
+        clients did before K went on the wire with its own heads. Only for a
+        foreshockd older than that (it rejects K with fewer heads than Q as
+        shape_mismatch); it multiplies K's bytes by heads / kv_heads.
       discover: attach discovery hooks for Q/K (ignored once capture_qk is used).
       discover_routers: attach discovery hooks for MoE routers (on by default).
       router_dtype: wire dtype of router logits (fp32 by default: they are
@@ -81,7 +85,7 @@ class Monitor:
                  max_batch_bytes=1 << 20,
                  backoff_initial_s=0.1, backoff_max_s=5.0, channel_options=(), curvature=None,
                  probe_all_ranks=False, endpoints=None, token=None, tls_ca=None, tls_cert=None,
-                 tls_key=None):
+                 tls_key=None, broadcast_kv=False):
         if run_id is None or job is None:
             raise TypeError("Monitor() needs run_id and job")
         if (endpoint is None) == (endpoints is None):
@@ -102,6 +106,7 @@ class Monitor:
         self.router_dtype = encoding.check_dtype(router_dtype)
         self.probe_id = probe_id
         self.causal = causal
+        self.broadcast_kv = broadcast_kv
         self.tap = tap
         self.curvature = curvature
         self.probes_here = probe_all_ranks or rank == 0
@@ -239,6 +244,8 @@ class Monitor:
         for layer in sorted(qk):
             q, k, seq_len = qk[layer]
             record = pb.Record(step=step)
+            if self.broadcast_kv:
+                k = capture.broadcast_kv_heads(q, k)
             record.qk.CopyFrom(pb.QKSample(
                 layer=layer, probe_id=self.probe_id, causal=self.causal, seq_len=seq_len,
                 q=encoding.encode_tensor(q, self.dtype), k=encoding.encode_tensor(k, self.dtype)))

@@ -108,9 +108,11 @@ def reference(model, probe, moe):
 
 
 def sent_log_probs(q, k, batch, seq):
-    """log softmax(q·kᵀ/√d) under the causal mask, from the wire's [H, B*T, d] tensors,
-    as [B, H, T, T] (masked entries -inf). Written from the wire contract."""
+    """log softmax(q·kᵀ/√d) under the causal mask, from the wire's q [H, B*T, d]
+    and k [Hkv, B*T, d] (query head h with K head h // (H / Hkv)), as
+    [B, H, T, T] (masked entries -inf). Written from the wire contract."""
     h, _, d = q.shape
+    k = np.repeat(k, h // k.shape[0], axis=0)
     q = q.astype(np.float64).reshape(h, batch, seq, d).transpose(1, 0, 2, 3)
     k = k.astype(np.float64).reshape(h, batch, seq, d).transpose(1, 0, 2, 3)
     s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(d)
@@ -179,7 +181,11 @@ def test_sent_qk_reproduce_the_models_own_attention(family, attn, caplog):
         assert sorted(routers) == list(moe_layers)
         attentions, router_logits = reference(model, probe, bool(router_class))
         for layer, sample in qk.items():
-            assert list(sample.q.shape) == list(sample.k.shape) == [4, BATCH * SEQ, 8]
+            # K with its own heads (Llama-style configs here have 2; the daemon
+            # pairs query head h with K head h // (4 / kv_heads)).
+            kv_heads = getattr(config, "num_key_value_heads", None) or 4
+            assert list(sample.q.shape) == [4, BATCH * SEQ, 8]
+            assert list(sample.k.shape) == [kv_heads, BATCH * SEQ, 8]
             assert sample.seq_len == SEQ and sample.causal
             log_probs = sent_log_probs(encoding.decode_tensor(sample.q),
                                        encoding.decode_tensor(sample.k), BATCH, SEQ)
@@ -331,6 +337,9 @@ def test_every_layer_reaches_the_daemon(family, foreshockd):
         monitor.close(timeout=10)
     stats = monitor.stats()
     assert stats["acked_records"] == len(sent) and stats["rejected"] == {}, stats
+    # Grouped-query K went with its own heads; the daemon paired them (below).
+    kv_heads = getattr(model.config, "num_key_value_heads", None) or 4
+    assert {r.qk.k.shape[0] for r in sent if r.WhichOneof("payload") == "qk"} == {kv_heads}
 
     # The daemon's attention entropy is the model's own (last probe's weights).
     attentions, router_logits = reference(model.eval(), probe, bool(router_class))

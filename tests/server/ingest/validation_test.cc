@@ -84,6 +84,49 @@ TEST_F(ValidationTest, RejectsShapeMismatch) {
   EXPECT_EQ(r->code, reason::kShapeMismatch);
 }
 
+TEST_F(ValidationTest, GroupedQueryKPairsEachQueryHeadWithItsKHead) {
+  context_.model.set_n_heads(8);
+  auto pairing = [&](v1::Record record) {
+    detectors::Sample sample;
+    EXPECT_FALSE(ValidateRecord(record, context_, limits_, sample).has_value());
+    const auto* qk = std::get_if<detectors::QKSample>(&sample.payload);
+    return qk != nullptr ? qk->kv_head_of : std::vector<int32_t>{-1};
+  };
+  // Contiguous groups (HF's repeat_kv): 8 query heads over 2 K heads.
+  EXPECT_EQ(pairing(QK({8, 16, 8}, {2, 16, 8})), (std::vector<int32_t>{0, 0, 0, 0, 1, 1, 1, 1}));
+  EXPECT_EQ(pairing(QK({8, 16, 8}, {1, 16, 8})), std::vector<int32_t>(8, 0));  // multi-query
+  // K broadcast to every head (clients before kv_head_of): no pairing needed.
+  EXPECT_TRUE(pairing(QK({8, 16, 8}, {8, 16, 8})).empty());
+  // An explicit mapping, e.g. interleaved groups.
+  v1::Record interleaved = QK({8, 16, 8}, {2, 16, 8});
+  for (int h = 0; h < 8; ++h) interleaved.mutable_qk()->add_kv_head_of(h % 2);
+  EXPECT_EQ(pairing(interleaved), (std::vector<int32_t>{0, 1, 0, 1, 0, 1, 0, 1}));
+  v1::Record identity = QK({8, 16, 8}, {8, 16, 8});
+  for (int h = 0; h < 8; ++h) identity.mutable_qk()->add_kv_head_of(h);
+  EXPECT_TRUE(pairing(identity).empty());
+}
+
+TEST_F(ValidationTest, RejectsKHeadsThatDoNotPairWithTheQueryHeads) {
+  context_.model.set_n_heads(8);
+  auto rejected = [&](v1::Record record, const std::string& detail) {
+    auto r = Validate(std::move(record));
+    ASSERT_TRUE(r.has_value());
+    EXPECT_EQ(r->code, reason::kShapeMismatch);
+    EXPECT_NE(r->detail.find(detail), std::string::npos) << r->detail;
+  };
+  rejected(QK({8, 16, 8}, {3, 16, 8}), "8 query heads cannot share 3 K heads");
+  rejected(QK({8, 16, 8}, {16, 16, 8}), "kv_heads <= heads");
+  v1::Record short_map = QK({8, 16, 8}, {2, 16, 8});
+  short_map.mutable_qk()->add_kv_head_of(0);
+  rejected(short_map, "kv_head_of has 1 entries for 8 query heads");
+  v1::Record out_of_range = QK({8, 16, 8}, {2, 16, 8});
+  for (int h = 0; h < 8; ++h) out_of_range.mutable_qk()->add_kv_head_of(h == 5 ? 2 : 0);
+  rejected(out_of_range, "kv_head_of[5] = 2 is not a K head");
+  v1::Record negative = QK({8, 16, 8}, {3, 16, 8});
+  for (int h = 0; h < 8; ++h) negative.mutable_qk()->add_kv_head_of(h == 0 ? -1 : 0);
+  rejected(negative, "kv_head_of[0] = -1");
+}
+
 TEST_F(ValidationTest, RejectsUnknownDType) {
   v1::Record record = QK({2, 16, 8}, {2, 16, 8});
   record.mutable_qk()->mutable_k()->set_dtype(v1::DTYPE_UNSPECIFIED);
