@@ -7,6 +7,10 @@
 #include <functional>
 #include <limits>
 
+#include <type_traits>
+
+#include <Eigen/Cholesky>
+#include <Eigen/Eigenvalues>
 #include <Eigen/QR>
 #include <Eigen/SVD>
 
@@ -55,14 +59,15 @@ Matrix ExtractR(const Packed& packed) {
   return r;
 }
 
-// Solves (T - shift I) x = rhs in place, T symmetric tridiagonal with zero
-// diagonal and off-diagonal `off`, by Gaussian elimination with partial
-// pivoting (the scheme of LAPACK dgttrf/dgttrs). Inverse iteration wants a
-// nearly singular system: an exactly zero pivot is replaced by `tiny`.
-void SolveShiftedTridiagonal(const std::vector<double>& off, double shift, double tiny,
-                             std::vector<double>& x) {
+// Solves (T - shift I) x = rhs in place, T symmetric tridiagonal with
+// diagonal `diagonal` and off-diagonal `off`, by Gaussian elimination with
+// partial pivoting (the scheme of LAPACK dgttrf/dgttrs). Inverse iteration
+// wants a nearly singular system: an exactly zero pivot is replaced by `tiny`.
+void SolveShiftedTridiagonal(const std::vector<double>& diagonal, const std::vector<double>& off,
+                             double shift, double tiny, std::vector<double>& x) {
   const size_t n = off.size() + 1;
-  std::vector<double> diag(n, -shift), lower(off), upper(off), upper2(n, 0.0);
+  std::vector<double> diag(n), lower(off), upper(off), upper2(n, 0.0);
+  for (size_t i = 0; i < n; ++i) diag[i] = diagonal[i] - shift;
   std::vector<bool> swapped(n, false);
   for (size_t i = 0; i + 1 < n; ++i) {
     if (std::abs(diag[i]) >= std::abs(lower[i])) {
@@ -193,6 +198,127 @@ void Normalize(std::vector<double>& x) {
   }
 }
 
+// Eigenvalues of the symmetric tridiagonal matrix with diagonal `diag` and
+// off-diagonal `off`; `diag` receives them (unsorted), `off` is destroyed.
+// Pal-Walker-Kahan root-free QL, the iteration of LAPACK dsterf: no square
+// roots in the sweep, so it is about 3x faster than Eigen's Givens QR (values
+// only). Deflation is absolute (|e| <= eps ||T||): the caller wants accuracy
+// relative to the largest eigenvalue, not to each one. Returns false if some
+// eigenvalue needs more than 30 sweeps on average (not seen in practice).
+bool TridiagonalEigenvalues(std::vector<double>& diag, std::vector<double>& off) {
+  const int n = static_cast<int>(diag.size());
+  double norm = 0;
+  for (int i = 0; i < n; ++i) {
+    const double left = i > 0 ? std::abs(off[i - 1]) : 0.0;
+    const double right = i + 1 < n ? std::abs(off[i]) : 0.0;
+    norm = std::max(norm, std::abs(diag[i]) + left + right);
+  }
+  if (!(norm > 0)) return true;
+  std::vector<double>& e2 = off;  // squared off-diagonal from here on
+  for (double& e : e2) e *= e;
+  const double tolerance = std::numeric_limits<double>::epsilon() * norm;
+  const double negligible = tolerance * tolerance;
+  int sweeps = 0;
+  for (int l = 0; l < n;) {
+    int m = l;
+    while (m + 1 < n && e2[m] > negligible) ++m;
+    if (m == l) {  // diag[l] has converged
+      ++l;
+      continue;
+    }
+    if (m == l + 1) {  // a 2 x 2 block: closed form
+      const double mean = 0.5 * (diag[l] + diag[l + 1]);
+      const double half_gap = 0.5 * (diag[l] - diag[l + 1]);
+      const double radius = std::sqrt(half_gap * half_gap + e2[l]);
+      diag[l] = mean + radius;
+      diag[l + 1] = mean - radius;
+      e2[l] = 0;
+      l += 2;
+      continue;
+    }
+    if (++sweeps > 30 * n) return false;
+    // Shift: the eigenvalue of the leading 2 x 2 block nearer diag[l].
+    const double p = diag[l];
+    const double root_e = std::sqrt(e2[l]);
+    double sigma = (diag[l + 1] - p) / (2 * root_e);
+    sigma = p - root_e / (sigma + std::copysign(std::sqrt(sigma * sigma + 1), sigma));
+    double c = 1, s = 0, gamma = diag[m] - sigma, pp = gamma * gamma;
+    for (int i = m - 1; i >= l; --i) {
+      const double bb = e2[i];
+      const double rr = pp + bb;  // > 0: bb > negligible
+      if (i != m - 1) e2[i + 1] = s * rr;
+      // dsterf's p = gamma^2 / c with c = pp / rr, as gamma^2 * (rr / pp): the
+      // reciprocal of pp starts with that of rr, so the two divisions overlap
+      // (the sweep is a chain of dependent operations, latency-bound).
+      const double inverse_pp = pp != 0 ? 1.0 / pp : 0.0;
+      const double inverse_rr = 1.0 / rr;
+      const double old_c = c;
+      c = pp * inverse_rr;
+      s = bb * inverse_rr;
+      const double old_gamma = gamma;
+      const double alpha = diag[i];
+      gamma = c * (alpha - sigma) - s * old_gamma;
+      diag[i + 1] = old_gamma + (alpha - gamma);
+      pp = pp != 0 ? gamma * gamma * (rr * inverse_pp) : old_c * bb;
+    }
+    e2[l] = s * pp;
+    diag[l] = sigma + gamma;
+  }
+  return true;
+}
+
+// Rank-revealing Cholesky of a symmetric positive semidefinite `g` (m x m,
+// lower triangle read): returns F (m x r) with F F^T = g up to the dropped
+// part, r the numerical rank. Works on the unit-diagonal matrix D^-1 g D^-1
+// (D = sqrt(diag g)), so that the threshold is on the share of a column
+// not explained by the columns before it, whatever the columns' scales; a
+// zero column is dropped. Pivots lazily: a column is swapped out only when
+// its remaining share is at or below `tolerance`, then the column with the
+// largest remaining share takes its place; elimination stops when none is
+// above. O(m^3 / 3) on full storage: the fallback for rank-deficient factors.
+Eigen::MatrixXd PivotedCholeskyFactor(const Eigen::MatrixXd& g, double tolerance) {
+  const Index m = g.rows();
+  Eigen::VectorXd scale(m);
+  for (Index j = 0; j < m; ++j) scale[j] = g(j, j) > 0 ? std::sqrt(g(j, j)) : 0.0;
+  Eigen::MatrixXd a(m, m);
+  for (Index j = 0; j < m; ++j) {
+    for (Index i = j; i < m; ++i) {
+      const double v = scale[i] > 0 && scale[j] > 0 ? g(i, j) / (scale[i] * scale[j]) : 0.0;
+      a(i, j) = v;
+      a(j, i) = v;
+    }
+  }
+  std::vector<Index> permutation(static_cast<size_t>(m));
+  for (Index j = 0; j < m; ++j) permutation[j] = j;
+  Index rank = 0;
+  for (Index k = 0; k < m; ++k) {
+    if (!(a(k, k) > tolerance)) {
+      Index best = k;
+      for (Index j = k + 1; j < m; ++j) {
+        if (a(j, j) > a(best, best)) best = j;
+      }
+      if (!(a(best, best) > tolerance)) break;
+      a.row(k).swap(a.row(best));
+      a.col(k).swap(a.col(best));
+      std::swap(permutation[k], permutation[best]);
+    }
+    const double pivot = std::sqrt(a(k, k));
+    a(k, k) = pivot;
+    a.col(k).tail(m - k - 1) /= pivot;
+    for (Index j = k + 1; j < m; ++j) {
+      a.col(j).tail(m - k - 1) -= a.col(k).tail(m - k - 1) * a(j, k);
+    }
+    rank = k + 1;
+  }
+  // F = D P L: row i of L (pivot order) is row permutation[i] of F.
+  Eigen::MatrixXd factor = Eigen::MatrixXd::Zero(m, rank);
+  for (Index i = 0; i < m; ++i) {
+    const Index columns = std::min(i + 1, rank);
+    factor.row(permutation[i]).head(columns) = scale[permutation[i]] * a.row(i).head(columns);
+  }
+  return factor;
+}
+
 }  // namespace
 
 template <typename Scalar>
@@ -264,8 +390,9 @@ SmallSvd ComputeSmallSvd(const Eigen::Ref<const Eigen::Matrix<Scalar, Dynamic, D
     state = state * 1664525u + 1013904223u;
     v = static_cast<double>(state >> 8) / 16777216.0 - 0.5;
   }
+  const std::vector<double> zero_diagonal(static_cast<size_t>(2 * k), 0.0);
   for (int iteration = 0; iteration < 3; ++iteration) {
-    SolveShiftedTridiagonal(off, shift, tiny, z);
+    SolveShiftedTridiagonal(zero_diagonal, off, shift, tiny, z);
     Normalize(z);
   }
   Eigen::Matrix<Scalar, Dynamic, 1> u(k);
@@ -299,7 +426,7 @@ SpectrumSummary SummarizeSpectrum(std::span<const double> singular_values, int h
 }
 
 template <typename Scalar>
-QKIncrementSpectrum ComputeQKIncrementSpectrum(const ConstRowMajorRef<Scalar>& q_prev,
+QKIncrementSpectrum ComputeQKIncrementSpectrumHouseholder(const ConstRowMajorRef<Scalar>& q_prev,
                                                const ConstRowMajorRef<Scalar>& k_prev,
                                                const ConstRowMajorRef<Scalar>& q,
                                                const ConstRowMajorRef<Scalar>& k,
@@ -394,6 +521,206 @@ QKIncrementSpectrum ComputeQKIncrementSpectrum(const ConstRowMajorRef<Scalar>& q
   return spectrum;
 }
 
+template <typename Scalar>
+QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar>& q_prev,
+                                                   const ConstRowMajorRef<Scalar>& k_prev,
+                                                   const ConstRowMajorRef<Scalar>& q,
+                                                   const ConstRowMajorRef<Scalar>& k,
+                                                   const QKSpectrumOptions& options) {
+  const Index n = q.rows();
+  const Index d = q.cols();
+  assert(q_prev.rows() == n && k_prev.rows() == n && k.rows() == n);
+  assert(q_prev.cols() == d && k_prev.cols() == d && k.cols() == d);
+  const Index m = 2 * d;
+  constexpr double kEpsilon = std::numeric_limits<double>::epsilon();
+
+  // Buffers reused across calls on a thread (the detector calls once per head):
+  // at n = 256, d = 64 the factors are 256 KB each, which malloc would map and
+  // page-fault afresh every call.
+  thread_local Eigen::Matrix<double, Dynamic, Dynamic, Eigen::RowMajor> a, b;
+  thread_local Eigen::MatrixXd gram_a, gram_b, product, core;
+  thread_local Eigen::VectorXd householder;
+
+  // A = [dQ | Q0], B = [K0 | dK] in double: the difference of two floats is
+  // exact in double (no overflow either), and so are products of floats.
+  QKIncrementSpectrum spectrum;
+  a.resize(n, m);
+  b.resize(n, m);
+  a.leftCols(d) = q.template cast<double>() - q_prev.template cast<double>();
+  a.rightCols(d) = q_prev.template cast<double>();
+  b.leftCols(d) = k_prev.template cast<double>();
+  b.rightCols(d) = k.template cast<double>() - k_prev.template cast<double>();
+
+  // Gram matrices (SYRK, lower triangles): dS1 dS1^T = A G_B A^T / d.
+  gram_a.setZero(m, m);
+  gram_b.setZero(m, m);
+  gram_a.selfadjointView<Eigen::Lower>().rankUpdate(a.transpose());
+  gram_b.selfadjointView<Eigen::Lower>().rankUpdate(b.transpose());
+  // The Grams' diagonals are the squared column norms (exact zeros stay zero:
+  // squares of floats cannot underflow double).
+  const double max_dq = gram_a.diagonal().head(d).maxCoeff();
+  const double max_dk = gram_b.diagonal().tail(d).maxCoeff();
+  const double max_a = std::max(max_dq, gram_a.diagonal().tail(d).maxCoeff());
+  const double max_b = std::max(max_dk, gram_b.diagonal().head(d).maxCoeff());
+  if ((max_dq == 0 && max_dk == 0) || max_a == 0 || max_b == 0) {  // dS1 = A B^T = 0
+    spectrum.zero_increment = true;
+    return spectrum;
+  }
+  // The core C below is quadratic in the Grams and its reduction sums squares
+  // of its entries: rescale the Grams (by powers of four, exactly: A and B by
+  // powers of two) only for inputs far from order one, e.g. float values near
+  // 1e38 or 1e-38. Statistics are scale-free.
+  auto exponent_of = [](double max_square) {
+    const int exponent = std::ilogb(max_square) / 2;
+    return std::abs(exponent) <= 60 ? 0 : exponent;
+  };
+  const int exponent_a = exponent_of(max_a);
+  const int exponent_b = exponent_of(max_b);
+  if (exponent_a != 0) gram_a *= std::ldexp(1.0, -2 * exponent_a);
+  if (exponent_b != 0) gram_b *= std::ldexp(1.0, -2 * exponent_b);
+  gram_b.triangularView<Eigen::StrictlyUpper>() = gram_b.transpose();
+
+  // ||dQ dK^T||_F^2 = <dQ^T dQ, dK^T dK>_F, from the Grams' diagonal blocks.
+  double second_order_sum = 0;
+  for (Index j = 0; j < d; ++j) {
+    second_order_sum += gram_a(j, j) * gram_b(d + j, d + j);
+    double off_diagonal = 0;
+    for (Index i = j + 1; i < d; ++i) off_diagonal += gram_a(i, j) * gram_b(d + i, d + j);
+    second_order_sum += 2 * off_diagonal;
+  }
+  second_order_sum = std::max(second_order_sum, 0.0);
+
+  // G_A = F F^T. Plain Cholesky (F = L, in place) when every column of A
+  // keeps a share of its norm above the tolerance once the columns before it
+  // are projected out; otherwise the rank-revealing pivoted factor, so that
+  // dependent columns (rank-deficient Q0, dQ = 0, repeated columns) are
+  // dropped instead of contributing rounding noise. The tolerance is ~100x
+  // the Gram's relative rounding error (n eps) at n = 1024.
+  constexpr double kRankTolerance = 1e-12;
+  const Eigen::VectorXd gram_a_diagonal = gram_a.diagonal();
+  gram_a.triangularView<Eigen::StrictlyUpper>() = gram_a.transpose();  // survives the in-place LLT
+  bool full_rank;
+  {
+    Eigen::LLT<Eigen::Ref<Eigen::MatrixXd>, Eigen::Lower> llt(gram_a);
+    full_rank = llt.info() == Eigen::Success;
+  }
+  for (Index j = 0; full_rank && j < m; ++j) {
+    full_rank = gram_a(j, j) * gram_a(j, j) > kRankTolerance * gram_a_diagonal[j];
+  }
+  // C = F^T G_B F (r x r); its eigenvalues are d sigma_i^2. product = G_B F.
+  Index rank = m;
+  if (full_rank) {
+    product.noalias() = gram_b * gram_a.triangularView<Eigen::Lower>();
+    core.noalias() = gram_a.triangularView<Eigen::Lower>().transpose() * product;
+  } else {
+    gram_a.triangularView<Eigen::Lower>() = gram_a.transpose();  // G_A back from the upper triangle
+    gram_a.diagonal() = gram_a_diagonal;
+    const Eigen::MatrixXd factor = PivotedCholeskyFactor(gram_a, kRankTolerance);
+    rank = factor.cols();
+    product.noalias() = gram_b * factor;
+    core.noalias() = factor.transpose() * product;
+  }
+
+  // Eigenvalues of C: Householder tridiagonalization, then root-free QL.
+  std::vector<double> diagonal(static_cast<size_t>(rank)), off(static_cast<size_t>(std::max<Index>(rank - 1, 0)));
+  if (rank >= 2) {
+    householder.resize(rank - 1);
+    Eigen::internal::tridiagonalization_inplace(core, householder);
+  }
+  for (Index i = 0; i < rank; ++i) diagonal[i] = core(i, i);
+  for (Index i = 0; i + 1 < rank; ++i) off[i] = core(i + 1, i);
+  std::vector<double> eigenvalues = diagonal;
+  {
+    std::vector<double> scratch = off;
+    if (!TridiagonalEigenvalues(eigenvalues, scratch)) {
+      // Not seen in practice; Eigen's QR instead of failing.
+      Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> solver;
+      solver.computeFromTridiagonal(Eigen::Map<Eigen::VectorXd>(diagonal.data(), rank),
+                                    Eigen::Map<Eigen::VectorXd>(off.data(), rank - 1),
+                                    Eigen::EigenvaluesOnly);
+      eigenvalues.assign(solver.eigenvalues().data(), solver.eigenvalues().data() + rank);
+    }
+  }
+  std::sort(eigenvalues.begin(), eigenvalues.end(), std::greater<>());
+  const double largest = eigenvalues.empty() ? 0.0 : eigenvalues[0];
+  // C is positive semidefinite; forming and reducing it leaves an absolute
+  // error of about eps S^2 in its eigenvalues, S = sum_k ||A_k|| ||B_k|| the
+  // size of dS1 before its terms cancel (S >= sigma_1). Those become sigma of
+  // ~sqrt(eps) S: report eigenvalues below r eps S^2 as zero, as they would
+  // otherwise add spurious entropy (e.g. 120 noise values around a rank-3 dS1).
+  double column_scale = 0;  // S
+  for (Index j = 0; j < m; ++j) column_scale += std::sqrt(gram_a_diagonal[j] * gram_b(j, j));
+  const double noise = static_cast<double>(rank) * kEpsilon * column_scale * column_scale;
+  double sum_eigenvalues = 0;
+  for (double& lambda : eigenvalues) {
+    if (!(lambda > noise)) lambda = 0;
+    sum_eigenvalues += lambda;
+  }
+  if (!(sum_eigenvalues > 0)) {  // the increment cancelled (e.g. dQ K0^T = -Q0 dK^T)
+    spectrum.zero_increment = true;
+    return spectrum;
+  }
+
+  const Index core_size = std::min(n, m);
+  spectrum.singular_values.assign(static_cast<size_t>(core_size), 0.0);
+  const double inverse_d = 1.0 / static_cast<double>(d);
+  for (Index i = 0; i < std::min(rank, core_size); ++i) {
+    spectrum.singular_values[i] = std::sqrt(eigenvalues[i] * inverse_d);
+  }
+  FillSummary(static_cast<int>(d), spectrum);
+  spectrum.second_order_ratio = std::sqrt(second_order_sum / sum_eigenvalues);
+  for (double& sigma : spectrum.singular_values) sigma = std::ldexp(sigma, exponent_a + exponent_b);
+
+  if (options.compute_top_vector) {
+    // Top eigenvector z of the tridiagonal by inverse iteration at lambda_1,
+    // v = Q z that of C; the token-space vector is A G_B F v = Q_a C v, with
+    // Q_a = A F^-T the orthonormal basis that G_A = F F^T implies.
+    std::vector<double> z(static_cast<size_t>(rank));
+    if (rank == 1) {
+      z[0] = 1;
+    } else {
+      const double tiny = kEpsilon * std::max(largest, std::numeric_limits<double>::min());
+      uint32_t state = 12345;
+      for (double& v : z) {
+        state = state * 1664525u + 1013904223u;
+        v = static_cast<double>(state >> 8) / 16777216.0 - 0.5;
+      }
+      for (int iteration = 0; iteration < 3; ++iteration) {
+        SolveShiftedTridiagonal(diagonal, off, largest, tiny, z);
+        Normalize(z);
+      }
+    }
+    Eigen::VectorXd v = Eigen::Map<const Eigen::VectorXd>(z.data(), rank);
+    if (rank >= 2) {
+      Eigen::HouseholderSequence<Eigen::MatrixXd, Eigen::VectorXd> reflectors(core, householder);
+      reflectors.setLength(rank - 1).setShift(1);
+      v.applyOnTheLeft(reflectors);
+    }
+    const Eigen::VectorXd y = product.leftCols(rank) * v;
+    const Eigen::VectorXd u = a * y;
+    spectrum.top_vector.assign(u.data(), u.data() + n);
+    Normalize(spectrum.top_vector);
+    CanonicalizeSign(spectrum.top_vector);
+  }
+  return spectrum;
+}
+
+template <typename Scalar>
+QKIncrementSpectrum ComputeQKIncrementSpectrum(const ConstRowMajorRef<Scalar>& q_prev,
+                                               const ConstRowMajorRef<Scalar>& k_prev,
+                                               const ConstRowMajorRef<Scalar>& q,
+                                               const ConstRowMajorRef<Scalar>& k,
+                                               const QKSpectrumOptions& options) {
+  // Float inputs: the Gram route, whose sqrt(eps_double) resolution is finer
+  // than what float inputs carry. Double inputs keep the Householder route's
+  // full double accuracy. Short probes (n < 2d) leave the Gram route nothing
+  // to gain: its m x m Grams exceed the n x n problem.
+  if constexpr (std::is_same_v<Scalar, float>) {
+    if (q.rows() >= 2 * q.cols()) return ComputeQKIncrementSpectrumGram<float>(q_prev, k_prev, q, k, options);
+  }
+  return ComputeQKIncrementSpectrumHouseholder<Scalar>(q_prev, k_prev, q, k, options);
+}
+
 QKIncrementSpectrum ComputeQKIncrementSpectrumDense(const ConstRowMajorRef<double>& q_prev,
                                                     const ConstRowMajorRef<double>& k_prev,
                                                     const ConstRowMajorRef<double>& q,
@@ -438,7 +765,19 @@ template QKIncrementSpectrum ComputeQKIncrementSpectrum<float>(
     const ConstRowMajorRef<float>&, const ConstRowMajorRef<float>&, const ConstRowMajorRef<float>&,
     const ConstRowMajorRef<float>&, const QKSpectrumOptions&);
 template QKIncrementSpectrum ComputeQKIncrementSpectrum<double>(
-    const ConstRowMajorRef<double>&, const ConstRowMajorRef<double>&,
-    const ConstRowMajorRef<double>&, const ConstRowMajorRef<double>&, const QKSpectrumOptions&);
+    const ConstRowMajorRef<double>&, const ConstRowMajorRef<double>&, const ConstRowMajorRef<double>&,
+    const ConstRowMajorRef<double>&, const QKSpectrumOptions&);
+template QKIncrementSpectrum ComputeQKIncrementSpectrumHouseholder<float>(
+    const ConstRowMajorRef<float>&, const ConstRowMajorRef<float>&, const ConstRowMajorRef<float>&,
+    const ConstRowMajorRef<float>&, const QKSpectrumOptions&);
+template QKIncrementSpectrum ComputeQKIncrementSpectrumHouseholder<double>(
+    const ConstRowMajorRef<double>&, const ConstRowMajorRef<double>&, const ConstRowMajorRef<double>&,
+    const ConstRowMajorRef<double>&, const QKSpectrumOptions&);
+template QKIncrementSpectrum ComputeQKIncrementSpectrumGram<float>(
+    const ConstRowMajorRef<float>&, const ConstRowMajorRef<float>&, const ConstRowMajorRef<float>&,
+    const ConstRowMajorRef<float>&, const QKSpectrumOptions&);
+template QKIncrementSpectrum ComputeQKIncrementSpectrumGram<double>(
+    const ConstRowMajorRef<double>&, const ConstRowMajorRef<double>&, const ConstRowMajorRef<double>&,
+    const ConstRowMajorRef<double>&, const QKSpectrumOptions&);
 
 }  // namespace foreshock::detectors

@@ -5,9 +5,14 @@
 //   dQ = Q - Q0, dK = K - K0,
 //   dS1 = (dQ K0^T + Q0 dK^T) / sqrt(d) = A B^T / sqrt(d),
 //   A = [dQ | Q0], B = [K0 | dK]  (n x 2d).
-// Thin QR A = Qa Ra, B = Qb Rb gives dS1 = Qa (Ra Rb^T / sqrt(d)) Qb^T, and
-// Qa, Qb have orthonormal columns, so the singular values of dS1 are those of
-// the small core Ra Rb^T / sqrt(d), of size min(n, 2d). Cost O(n d^2), not O(n^3).
+// Two routes, both O(n d^2 + d^3) instead of O(n^3):
+// - Gram (float inputs, n >= 2d): G_A = A^T A and G_B = B^T B in double,
+//   G_A = F F^T (Cholesky, rank-revealing when A is rank-deficient); then
+//   dS1 dS1^T = Qa (F^T G_B F / d) Qa^T with Qa orthonormal, so the sigma_i^2
+//   are the eigenvalues of the r x r core C = F^T G_B F / d (r = rank A <= 2d).
+// - Householder: thin QR A = Qa Ra, B = Qb Rb, dS1 = Qa (Ra Rb^T / sqrt(d)) Qb^T,
+//   so the sigma_i are those of the small core Ra Rb^T / sqrt(d), of size
+//   min(n, 2d). Squares nothing: full accuracy in the working precision.
 #pragma once
 
 #include <span>
@@ -19,7 +24,7 @@ namespace foreshock::detectors {
 
 struct QKSpectrumOptions {
   // Also return the top left singular vector of dS1 (token space). It costs
-  // the core's left singular vectors plus applying Qa to one vector.
+  // inverse iteration on the core's reduced form plus one product with A (Qa).
   bool compute_top_vector = false;
 };
 
@@ -57,17 +62,40 @@ struct SpectrumSummary {
 };
 SpectrumSummary SummarizeSpectrum(std::span<const double> singular_values, int head_dim);
 
-// The factored computation (thin Householder QR of A and B, SVD of the core).
-// All four inputs are [n, d] with the same shape and finite values. If
-// Q - Q0 or K - K0 overflows Scalar (float inputs near 3e38), the statistics
-// are NaN: retry in double. Instantiated for float and
-// double; the statistics are returned in double either way.
+// The factored computation. All four inputs are [n, d] with the same shape
+// and finite values. Float inputs with n >= 2d take the Gram route; double
+// inputs, and n < 2d (where the Grams would be larger than dS1), the
+// Householder route. If Q - Q0 or K - K0 overflows Scalar there (float inputs
+// near 3e38), the statistics are NaN: retry in double. Instantiated for float
+// and double; the statistics are returned in double either way.
 template <typename Scalar>
 QKIncrementSpectrum ComputeQKIncrementSpectrum(const ConstRowMajorRef<Scalar>& q_prev,
                                                const ConstRowMajorRef<Scalar>& k_prev,
                                                const ConstRowMajorRef<Scalar>& q,
                                                const ConstRowMajorRef<Scalar>& k,
                                                const QKSpectrumOptions& options = {});
+
+// The Gram route for any n (header comment), computed in double whatever
+// Scalar is; never overflows for finite inputs. Squaring the factors costs
+// relative resolution: eigenvalues of C below ~2d eps_double lambda_1 (sigma
+// below ~2e-7 sigma_1) are reported as 0, which is finer than float inputs
+// resolve but coarser than the Householder route on double inputs.
+template <typename Scalar>
+QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar>& q_prev,
+                                                   const ConstRowMajorRef<Scalar>& k_prev,
+                                                   const ConstRowMajorRef<Scalar>& q,
+                                                   const ConstRowMajorRef<Scalar>& k,
+                                                   const QKSpectrumOptions& options = {});
+
+// The Householder route (thin QR of A and B in Scalar, SVD of the core), the
+// only route before the Gram one; kept for double inputs, short probes and
+// the benchmark's before/after comparison.
+template <typename Scalar>
+QKIncrementSpectrum ComputeQKIncrementSpectrumHouseholder(const ConstRowMajorRef<Scalar>& q_prev,
+                                                          const ConstRowMajorRef<Scalar>& k_prev,
+                                                          const ConstRowMajorRef<Scalar>& q,
+                                                          const ConstRowMajorRef<Scalar>& k,
+                                                          const QKSpectrumOptions& options = {});
 
 // Reference implementation for tests and benchmarks: forms dS1 (n x n) and
 // dQ dK^T in double and takes the SVD of dS1 with Eigen's BDCSVD. O(n^3).
@@ -77,7 +105,7 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumDense(const ConstRowMajorRef<doubl
                                                     const ConstRowMajorRef<double>& k,
                                                     const QKSpectrumOptions& options = {});
 
-// SVD of a small square matrix, as the factored path uses it for its core:
+// SVD of a small square matrix, as the Householder route uses it for its core:
 // Householder bidiagonalization in Scalar, then the bidiagonal's singular
 // values by Golub-Reinsch implicit-shift QR in double (values only, O(k^2)),
 // and the top left singular vector by inverse iteration on the Golub-Kahan

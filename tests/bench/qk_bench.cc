@@ -45,6 +45,8 @@ void SetShapeCounters(benchmark::State& state, int n, int d) {
   state.counters["d"] = d;
 }
 
+// The factored spectrum as the detector calls it (float: the Gram route when
+// n >= 2d; double: the Householder route).
 template <typename Scalar>
 void BM_QKFactored(benchmark::State& state) {
   const int n = static_cast<int>(state.range(0)), d = static_cast<int>(state.range(1));
@@ -54,6 +56,21 @@ void BM_QKFactored(benchmark::State& state) {
   const RowMajorMatrix<Scalar> q = in.q.cast<Scalar>(), k = in.k.cast<Scalar>();
   for (auto _ : state) {
     QKIncrementSpectrum s = ComputeQKIncrementSpectrum<Scalar>(qp, kp, q, k, {top_vector});
+    benchmark::DoNotOptimize(s.normalized_entropy);
+  }
+  SetShapeCounters(state, n, d);
+  state.SetItemsProcessed(state.iterations());
+}
+
+// The Householder route in float, the detector's route before the Gram one:
+// run beside BM_QKFactored<float> for a before/after ratio from one run.
+void BM_QKHouseholder(benchmark::State& state) {
+  const int n = static_cast<int>(state.range(0)), d = static_cast<int>(state.range(1));
+  const bool top_vector = state.range(2) != 0;
+  const HeadPair in(n, d);
+  for (auto _ : state) {
+    QKIncrementSpectrum s =
+        ComputeQKIncrementSpectrumHouseholder<float>(in.q_prev, in.k_prev, in.q, in.k, {top_vector});
     benchmark::DoNotOptimize(s.normalized_entropy);
   }
   SetShapeCounters(state, n, d);
@@ -92,6 +109,7 @@ void DenseLargeArgs(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_QKFactored<float>)->Apply(FactoredArgs)->ArgNames({"n", "d", "top"})->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_QKFactored<double>)->Apply(FactoredArgs)->ArgNames({"n", "d", "top"})->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_QKHouseholder)->Apply(FactoredArgs)->ArgNames({"n", "d", "top"})->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_QKDense)->Apply(DenseArgs)->ArgNames({"n", "d"})->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_QKDense)->Apply(DenseLargeArgs)->ArgNames({"n", "d"})->Iterations(2)->Unit(benchmark::kMillisecond);
 
@@ -126,6 +144,23 @@ void BM_FullHeadSample(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations());
 }
 BENCHMARK(BM_FullHeadSample)->Args({256, 64})->ArgNames({"n", "d"})->Unit(benchmark::kMicrosecond);
+
+// The same head-sample on the previous kernels (Householder route, attention
+// statistics before the rewrite): the "before" of the ratio, same run.
+void BM_FullHeadSampleBefore(benchmark::State& state) {
+  const int n = static_cast<int>(state.range(0)), d = static_cast<int>(state.range(1));
+  const HeadPair in(n, d);
+  for (auto _ : state) {
+    QKIncrementSpectrum s =
+        ComputeQKIncrementSpectrumHouseholder<float>(in.q_prev, in.k_prev, in.q, in.k, {true});
+    AttentionStats a = ComputeAttentionStats<float>(in.q, in.k, {true, 0});
+    benchmark::DoNotOptimize(s.normalized_entropy);
+    benchmark::DoNotOptimize(a.mean_entropy);
+  }
+  SetShapeCounters(state, n, d);
+  state.SetItemsProcessed(state.iterations());
+}
+BENCHMARK(BM_FullHeadSampleBefore)->Args({256, 64})->ArgNames({"n", "d"})->Unit(benchmark::kMicrosecond);
 
 // The whole detector on one bf16 sample of [heads, n, d], through the
 // registry as the daemon calls it (decode, non-finite scan, all heads).

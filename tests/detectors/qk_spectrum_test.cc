@@ -48,6 +48,11 @@ enum class InputKind {
   kLowRankIncrement,    // dQ rank 1, dK rank 2, Q0/K0 full rank
   kLowRankEverything,   // Q0, K0 rank 3, dQ rank 2, dK rank 1
   kSmallIncrement,      // increments 1e-3 of the values, as in a real training step
+  // Rank-deficient factors and extreme scales, for the Gram route's Cholesky:
+  kRepeatedKeyColumns,  // K0 and K have their first d/2 columns repeated
+  kLowRankQueries,      // Q0 of rank d/2 (A rank-deficient even when n >= 2d)
+  kQueriesUnchanged,    // Q = Q0: dQ = 0, half of A's columns are zero
+  kTinyIncrement,       // increments 1e-5 of the values: A's columns differ by 1e5 in scale
 };
 
 std::string KindName(InputKind kind) {
@@ -56,6 +61,10 @@ std::string KindName(InputKind kind) {
     case InputKind::kLowRankIncrement: return "LowRankIncrement";
     case InputKind::kLowRankEverything: return "LowRankEverything";
     case InputKind::kSmallIncrement: return "SmallIncrement";
+    case InputKind::kRepeatedKeyColumns: return "RepeatedKeyColumns";
+    case InputKind::kLowRankQueries: return "LowRankQueries";
+    case InputKind::kQueriesUnchanged: return "QueriesUnchanged";
+    case InputKind::kTinyIncrement: return "TinyIncrement";
   }
   return "";
 }
@@ -99,6 +108,26 @@ Inputs MakeInputs(int n, int d, InputKind kind, unsigned seed) {
     case InputKind::kSmallIncrement:
       q_prev = Gaussian(n, d, rng), k_prev = Gaussian(n, d, rng);
       dq = 1e-3 * Gaussian(n, d, rng), dk = 1e-3 * Gaussian(n, d, rng);
+      break;
+    case InputKind::kRepeatedKeyColumns:
+      q_prev = Gaussian(n, d, rng), k_prev = Gaussian(n, d, rng);
+      dq = 0.1 * Gaussian(n, d, rng), dk = 0.1 * Gaussian(n, d, rng);
+      for (int j = d / 2; j < d; ++j) {
+        k_prev.col(j) = k_prev.col(j - d / 2);
+        dk.col(j) = dk.col(j - d / 2);
+      }
+      break;
+    case InputKind::kLowRankQueries:
+      q_prev = LowRank(n, d, std::max(1, d / 2), rng), k_prev = Gaussian(n, d, rng);
+      dq = 0.1 * Gaussian(n, d, rng), dk = 0.1 * Gaussian(n, d, rng);
+      break;
+    case InputKind::kQueriesUnchanged:
+      q_prev = Gaussian(n, d, rng), k_prev = Gaussian(n, d, rng);
+      dq = MatrixD::Zero(n, d), dk = 0.1 * Gaussian(n, d, rng);
+      break;
+    case InputKind::kTinyIncrement:
+      q_prev = Gaussian(n, d, rng), k_prev = Gaussian(n, d, rng);
+      dq = 1e-5 * Gaussian(n, d, rng), dk = 1e-5 * Gaussian(n, d, rng);
       break;
   }
   Inputs in;
@@ -238,6 +267,125 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string("n") + std::to_string(std::get<0>(info.param)) + "_d" + std::to_string(std::get<1>(info.param)) +
              "_" + KindName(std::get<2>(info.param));
     });
+
+// The Gram route itself (ComputeQKIncrementSpectrum takes it for float inputs
+// with n >= 2d), on every shape, n < 2d included (there every A is
+// rank-deficient: its 2d columns span at most n dimensions), and on factors
+// built to defeat a plain Cholesky: repeated key columns, queries of rank
+// d/2, unchanged queries (dQ = 0), and increments 1e-5 of the values. Checked
+// against the dense SVD in double, an independent algorithm on the n x n dS1.
+class GramVsDense : public ::testing::TestWithParam<std::tuple<int, int, InputKind>> {};
+
+TEST_P(GramVsDense, AgreesWithDenseReference) {
+  const auto [n, d, kind] = GetParam();
+  const Inputs in = MakeInputs(n, d, kind, 7000u * n + 10u * d + static_cast<unsigned>(kind));
+  const QKSpectrumOptions options{.compute_top_vector = true};
+  const QKIncrementSpectrum dense = ComputeQKIncrementSpectrumDense(in.q_prev, in.k_prev, in.q, in.k, options);
+  ASSERT_FALSE(dense.zero_increment);
+  const size_t core_size = static_cast<size_t>(std::min(n, 2 * d));
+  // The top vector is defined only up to sign and only with a gap below sigma_1.
+  const bool gap = dense.singular_values.size() < 2 ||
+                   dense.singular_values[1] < (1 - 1e-2) * dense.singular_values[0];
+
+  const MatrixF qp = in.q_prev.cast<float>(), kp = in.k_prev.cast<float>();
+  const MatrixF qf = in.q.cast<float>(), kf = in.k.cast<float>();
+  struct Case {
+    const char* name;
+    QKIncrementSpectrum spectrum;
+    double tolerance;
+  };
+  // Float inputs: the detector's tolerance. Double inputs: the route squares
+  // the factors and drops columns of A with less than 1e-6 of their norm
+  // outside the span of the others (in LowRankIncrement, the float rounding
+  // of a rank-1 dQ, whose ~1e-7 sigma the dense SVD keeps): 1e-4, not 1e-6.
+  const Case cases[] = {
+      {"float", ComputeQKIncrementSpectrumGram<float>(qp, kp, qf, kf, options), 1e-3},
+      {"double", ComputeQKIncrementSpectrumGram<double>(in.q_prev, in.k_prev, in.q, in.k, options), 1e-4},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const QKIncrementSpectrum& s = c.spectrum;
+    ASSERT_FALSE(s.zero_increment);
+    ASSERT_EQ(s.singular_values.size(), core_size);
+    for (size_t i = 0; i < core_size; ++i) {
+      EXPECT_NEAR(s.singular_values[i], dense.singular_values[i], c.tolerance * dense.singular_values[0]) << i;
+    }
+    ExpectRelative(s.normalized_entropy, dense.normalized_entropy, c.tolerance, "entropy");
+    ExpectRelative(s.effective_rank, dense.effective_rank, c.tolerance, "effective rank");
+    ExpectRelative(s.top1_share, dense.top1_share, c.tolerance, "top1 share");
+    if (kind == InputKind::kQueriesUnchanged) {
+      EXPECT_EQ(s.second_order_ratio, 0.0);  // dQ = 0: no second-order term
+    } else {
+      ExpectRelative(s.second_order_ratio, dense.second_order_ratio, c.tolerance, "second-order ratio");
+    }
+    ASSERT_EQ(s.top_vector.size(), static_cast<size_t>(n));
+    if (gap) EXPECT_GE(TopVectorOverlap(s.top_vector, dense.top_vector), 1.0 - c.tolerance) << "top vector";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GramVsDense,
+    ::testing::Combine(::testing::Values(16, 64, 257, 512), ::testing::Values(4, 16, 64),
+                       ::testing::Values(InputKind::kRandom, InputKind::kLowRankIncrement,
+                                         InputKind::kLowRankEverything, InputKind::kSmallIncrement,
+                                         InputKind::kRepeatedKeyColumns, InputKind::kLowRankQueries,
+                                         InputKind::kQueriesUnchanged, InputKind::kTinyIncrement)),
+    [](const auto& info) {
+      return std::string("n") + std::to_string(std::get<0>(info.param)) + "_d" + std::to_string(std::get<1>(info.param)) +
+             "_" + KindName(std::get<2>(info.param));
+    });
+
+// The routes agree with each other where the detector switches between them
+// (float at n = 2d - 1 takes the Householder route, at n = 2d the Gram route).
+TEST(GramSpectrum, DetectorRouteSwitchesAtTwiceTheHeadDimension) {
+  for (int n : {31, 32}) {
+    const Inputs in = MakeInputs(n, 16, InputKind::kSmallIncrement, 5u + static_cast<unsigned>(n));
+    const MatrixF qp = in.q_prev.cast<float>(), kp = in.k_prev.cast<float>();
+    const MatrixF qf = in.q.cast<float>(), kf = in.k.cast<float>();
+    const QKIncrementSpectrum routed = ComputeQKIncrementSpectrum<float>(qp, kp, qf, kf);
+    const QKIncrementSpectrum expected = n < 32 ? ComputeQKIncrementSpectrumHouseholder<float>(qp, kp, qf, kf)
+                                                : ComputeQKIncrementSpectrumGram<float>(qp, kp, qf, kf);
+    EXPECT_EQ(routed.singular_values, expected.singular_values) << n;
+  }
+}
+
+// Statistics of the Gram route are scale-free even where float arithmetic
+// would overflow (3e38 values whose increments are 6e38) or squares would
+// underflow (1e-30): the route works in double and rescales its Grams.
+TEST(GramSpectrum, ExtremeMagnitudes) {
+  const Inputs in = MakeInputs(128, 16, InputKind::kRandom, 91);
+  const QKIncrementSpectrum reference = ComputeQKIncrementSpectrumDense(in.q_prev, in.k_prev, in.q, in.k);
+  for (double magnitude : {1e-30, 1e30}) {
+    SCOPED_TRACE(magnitude);
+    auto scaled = [&](const MatrixD& m) { return MatrixF((magnitude * m).cast<float>()); };
+    const QKIncrementSpectrum s = ComputeQKIncrementSpectrumGram<float>(scaled(in.q_prev), scaled(in.k_prev),
+                                                                        scaled(in.q), scaled(in.k));
+    ASSERT_FALSE(s.zero_increment);
+    ExpectRelative(s.normalized_entropy, reference.normalized_entropy, 1e-3, "entropy");
+    ExpectRelative(s.top1_share, reference.top1_share, 1e-3, "top1 share");
+    ExpectRelative(s.second_order_ratio, reference.second_order_ratio, 1e-3, "second-order ratio");
+    ExpectRelative(s.singular_values[0], magnitude * magnitude * reference.singular_values[0], 1e-3, "sigma_1");
+  }
+  // Q0 = +-3e38 and Q = -Q0: dQ = -2 Q0 overflows float, not double.
+  MatrixF q_prev = (3e38 * in.q_prev.array().sign()).matrix().cast<float>();
+  const MatrixF q = -q_prev, k_prev = in.k_prev.cast<float>(), k = in.k.cast<float>();
+  const QKIncrementSpectrum huge = ComputeQKIncrementSpectrumGram<float>(q_prev, k_prev, q, k);
+  const QKIncrementSpectrum huge_reference =
+      ComputeQKIncrementSpectrumDense(q_prev.cast<double>(), k_prev.cast<double>(), q.cast<double>(), k.cast<double>());
+  ExpectRelative(huge.normalized_entropy, huge_reference.normalized_entropy, 1e-3, "entropy at 3e38");
+  ExpectRelative(huge.singular_values[0], huge_reference.singular_values[0], 1e-3, "sigma_1 at 3e38");
+}
+
+TEST(GramSpectrum, ZeroIncrementAndZeroFactors) {
+  std::mt19937 rng(21);
+  const MatrixF q = Gaussian(40, 8, rng).cast<float>(), k = Gaussian(40, 8, rng).cast<float>();
+  const QKIncrementSpectrum same = ComputeQKIncrementSpectrumGram<float>(q, k, q, k, {.compute_top_vector = true});
+  EXPECT_TRUE(same.zero_increment);
+  EXPECT_TRUE(same.singular_values.empty());
+  EXPECT_TRUE(same.top_vector.empty());
+  const MatrixF zero = MatrixF::Zero(40, 8);
+  EXPECT_TRUE(ComputeQKIncrementSpectrumGram<float>(zero, k, zero, q).zero_increment);  // A = 0
+}
 
 // A rank-one increment: only dQ moves, along one token direction u and one
 // feature direction v, so dS1 = u (K0 v)^T / sqrt(d) has exactly one singular
