@@ -9,7 +9,10 @@
 // - A sample with any NaN/Inf in q or k is reported with Emitter::NonFinite
 //   and otherwise ignored: the previous finite sample stays the reference, so
 //   the next increment spans the gap.
-// - A shape change restarts the series (no increment across it).
+// - The reference of an increment is kept per query head (the model's index:
+//   a client may probe a rotating subset of the heads, QKSample.heads): the
+//   increment of head h spans from its previous finite sample, whenever that
+//   was. A change of tokens, head_dim or dtype restarts that head.
 // - A zero increment (q and k identical to the previous sample) yields no
 //   increment signals for that head, and the next overlap needs two new
 //   increments in a row.
@@ -40,6 +43,9 @@ enum QKSignal : size_t {
   kIncrementTop1Overlap,
   kAttentionEntropy,
   kAttentionMaxLogit,
+  kHeadSignalCount,  // the signals above are per head; those below per layer
+  kProbeHeads = kHeadSignalCount,
+  kProbeTokens,
   kQKSignalCount,
 };
 
@@ -72,6 +78,14 @@ constexpr std::array<SignalSpec, kQKSignalCount> kQKSignals = {{
      "Largest attention logit q.k/sqrt(head_dim) over the probe's unmasked query-key pairs; "
      "per layer, the maximum over heads.",
      SignalScope::kLayerHead, HeadAggregation::kMax},
+    {"qk_probe_heads",
+     "Query heads in the layer's latest QK sample: all of them, or the rotating subset the "
+     "client probes (Monitor(probe_heads=...)); the others keep their latest values.",
+     SignalScope::kLayer},
+    {"qk_probe_tokens",
+     "Tokens in the layer's latest QK sample (the probe batch, or the subset the client sends: "
+     "Monitor(probe_tokens=...)).",
+     SignalScope::kLayer},
 }};
 
 // The per-layer value of a signal from its per-head values (never empty).
@@ -115,37 +129,72 @@ class QKDetector final : public Detector {
     while (it != series_.end() && std::get<0>(it->first) == run) it = series_.erase(it);
   }
 
-  // State, version 2: U64 series count, then per series (in key order):
-  //   run, I32 layer, probe_id, tensor q, tensor k (the previous finite sample),
-  //   Vector<i32> kv_head_of of that sample (empty: K head h for query head h),
-  //   U64 heads, per head Vector<double> top direction (empty when unknown);
-  // version 1 (read too) had no kv_head_of: its K had one head per query head.
+  // State, version 3: U64 series count, then per series (in key order):
+  //   run, I32 layer, probe_id, U64 head count, per head (ascending):
+  //   I32 head, tensor q, tensor k (that head's previous finite Q and its K,
+  //   each [tokens, head_dim]), Vector<double> top direction (empty when unknown),
+  //   kHeadSignalCount Double: its latest value of each per-head signal (NaN: none).
   // a tensor is U8 dtype, Vector<i64> shape, Bytes data.
+  // Versions 1 and 2 (read too) kept the previous sample whole: per series
+  //   tensor q [heads, tokens, dim], tensor k [kv_heads, tokens, dim],
+  //   (version 2) Vector<i32> kv_head_of, U64 heads, per head Vector<double>.
   void SaveState(codec::StateWriter& writer) const override;
   bool RestoreState(codec::StateReader& reader, const SeriesFilter& keep) override;
 
  private:
   using SeriesKey = std::tuple<std::string, int, std::string>;  // run, layer, probe_id
-  struct SeriesState {
-    // The previous finite sample, as raw bytes (decoded only when needed:
-    // half the memory for 16-bit dtypes).
+  struct HeadState {
+    // The head's previous finite Q and the K it attended with, [tokens, dim],
+    // as raw bytes (decoded only when needed: half the memory for 16-bit
+    // dtypes; grouped K is kept once per query head, at most heads/kv_heads x
+    // K's bytes, for heads that may be probed at different steps).
     RawTensor q;
     RawTensor k;
-    std::vector<int32_t> kv_head_of;
-    // Per head: the previous increment's top direction; empty when unknown.
-    std::vector<std::vector<double>> top_vectors;
+    // The previous increment's top direction; empty when unknown.
+    std::vector<double> top_vector;
+    // Per head signal: its value from this head's latest sample (NaN: that
+    // sample gave none). The per-layer value aggregates these over every
+    // head, so that a rotating subset of heads still yields a value for the
+    // whole layer (each head's at most one rotation old), not a different
+    // subset's extreme every probe.
+    std::array<double, kHeadSignalCount> latest;
+    HeadState() { latest.fill(std::numeric_limits<double>::quiet_NaN()); }
+  };
+  struct SeriesState {
+    std::map<int, HeadState> heads;  // by the model's query head index
   };
 
   DetectorOptions options_;
   std::map<SeriesKey, SeriesState> series_;
   // Decoding buffers, reused across samples.
   std::vector<float> q_, k_, q_prev_, k_prev_;
+  bool RestoreWholeSample(codec::StateReader& reader, uint32_t version, SeriesState& state);
 };
+
+// One head's rows of a raw [heads, tokens, dim] tensor, as a [tokens, dim] tensor.
+RawTensor HeadSlice(const RawTensor& tensor, int64_t head) {
+  RawTensor out;
+  out.dtype = tensor.dtype;
+  out.shape = {tensor.shape[1], tensor.shape[2]};
+  const size_t bytes = static_cast<size_t>(tensor.shape[1] * tensor.shape[2]) * DTypeSize(tensor.dtype);
+  out.data.assign(tensor.data, static_cast<size_t>(head) * bytes, bytes);
+  return out;
+}
+
+// q rows name distinct model heads in ascending order (or none: 0..heads-1).
+bool ValidHeads(const std::vector<int32_t>& heads, int64_t rows) {
+  if (heads.empty()) return true;
+  if (static_cast<int64_t>(heads.size()) != rows || heads.front() < 0) return false;
+  return std::adjacent_find(heads.begin(), heads.end(),
+                            [](int32_t a, int32_t b) { return a >= b; }) == heads.end();
+}
 
 void QKDetector::Process(const Sample& sample, Emitter& emitter) {
   const auto& qk = std::get<QKSample>(sample.payload);
   // The server validates shapes; a malformed sample is dropped, never trusted.
-  if (!ValidPairing(qk.q.shape, qk.k.shape, qk.kv_head_of)) return;
+  if (!ValidPairing(qk.q.shape, qk.k.shape, qk.kv_head_of) || !ValidHeads(qk.heads, qk.q.shape[0])) {
+    return;
+  }
 
   const int64_t non_finite = CountNonFinite(qk.q) + CountNonFinite(qk.k);
   if (non_finite > 0) {
@@ -153,35 +202,26 @@ void QKDetector::Process(const Sample& sample, Emitter& emitter) {
     return;
   }
 
-  const int64_t heads = qk.q.shape[0];
+  const int64_t rows = qk.q.shape[0];
   const int64_t tokens = qk.q.shape[1];
   const int64_t head_dim = qk.q.shape[2];
   const int64_t head_size = tokens * head_dim;
+  const std::vector<int64_t> head_shape{tokens, head_dim};
 
   SeriesState& state = series_[SeriesKey{sample.run, qk.layer, qk.probe_id}];
-  // The increment needs the same query heads paired with the same K heads.
-  const bool has_previous = !state.q.shape.empty() && state.q.shape == qk.q.shape &&
-                            state.k.shape == qk.k.shape && state.kv_head_of == qk.kv_head_of;
-  if (!has_previous) state.top_vectors.clear();
-  state.top_vectors.resize(static_cast<size_t>(heads));
-
   DecodeTensor(qk.q, q_);
   DecodeTensor(qk.k, k_);
-  if (has_previous) {
-    DecodeTensor(state.q, q_prev_);
-    DecodeTensor(state.k, k_prev_);
-  }
 
   // values[signal] holds one entry per head that produced the signal.
-  std::array<std::vector<std::pair<int, double>>, kQKSignalCount> values;
+  std::array<std::vector<std::pair<int, double>>, kHeadSignalCount> values;
   const AttentionMask mask{qk.causal, qk.seq_len};
   const QKSpectrumOptions spectrum_options{options_.qk_track_top_vector};
-  for (int64_t h = 0; h < heads; ++h) {
-    const int head = static_cast<int>(h);
-    using HeadMap = Eigen::Map<const RowMajorMatrix<float>>;
+  using HeadMap = Eigen::Map<const RowMajorMatrix<float>>;
+  for (int64_t row = 0; row < rows; ++row) {
+    const int head = qk.heads.empty() ? static_cast<int>(row) : qk.heads[static_cast<size_t>(row)];
     // Grouped-query attention: this query head's K head (K is sent once per group).
-    const int64_t kv = qk.kv_head_of.empty() ? h : qk.kv_head_of[static_cast<size_t>(h)];
-    const HeadMap q(q_.data() + h * head_size, tokens, head_dim);
+    const int64_t kv = qk.kv_head_of.empty() ? row : qk.kv_head_of[static_cast<size_t>(row)];
+    const HeadMap q(q_.data() + row * head_size, tokens, head_dim);
     const HeadMap k(k_.data() + kv * head_size, tokens, head_dim);
 
     AttentionStats attention = ComputeAttentionStats<float>(q, k, mask);
@@ -194,55 +234,78 @@ void QKDetector::Process(const Sample& sample, Emitter& emitter) {
     values[kAttentionEntropy].emplace_back(head, attention.mean_entropy);
     values[kAttentionMaxLogit].emplace_back(head, attention.max_logit);
 
-    if (!has_previous) continue;
-    const HeadMap q_prev(q_prev_.data() + h * head_size, tokens, head_dim);
-    const HeadMap k_prev(k_prev_.data() + kv * head_size, tokens, head_dim);
-    QKIncrementSpectrum spectrum =
-        ComputeQKIncrementSpectrum<float>(q_prev, k_prev, q, k, spectrum_options);
-    if (!std::isfinite(spectrum.normalized_entropy) || !std::isfinite(spectrum.top1_share) ||
-        !std::isfinite(spectrum.second_order_ratio)) {
-      // Finite inputs whose increment overflows float (|values| near 3e38): use double.
-      const RowMajorMatrix<double> q_prev64 = q_prev.cast<double>(), k_prev64 = k_prev.cast<double>();
-      const RowMajorMatrix<double> q64 = q.cast<double>(), k64 = k.cast<double>();
-      spectrum = ComputeQKIncrementSpectrum<double>(q_prev64, k_prev64, q64, k64, spectrum_options);
-    }
-    std::vector<double>& previous_top = state.top_vectors[static_cast<size_t>(h)];
-    if (spectrum.zero_increment) {
-      previous_top.clear();
-      continue;
-    }
-    values[kIncrementEntropy].emplace_back(head, spectrum.normalized_entropy);
-    values[kIncrementEffectiveRank].emplace_back(head, spectrum.effective_rank);
-    values[kIncrementTop1Share].emplace_back(head, spectrum.top1_share);
-    values[kSecondOrderRatio].emplace_back(head, spectrum.second_order_ratio);
-    if (options_.qk_track_top_vector) {
-      if (!previous_top.empty()) {
-        values[kIncrementTop1Overlap].emplace_back(
-            head, TopVectorOverlap(previous_top, spectrum.top_vector));
+    HeadState& previous = state.heads[head];
+    const bool has_previous = previous.q.shape == head_shape && previous.q.dtype == qk.q.dtype &&
+                              previous.k.dtype == qk.k.dtype;
+    if (has_previous) {
+      DecodeTensor(previous.q, q_prev_);
+      DecodeTensor(previous.k, k_prev_);
+      const HeadMap q_prev(q_prev_.data(), tokens, head_dim);
+      const HeadMap k_prev(k_prev_.data(), tokens, head_dim);
+      QKIncrementSpectrum spectrum =
+          ComputeQKIncrementSpectrum<float>(q_prev, k_prev, q, k, spectrum_options);
+      if (!std::isfinite(spectrum.normalized_entropy) || !std::isfinite(spectrum.top1_share) ||
+          !std::isfinite(spectrum.second_order_ratio)) {
+        // Finite inputs whose increment overflows float (|values| near 3e38): use double.
+        const RowMajorMatrix<double> q_prev64 = q_prev.cast<double>(), k_prev64 = k_prev.cast<double>();
+        const RowMajorMatrix<double> q64 = q.cast<double>(), k64 = k.cast<double>();
+        spectrum = ComputeQKIncrementSpectrum<double>(q_prev64, k_prev64, q64, k64, spectrum_options);
       }
-      previous_top = std::move(spectrum.top_vector);
+      if (spectrum.zero_increment) {
+        previous.top_vector.clear();
+      } else {
+        values[kIncrementEntropy].emplace_back(head, spectrum.normalized_entropy);
+        values[kIncrementEffectiveRank].emplace_back(head, spectrum.effective_rank);
+        values[kIncrementTop1Share].emplace_back(head, spectrum.top1_share);
+        values[kSecondOrderRatio].emplace_back(head, spectrum.second_order_ratio);
+        if (options_.qk_track_top_vector) {
+          if (!previous.top_vector.empty()) {
+            values[kIncrementTop1Overlap].emplace_back(
+                head, TopVectorOverlap(previous.top_vector, spectrum.top_vector));
+          }
+          previous.top_vector = std::move(spectrum.top_vector);
+        }
+      }
+    } else {
+      previous.top_vector.clear();  // a restarted head: no direction to compare with
     }
+    previous.q = HeadSlice(qk.q, row);
+    previous.k = HeadSlice(qk.k, kv);
   }
 
+  // What was sampled: the per-layer values above are over these heads and tokens.
+  emitter.Emit(Observation{kQKSignals[kProbeHeads].name, qk.layer, kAllHeads, static_cast<double>(rows)});
+  emitter.Emit(Observation{kQKSignals[kProbeTokens].name, qk.layer, kAllHeads, static_cast<double>(tokens)});
+  // A full sample (no head names) holds every head there is: forget heads of
+  // an earlier, larger shape, so that their values leave the layer's.
+  if (qk.heads.empty()) state.heads.erase(state.heads.lower_bound(static_cast<int>(rows)), state.heads.end());
+  // Each sampled head's latest values: what it gave now, NaN for what it did not.
+  for (int64_t row = 0; row < rows; ++row) {
+    const int head = qk.heads.empty() ? static_cast<int>(row) : qk.heads[static_cast<size_t>(row)];
+    state.heads[head].latest.fill(std::numeric_limits<double>::quiet_NaN());
+  }
+  for (size_t signal = 0; signal < kHeadSignalCount; ++signal) {
+    for (const auto& [head, value] : values[signal]) state.heads[head].latest[signal] = value;
+  }
   std::vector<double> head_values;
-  for (size_t signal = 0; signal < kQKSignalCount; ++signal) {
+  for (size_t signal = 0; signal < kHeadSignalCount; ++signal) {
     if (values[signal].empty()) continue;
     const SignalSpec& spec = kQKSignals[signal];
-    head_values.clear();
     for (const auto& [head, value] : values[signal]) {
       emitter.Emit(Observation{spec.name, qk.layer, head, value});
-      head_values.push_back(value);
+    }
+    // Over every head's latest value: the sampled heads' fresh ones and, when
+    // the client probes a rotating subset, the others' from their latest sample.
+    head_values.clear();
+    for (const auto& [head, head_state] : state.heads) {
+      if (!std::isnan(head_state.latest[signal])) head_values.push_back(head_state.latest[signal]);
     }
     emitter.Emit(
         Observation{spec.name, qk.layer, kAllHeads, Aggregate(spec.aggregation, head_values)});
   }
-
-  state.q = qk.q;
-  state.k = qk.k;
-  state.kv_head_of = qk.kv_head_of;
 }
 
-constexpr uint32_t kQKStateVersion = 2;
+constexpr uint32_t kQKStateVersion = 3;
 
 void PutTensor(codec::StateWriter& writer, const RawTensor& tensor) {
   writer.PutU8(static_cast<uint8_t>(tensor.dtype));
@@ -284,12 +347,53 @@ void QKDetector::SaveState(codec::StateWriter& writer) const {
     writer.PutString(run);
     writer.PutI32(layer);
     writer.PutString(probe_id);
-    PutTensor(writer, state.q);
-    PutTensor(writer, state.k);
-    writer.PutVector(state.kv_head_of);
-    writer.PutU64(state.top_vectors.size());
-    for (const std::vector<double>& top : state.top_vectors) writer.PutVector(top);
+    writer.PutU64(state.heads.size());
+    for (const auto& [head, head_state] : state.heads) {
+      writer.PutI32(head);
+      PutTensor(writer, head_state.q);
+      PutTensor(writer, head_state.k);
+      writer.PutVector(head_state.top_vector);
+      for (double value : head_state.latest) writer.PutDouble(value);
+    }
   }
+}
+
+// Versions 1 and 2: the previous sample whole, split here into its heads.
+bool QKDetector::RestoreWholeSample(codec::StateReader& reader, uint32_t version,
+                                    SeriesState& state) {
+  DType q_dtype{}, k_dtype{};
+  std::vector<int64_t> q_shape, k_shape;
+  std::string_view q_data, k_data;
+  std::vector<int32_t> kv_head_of;
+  uint64_t heads = 0;
+  if (!GetTensor(reader, q_dtype, q_shape, q_data) || !GetTensor(reader, k_dtype, k_shape, k_data) ||
+      (version >= 2 && !reader.GetVector(kv_head_of)) || !reader.GetCount(heads, 8)) {
+    return false;
+  }
+  if (q_shape.empty() != k_shape.empty() ||
+      (!q_shape.empty() && !ValidPairing(q_shape, k_shape, kv_head_of))) {
+    return reader.Fail("q, k and kv_head_of do not pair up");
+  }
+  if (heads > (q_shape.empty() ? 0 : static_cast<uint64_t>(q_shape[0]))) {
+    return reader.Fail("more top directions than heads");
+  }
+  std::vector<std::vector<double>> top_vectors(static_cast<size_t>(heads));
+  for (std::vector<double>& top : top_vectors) {
+    if (!reader.GetVector(top)) return false;
+    // A direction lives in token space (its length is the probe's token count).
+    if (!top.empty() && top.size() != static_cast<uint64_t>(q_shape[1])) {
+      return reader.Fail("top direction length does not match the probe");
+    }
+  }
+  if (q_shape.empty()) return true;
+  RawTensor q{q_dtype, q_shape, std::string(q_data)}, k{k_dtype, k_shape, std::string(k_data)};
+  for (int64_t h = 0; h < q_shape[0]; ++h) {
+    HeadState& head = state.heads[static_cast<int>(h)];
+    head.q = HeadSlice(q, h);
+    head.k = HeadSlice(k, kv_head_of.empty() ? h : kv_head_of[static_cast<size_t>(h)]);
+    if (static_cast<uint64_t>(h) < heads) head.top_vector = std::move(top_vectors[static_cast<size_t>(h)]);
+  }
+  return true;
 }
 
 bool QKDetector::RestoreState(codec::StateReader& reader, const SeriesFilter& keep) {
@@ -297,50 +401,50 @@ bool QKDetector::RestoreState(codec::StateReader& reader, const SeriesFilter& ke
   auto read = [&]() -> bool {
     uint32_t version = 0;
     uint64_t count = 0;
-    if (!reader.GetVersion("qk", 1, kQKStateVersion, version) ||
-        !reader.GetCount(count)) {
+    if (!reader.GetVersion("qk", 1, kQKStateVersion, version) || !reader.GetCount(count)) {
       return false;
     }
     for (uint64_t i = 0; i < count; ++i) {
       std::string run, probe_id;
       int32_t layer = 0;
-      DType q_dtype{}, k_dtype{};
-      std::vector<int64_t> q_shape, k_shape;
-      std::string_view q_data, k_data;
-      std::vector<int32_t> kv_head_of;
-      uint64_t heads = 0;
-      if (!reader.GetString(run) || !reader.GetI32(layer) || !reader.GetString(probe_id) ||
-          !GetTensor(reader, q_dtype, q_shape, q_data) ||
-          !GetTensor(reader, k_dtype, k_shape, k_data) ||
-          (version >= 2 && !reader.GetVector(kv_head_of)) || !reader.GetCount(heads, 8)) {
+      if (!reader.GetString(run) || !reader.GetI32(layer) || !reader.GetString(probe_id)) {
         return false;
       }
-      if (q_shape.empty() != k_shape.empty() ||
-          (!q_shape.empty() && !ValidPairing(q_shape, k_shape, kv_head_of))) {
-        return reader.Fail("q, k and kv_head_of do not pair up");
-      }
-      if (!q_shape.empty() && heads > static_cast<uint64_t>(q_shape[0])) {
-        return reader.Fail("more top directions than heads");
-      }
-      std::vector<std::vector<double>> top_vectors(static_cast<size_t>(heads));
-      for (std::vector<double>& top : top_vectors) {
-        if (!reader.GetVector(top)) return false;
-        // A direction lives in token space (its length is the probe's token count).
-        if (!top.empty() && (q_shape.empty() || top.size() != static_cast<uint64_t>(q_shape[1]))) {
-          return reader.Fail("top direction length does not match the probe");
+      SeriesState state;
+      if (version < 3) {
+        if (!RestoreWholeSample(reader, version, state)) return false;
+      } else {
+        uint64_t heads = 0;
+        if (!reader.GetCount(heads, 8)) return false;
+        for (uint64_t h = 0; h < heads; ++h) {
+          int32_t head = 0;
+          HeadState head_state;
+          DType q_dtype{}, k_dtype{};
+          std::vector<int64_t> q_shape, k_shape;
+          std::string_view q_data, k_data;
+          if (!reader.GetI32(head) || !GetTensor(reader, q_dtype, q_shape, q_data) ||
+              !GetTensor(reader, k_dtype, k_shape, k_data) || !reader.GetVector(head_state.top_vector)) {
+            return false;
+          }
+          for (double& value : head_state.latest) {
+            if (!reader.GetDouble(value)) return false;
+          }
+          if (head < 0 || q_shape.size() != 2 || q_shape != k_shape) {
+            return reader.Fail("a head's q and k are not both [tokens, dim]");
+          }
+          if (!head_state.top_vector.empty() &&
+              head_state.top_vector.size() != static_cast<uint64_t>(q_shape[0])) {
+            return reader.Fail("top direction length does not match the probe");
+          }
+          head_state.q = RawTensor{q_dtype, std::move(q_shape), std::string(q_data)};
+          head_state.k = RawTensor{k_dtype, std::move(k_shape), std::string(k_data)};
+          if (!state.heads.emplace(head, std::move(head_state)).second) {
+            return reader.Fail("head saved twice");
+          }
         }
       }
       SeriesKey key{std::move(run), layer, std::move(probe_id)};
       if (keep && !keep(std::get<0>(key), layer)) continue;
-      SeriesState state;
-      state.q.dtype = q_dtype;
-      state.q.shape = std::move(q_shape);
-      state.q.data.assign(q_data);
-      state.k.dtype = k_dtype;
-      state.k.shape = std::move(k_shape);
-      state.k.data.assign(k_data);
-      state.kv_head_of = std::move(kv_head_of);
-      state.top_vectors = std::move(top_vectors);
       if (!restored.emplace(std::move(key), std::move(state)).second) {
         return reader.Fail("series saved twice");
       }

@@ -47,6 +47,9 @@ struct QKSample {
   // Query head h attends with K head kv_head_of[h] (grouped-query attention);
   // one entry per query head. Empty: K head h (kv_heads == heads).
   std::vector<int32_t> kv_head_of;
+  // The model's index of each query head in q, when the client probed a
+  // subset of the heads (distinct, ascending). Empty: q holds heads 0..heads-1.
+  std::vector<int32_t> heads;
   bool causal = false;
   int seq_len = 0;  // > 0: block-diagonal mask over back-to-back sequences
 };

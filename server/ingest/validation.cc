@@ -156,10 +156,25 @@ std::optional<Rejection> ValidateQK(v1::QKSample& qk, const StreamContext& conte
   bool identity = kv_heads == heads;
   for (int64_t h = 0; identity && h < heads; ++h) identity = kv_head_of[static_cast<size_t>(h)] == h;
   if (identity) kv_head_of.clear();
-  if (context.model.n_heads() > 0 && heads != context.model.n_heads()) {
+  // A subset of the heads names them (QKSample.heads); all of them must be
+  // Hello's n_heads.
+  const int64_t model_heads = context.model.n_heads() > 0 ? context.model.n_heads() : limits.max_heads;
+  if (qk.heads_size() > 0) {
+    if (qk.heads_size() != heads) {
+      return Reject(reason::kHeadsMismatch, absl::StrCat("heads names ", qk.heads_size(),
+                                                         " heads for ", heads, " rows of q"));
+    }
+    for (int i = 0; i < qk.heads_size(); ++i) {
+      if (qk.heads(i) < 0 || qk.heads(i) >= model_heads || (i > 0 && qk.heads(i) <= qk.heads(i - 1))) {
+        return Reject(reason::kHeadsMismatch,
+                      absl::StrCat("heads[", i, "] = ", qk.heads(i),
+                                   ": heads must be strictly ascending in [0, ", model_heads, ")"));
+      }
+    }
+  } else if (context.model.n_heads() > 0 && heads != context.model.n_heads()) {
     return Reject(reason::kHeadsMismatch,
                   absl::StrCat("q has ", heads, " heads; Hello said n_heads = ",
-                               context.model.n_heads()));
+                               context.model.n_heads(), " (a subset must name its heads)"));
   }
   if (qk.seq_len() < 0 || (qk.seq_len() > 0 && tokens % qk.seq_len() != 0)) {
     return Reject(reason::kBadSeqLen, absl::StrCat("seq_len ", qk.seq_len(),
@@ -177,6 +192,11 @@ std::optional<Rejection> ValidateQK(v1::QKSample& qk, const StreamContext& conte
   sample.q = TakeTensor(*qk.mutable_q());
   sample.k = TakeTensor(*qk.mutable_k());
   sample.kv_head_of = std::move(kv_head_of);
+  // Strictly ascending from >= 0: it names every head, in order (the
+  // default), exactly when its last entry is its size - 1.
+  if (qk.heads_size() > 0 && qk.heads(qk.heads_size() - 1) != qk.heads_size() - 1) {
+    sample.heads.assign(qk.heads().begin(), qk.heads().end());
+  }
   out.payload = std::move(sample);
   return std::nullopt;
 }
@@ -336,7 +356,7 @@ size_t SampleBytes(const detectors::Sample& sample) {
   size_t bytes = sizeof(detectors::Sample) + sample.run.size();
   if (const auto* qk = std::get_if<detectors::QKSample>(&sample.payload)) {
     bytes += qk->q.data.size() + qk->k.data.size() + qk->probe_id.size() +
-             qk->kv_head_of.size() * sizeof(int32_t);
+             (qk->kv_head_of.size() + qk->heads.size()) * sizeof(int32_t);
   } else if (const auto* router = std::get_if<detectors::RouterSample>(&sample.payload)) {
     bytes += router->logits.data.size() + router->probe_id.size();
   } else if (const auto* curvature = std::get_if<detectors::CurvatureSample>(&sample.payload)) {

@@ -117,6 +117,7 @@ void ExpectAggregates(const std::map<std::string, std::map<int, double>>& by_sig
       {"qk_second_order_ratio", false}, {"qk_increment_top1_overlap", true},  {"attention_entropy", true},
       {"attention_max_logit", false}};
   for (const auto& [signal, values] : by_signal) {
+    if (signal.starts_with("qk_probe_")) continue;  // per layer: what was sampled
     SCOPED_TRACE(signal);
     ASSERT_TRUE(takes_min.count(signal));
     ASSERT_EQ(values.size(), static_cast<size_t>(heads + 1));
@@ -146,13 +147,15 @@ TEST(QKDetector, IsRegisteredWithItsSignals) {
       {"qk_increment_entropy", HeadAggregation::kMin}, {"qk_increment_effective_rank", HeadAggregation::kMin},
       {"qk_increment_top1_share", HeadAggregation::kMax}, {"qk_second_order_ratio", HeadAggregation::kMax},
       {"qk_increment_top1_overlap", HeadAggregation::kMin}, {"attention_entropy", HeadAggregation::kMin},
-      {"attention_max_logit", HeadAggregation::kMax}};
+      {"attention_max_logit", HeadAggregation::kMax}, {"qk_probe_heads", HeadAggregation::kNone},
+      {"qk_probe_tokens", HeadAggregation::kNone}};
   ASSERT_EQ(qk->signals.size(), expected.size());
   for (const SignalSpec& spec : qk->signals) {
     SCOPED_TRACE(std::string(spec.name));
     ASSERT_TRUE(expected.count(std::string(spec.name)));
     EXPECT_EQ(spec.aggregation, expected.at(std::string(spec.name)));
-    EXPECT_EQ(spec.scope, SignalScope::kLayerHead);
+    EXPECT_EQ(spec.scope, std::string_view(spec.name).starts_with("qk_probe_") ? SignalScope::kLayer
+                                                                               : SignalScope::kLayerHead);
     EXPECT_FALSE(spec.help.empty());
     EXPECT_EQ(spec.help.find('\n'), std::string_view::npos);
   }
@@ -176,7 +179,13 @@ class QKDetectorSeries : public ::testing::Test {
     detector->Process(MakeSample(run, kLayer, probe, q, k), emitter);
     EXPECT_EQ(emitter.non_finite, 0);
     for (const Recorded& r : emitter.observations) EXPECT_EQ(r.layer, kLayer);
-    return emitter.BySignal();
+    auto by_signal = emitter.BySignal();
+    // What was sampled: every head and token of these samples, per layer.
+    EXPECT_EQ(by_signal["qk_probe_heads"], (std::map<int, double>{{kAllHeads, double(q.size())}}));
+    EXPECT_EQ(by_signal["qk_probe_tokens"], (std::map<int, double>{{kAllHeads, double(q[0].rows())}}));
+    by_signal.erase("qk_probe_heads");
+    by_signal.erase("qk_probe_tokens");
+    return by_signal;
   }
   Heads q0, k0, q1, k1, q2, k2;
   std::unique_ptr<Detector> detector;
@@ -370,19 +379,88 @@ TEST(QKDetector, RestoresVersion1State) {
   EXPECT_EQ(b.BySignal(), a.BySignal());
 }
 
-TEST(QKDetector, AChangedPairingRestartsTheIncrement) {
-  std::mt19937 rng(4);
-  const Heads q = RandomHeads(4, 16, 4, rng), k = RandomHeads(2, 16, 4, rng);
+// A rotating subset of heads (QKSample.heads): each head's increment spans
+// from its own previous sample, and signals carry the model's head index.
+TEST(QKDetector, RotatingHeadSubsetsPairEachHeadWithItsOwnPreviousSample) {
+  std::mt19937 rng(6);
+  constexpr int kTokens = 20, kDim = 4;
+  const Heads q0 = RandomHeads(4, kTokens, kDim, rng), k0 = RandomHeads(2, kTokens, kDim, rng);
+  const Heads q1 = Perturb(q0, rng, 0.05), k1 = Perturb(k0, rng, 0.05);
+  auto rows = [](const Heads& heads, std::vector<int> pick) {
+    Heads out;
+    for (int h : pick) out.push_back(heads[static_cast<size_t>(h)]);
+    return out;
+  };
+  // Model: 4 query heads over 2 K heads (0,1 -> K 0; 2,3 -> K 1). Probes:
+  // heads {1, 2} at step 0, {0, 3} at step 1, {1, 2} again at step 2.
+  auto subset = [&](const Heads& q, const Heads& k, std::vector<int32_t> heads) {
+    std::vector<int> pick(heads.begin(), heads.end());
+    Sample sample = MakeSample("run", 0, "p", rows(q, pick), k);
+    auto& qk = std::get<QKSample>(sample.payload);
+    qk.heads = heads;
+    for (int32_t h : heads) qk.kv_head_of.push_back(h / 2);
+    return sample;
+  };
   std::unique_ptr<Detector> detector = MakeDetector("qk");
-  Sample first = MakeSample("run", 0, "p", q, k);
+  RecordingEmitter first, second, third;
+  detector->Process(subset(q0, k0, {1, 2}), first);
+  detector->Process(subset(q0, k0, {0, 3}), second);
+  detector->Process(subset(q1, k1, {1, 2}), third);
+  EXPECT_EQ(first.BySignal().at("attention_entropy").size(), 3u);  // heads 1, 2 and the layer
+  EXPECT_EQ(first.BySignal().at("qk_probe_heads").at(kAllHeads), 2);
+  EXPECT_EQ(first.BySignal().at("qk_probe_tokens").at(kAllHeads), kTokens);
+  EXPECT_EQ(second.BySignal().count("qk_increment_entropy"), 0u);   // 0 and 3 are new
+  ASSERT_EQ(third.BySignal().count("qk_increment_entropy"), 1u);
+  const std::map<int, double> got = third.BySignal().at("qk_increment_entropy");
+  ASSERT_EQ(got.size(), 3u);
+  // Reference: heads 1 and 2 alone, as a full two-head series with their K heads.
+  std::unique_ptr<Detector> reference = MakeDetector("qk");
+  RecordingEmitter ignored, want;
+  reference->Process(MakeSample("run", 0, "p", rows(q0, {1, 2}), rows(k0, {0, 1})), ignored);
+  reference->Process(MakeSample("run", 0, "p", rows(q1, {1, 2}), rows(k1, {0, 1})), want);
+  const std::map<int, double> expected = want.BySignal().at("qk_increment_entropy");
+  EXPECT_EQ(got.at(1), expected.at(0));
+  EXPECT_EQ(got.at(2), expected.at(1));
+  EXPECT_EQ(got.at(kAllHeads), expected.at(kAllHeads));  // heads 0 and 3 have no increment yet
+  // The layer's attention entropy is over every head's latest value: heads 1
+  // and 2 from this sample, 0 and 3 from the previous one.
+  const auto second_entropy = second.BySignal().at("attention_entropy");
+  const auto third_entropy = third.BySignal().at("attention_entropy");
+  EXPECT_EQ(third_entropy.at(kAllHeads), std::min({second_entropy.at(0), second_entropy.at(3),
+                                                   third_entropy.at(1), third_entropy.at(2)}));
+  // Heads 0 and 3 restored from a saved state still pair with step 1's sample.
+  codec::StateWriter writer;
+  detector->SaveState(writer);
+  const std::string state = writer.Take();
+  std::unique_ptr<Detector> restored = MakeDetector("qk");
+  codec::StateReader reader(state);
+  ASSERT_TRUE(restored->RestoreState(reader, {})) << reader.error();
+  RecordingEmitter fourth;
+  restored->Process(subset(q1, k1, {0, 3}), fourth);
+  EXPECT_EQ(fourth.BySignal().at("qk_increment_entropy").size(), 3u);
+}
+
+// The increment is of each query head's logits: the order in which a sample
+// carries the K heads (and so kv_head_of) may change between samples.
+TEST(QKDetector, TheIncrementFollowsEachQueryHeadsKAcrossKOrders) {
+  std::mt19937 rng(4);
+  const Heads q0 = RandomHeads(4, 16, 4, rng), k0 = RandomHeads(2, 16, 4, rng);
+  const Heads q1 = Perturb(q0, rng, 0.1), k1 = Perturb(k0, rng, 0.1);
+  std::unique_ptr<Detector> detector = MakeDetector("qk"), reference = MakeDetector("qk");
+  Sample first = MakeSample("run", 0, "p", q0, k0);
   std::get<QKSample>(first.payload).kv_head_of = {0, 0, 1, 1};
-  Sample second = MakeSample("run", 0, "p", Perturb(q, rng, 0.1), k);
-  std::get<QKSample>(second.payload).kv_head_of = {0, 1, 0, 1};
-  RecordingEmitter a, b;
-  detector->Process(first, a);
-  detector->Process(second, b);
-  EXPECT_EQ(b.BySignal().count("qk_increment_entropy"), 0u);  // no increment across pairings
-  EXPECT_EQ(b.BySignal().count("attention_entropy"), 1u);
+  Sample second = MakeSample("run", 0, "p", q1, Heads{k1[1], k1[0]});  // K rows swapped
+  std::get<QKSample>(second.payload).kv_head_of = {1, 1, 0, 0};
+  Sample first_ref = MakeSample("run", 0, "p", q0, k0), second_ref = MakeSample("run", 0, "p", q1, k1);
+  std::get<QKSample>(first_ref.payload).kv_head_of = {0, 0, 1, 1};
+  std::get<QKSample>(second_ref.payload).kv_head_of = {0, 0, 1, 1};
+  RecordingEmitter ignored, a, b;
+  detector->Process(first, ignored);
+  detector->Process(second, a);
+  reference->Process(first_ref, ignored);
+  reference->Process(second_ref, b);
+  EXPECT_EQ(a.BySignal().count("qk_increment_entropy"), 1u);
+  EXPECT_EQ(a.BySignal(), b.BySignal());
 }
 
 TEST(QKDetector, NoOverlapWhenTopVectorTrackingIsOff) {

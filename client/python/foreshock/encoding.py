@@ -27,6 +27,11 @@ def check_dtype(name):
     return name
 
 
+def itemsize(dtype):
+    """Bytes per element on the wire."""
+    return _DTYPES[check_dtype(dtype)][2].itemsize
+
+
 def tensor_bytes(t, dtype="bf16"):
     """Raw little-endian row-major bytes of `t` converted to `dtype`."""
     torch_dtype = _DTYPES[check_dtype(dtype)][1]

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from foreshock import capture, distributed, encoding, sharding
+from foreshock import capture, distributed, encoding, sampling, sharding
 from foreshock.alerts import AlertWatcher
 from foreshock.security import Security
 from foreshock.sender import RecordQueue, Sender
@@ -61,6 +61,18 @@ class Monitor:
       tap: optional callable receiving every Record before it is queued.
       probe_id: names the probe batch; increments pair samples of one probe_id.
       causal: whether the sampled attention is causal.
+      probe_heads: send this many query heads per layer and probe, a
+        rotating subset (every head is seen every ceil(heads / probe_heads)
+        probes), with only the K heads they use (foreshock.sampling). None: all.
+      probe_tokens: send at most this many tokens of each layer's Q/K: whole
+        sequences of the probe batch, or a prefix of the first (exact for
+        causal attention). None: all.
+      max_probe_bytes: a probe whose Q/K would exceed this (48 MiB: under
+        max_unacked_bytes, so a probe survives a reconnect) is sampled: first
+        256 tokens, then fewer query heads per probe, each unless set above
+        (foreshock.sampling.plan; logged once). A 70B-class model (80 layers,
+        64 heads, 8 KV heads, head_dim 128) then sends 8 heads x 256 tokens
+        per layer. None: no limit.
       broadcast_kv: send grouped-query K repeated for every query head, as
         clients did before K went on the wire with its own heads. Only for a
         foreshockd older than that (it rejects K with fewer heads than Q as
@@ -85,7 +97,8 @@ class Monitor:
                  max_batch_bytes=1 << 20,
                  backoff_initial_s=0.1, backoff_max_s=5.0, channel_options=(), curvature=None,
                  probe_all_ranks=False, endpoints=None, token=None, tls_ca=None, tls_cert=None,
-                 tls_key=None, broadcast_kv=False):
+                 tls_key=None, broadcast_kv=False, probe_heads=None, probe_tokens=None,
+                 max_probe_bytes=48 << 20):
         if run_id is None or job is None:
             raise TypeError("Monitor() needs run_id and job")
         if (endpoint is None) == (endpoints is None):
@@ -107,6 +120,11 @@ class Monitor:
         self.probe_id = probe_id
         self.causal = causal
         self.broadcast_kv = broadcast_kv
+        self.probe_heads = sampling.check(probe_heads, "probe_heads")
+        self.probe_tokens = sampling.check(probe_tokens, "probe_tokens")
+        self.max_probe_bytes = sampling.check(max_probe_bytes, "max_probe_bytes")
+        self._sampling_logged = None
+        self._plan_cache = None
         self.tap = tap
         self.curvature = curvature
         self.probes_here = probe_all_ranks or rank == 0
@@ -241,14 +259,25 @@ class Monitor:
         qk = collector.explicit_qk if self._explicit_qk else collector.discovered_qk
         routers = collector.explicit_router if self._explicit_router \
             else collector.discovered_router
+        probe_heads, probe_tokens = self._sampling_plan(qk)
         for layer in sorted(qk):
             q, k, seq_len = qk[layer]
-            record = pb.Record(step=step)
+            q, k, seq_len = sampling.token_subset(q, k, seq_len, probe_tokens)
+            subset = sampling.head_subset(q.shape[0], k.shape[0], probe_heads,
+                                          self._counts["probes"])
+            heads, kv_head_of = (), ()
+            if subset is not None:
+                heads, kv_heads, kv_head_of = subset
+                q, k = q[heads], k[kv_heads]
             if self.broadcast_kv:
-                k = capture.broadcast_kv_heads(q, k)
+                k = k[list(kv_head_of)] if subset is not None else \
+                    capture.broadcast_kv_heads(q, k)
+                kv_head_of = ()
+            record = pb.Record(step=step)
             record.qk.CopyFrom(pb.QKSample(
                 layer=layer, probe_id=self.probe_id, causal=self.causal, seq_len=seq_len,
-                q=encoding.encode_tensor(q, self.dtype), k=encoding.encode_tensor(k, self.dtype)))
+                q=encoding.encode_tensor(q, self.dtype), k=encoding.encode_tensor(k, self.dtype),
+                kv_head_of=kv_head_of, heads=heads))
             self._emit(record)
         for layer in sorted(routers):
             logits, top_k = routers[layer]
@@ -259,6 +288,29 @@ class Monitor:
             self._emit(record)
         self._counts["probes"] += 1
         self._probe_seconds += time.perf_counter() - start
+
+    def _sampling_plan(self, qk):
+        """(query heads per layer, tokens) this probe sends (None: all): the
+        explicit probe_heads/probe_tokens, and within max_probe_bytes."""
+        layers = tuple((q.shape[0], k.shape[0], q.shape[1], q.shape[2], seq_len)
+                       for q, k, seq_len in qk.values())
+        itemsize = encoding.itemsize(self.dtype)
+        if self._plan_cache is None or self._plan_cache[0] != layers:  # the same every probe
+            self._plan_cache = (layers, sampling.plan(layers, itemsize, self.max_probe_bytes,
+                                                      self.probe_heads, self.probe_tokens))
+        heads, tokens, size = self._plan_cache[1]
+        chosen = (heads, tokens)
+        if chosen != (self.probe_heads, self.probe_tokens) and chosen != self._sampling_logged:
+            self._sampling_logged = chosen
+            full = sampling.plan(layers, itemsize, None)[2]
+            most = max((h for h, _, _, _, _ in layers), default=0)
+            log.info("foreshock: a full probe is %.1f MB of Q/K, over max_probe_bytes (%.1f MB): "
+                     "sending %s query heads per layer (a rotating subset: every head every %d "
+                     "probes) and %s tokens, %.1f MB", full / 1e6, self.max_probe_bytes / 1e6,
+                     heads if heads is not None else "all",
+                     sampling.probes_to_see_every_head(most, heads),
+                     tokens if tokens is not None else "all", size / 1e6)
+        return chosen
 
     def _probe_forward(self):
         """One no-grad eval-mode forward of the probe batch. Every module's own

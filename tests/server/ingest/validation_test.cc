@@ -127,6 +127,31 @@ TEST_F(ValidationTest, RejectsKHeadsThatDoNotPairWithTheQueryHeads) {
   rejected(negative, "kv_head_of[0] = -1");
 }
 
+TEST_F(ValidationTest, ASubsetOfHeadsNamesThem) {
+  context_.model.set_n_heads(8);
+  // Without names, q must hold every head.
+  EXPECT_EQ(Validate(QK({2, 16, 8}, {2, 16, 8}))->code, reason::kHeadsMismatch);
+  v1::Record named = QK({2, 16, 8}, {1, 16, 8});
+  named.mutable_qk()->add_heads(5);
+  named.mutable_qk()->add_heads(6);
+  detectors::Sample sample;
+  ASSERT_FALSE(ValidateRecord(named, context_, limits_, sample).has_value());
+  EXPECT_EQ(std::get<detectors::QKSample>(sample.payload).heads, (std::vector<int32_t>{5, 6}));
+  auto rejected = [&](std::vector<int32_t> heads, const std::string& detail) {
+    v1::Record record = QK({2, 16, 8}, {2, 16, 8});
+    for (int32_t h : heads) record.mutable_qk()->add_heads(h);
+    auto r = Validate(std::move(record));
+    ASSERT_TRUE(r.has_value());
+    EXPECT_EQ(r->code, reason::kHeadsMismatch);
+    EXPECT_NE(r->detail.find(detail), std::string::npos) << r->detail;
+  };
+  rejected({3}, "heads names 1 heads for 2 rows of q");
+  rejected({3, 3}, "strictly ascending in [0, 8)");
+  rejected({4, 2}, "heads[1] = 2");
+  rejected({7, 8}, "heads[1] = 8");
+  rejected({-1, 2}, "heads[0] = -1");
+}
+
 TEST_F(ValidationTest, RejectsUnknownDType) {
   v1::Record record = QK({2, 16, 8}, {2, 16, 8});
   record.mutable_qk()->mutable_k()->set_dtype(v1::DTYPE_UNSPECIFIED);
