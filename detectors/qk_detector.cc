@@ -23,6 +23,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -146,10 +147,10 @@ class QKDetector final : public Detector {
   struct HeadState {
     // The head's previous finite Q and the K it attended with, [tokens, dim],
     // as raw bytes (decoded only when needed: half the memory for 16-bit
-    // dtypes; grouped K is kept once per query head, at most heads/kv_heads x
-    // K's bytes, for heads that may be probed at different steps).
+    // dtypes). The query heads of one grouped-query K share its copy: a K head
+    // is kept once per sample it came from, not once per query head.
     RawTensor q;
-    RawTensor k;
+    std::shared_ptr<const RawTensor> k;
     // The previous increment's top direction; empty when unknown.
     std::vector<double> top_vector;
     // Per head signal: its value from this head's latest sample (NaN: that
@@ -217,6 +218,7 @@ void QKDetector::Process(const Sample& sample, Emitter& emitter) {
   const AttentionMask mask{qk.causal, qk.seq_len};
   const QKSpectrumOptions spectrum_options{options_.qk_track_top_vector};
   using HeadMap = Eigen::Map<const RowMajorMatrix<float>>;
+  std::vector<std::shared_ptr<const RawTensor>> k_heads(static_cast<size_t>(qk.k.shape[0]));
   for (int64_t row = 0; row < rows; ++row) {
     const int head = qk.heads.empty() ? static_cast<int>(row) : qk.heads[static_cast<size_t>(row)];
     // Grouped-query attention: this query head's K head (K is sent once per group).
@@ -236,10 +238,10 @@ void QKDetector::Process(const Sample& sample, Emitter& emitter) {
 
     HeadState& previous = state.heads[head];
     const bool has_previous = previous.q.shape == head_shape && previous.q.dtype == qk.q.dtype &&
-                              previous.k.dtype == qk.k.dtype;
+                              previous.k != nullptr && previous.k->dtype == qk.k.dtype;
     if (has_previous) {
       DecodeTensor(previous.q, q_prev_);
-      DecodeTensor(previous.k, k_prev_);
+      DecodeTensor(*previous.k, k_prev_);
       const HeadMap q_prev(q_prev_.data(), tokens, head_dim);
       const HeadMap k_prev(k_prev_.data(), tokens, head_dim);
       QKIncrementSpectrum spectrum =
@@ -270,7 +272,9 @@ void QKDetector::Process(const Sample& sample, Emitter& emitter) {
       previous.top_vector.clear();  // a restarted head: no direction to compare with
     }
     previous.q = HeadSlice(qk.q, row);
-    previous.k = HeadSlice(qk.k, kv);
+    std::shared_ptr<const RawTensor>& k_copy = k_heads[static_cast<size_t>(kv)];
+    if (k_copy == nullptr) k_copy = std::make_shared<const RawTensor>(HeadSlice(qk.k, kv));
+    previous.k = k_copy;
   }
 
   // What was sampled: the per-layer values above are over these heads and tokens.
@@ -351,7 +355,7 @@ void QKDetector::SaveState(codec::StateWriter& writer) const {
     for (const auto& [head, head_state] : state.heads) {
       writer.PutI32(head);
       PutTensor(writer, head_state.q);
-      PutTensor(writer, head_state.k);
+      PutTensor(writer, head_state.k != nullptr ? *head_state.k : RawTensor{});
       writer.PutVector(head_state.top_vector);
       for (double value : head_state.latest) writer.PutDouble(value);
     }
@@ -387,10 +391,15 @@ bool QKDetector::RestoreWholeSample(codec::StateReader& reader, uint32_t version
   }
   if (q_shape.empty()) return true;
   RawTensor q{q_dtype, q_shape, std::string(q_data)}, k{k_dtype, k_shape, std::string(k_data)};
+  std::vector<std::shared_ptr<const RawTensor>> k_heads(static_cast<size_t>(k_shape[0]));
   for (int64_t h = 0; h < q_shape[0]; ++h) {
     HeadState& head = state.heads[static_cast<int>(h)];
     head.q = HeadSlice(q, h);
-    head.k = HeadSlice(k, kv_head_of.empty() ? h : kv_head_of[static_cast<size_t>(h)]);
+    const int64_t kv = kv_head_of.empty() ? h : kv_head_of[static_cast<size_t>(h)];
+    if (k_heads[static_cast<size_t>(kv)] == nullptr) {
+      k_heads[static_cast<size_t>(kv)] = std::make_shared<const RawTensor>(HeadSlice(k, kv));
+    }
+    head.k = k_heads[static_cast<size_t>(kv)];
     if (static_cast<uint64_t>(h) < heads) head.top_vector = std::move(top_vectors[static_cast<size_t>(h)]);
   }
   return true;
@@ -416,6 +425,7 @@ bool QKDetector::RestoreState(codec::StateReader& reader, const SeriesFilter& ke
       } else {
         uint64_t heads = 0;
         if (!reader.GetCount(heads, 8)) return false;
+        std::map<std::string_view, std::shared_ptr<const RawTensor>> k_copies;  // by bytes
         for (uint64_t h = 0; h < heads; ++h) {
           int32_t head = 0;
           HeadState head_state;
@@ -437,7 +447,13 @@ bool QKDetector::RestoreState(codec::StateReader& reader, const SeriesFilter& ke
             return reader.Fail("top direction length does not match the probe");
           }
           head_state.q = RawTensor{q_dtype, std::move(q_shape), std::string(q_data)};
-          head_state.k = RawTensor{k_dtype, std::move(k_shape), std::string(k_data)};
+          // Heads that shared a K copy when saved share one again (identical bytes).
+          std::shared_ptr<const RawTensor>& k_copy = k_copies[k_data];
+          if (k_copy == nullptr || k_copy->dtype != k_dtype || k_copy->shape != k_shape) {
+            k_copy = std::make_shared<const RawTensor>(
+                RawTensor{k_dtype, std::move(k_shape), std::string(k_data)});
+          }
+          head_state.k = k_copy;
           if (!state.heads.emplace(head, std::move(head_state)).second) {
             return reader.Fail("head saved twice");
           }
