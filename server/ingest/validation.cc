@@ -192,11 +192,12 @@ std::optional<Rejection> ValidateQK(v1::QKSample& qk, const StreamContext& conte
   sample.q = TakeTensor(*qk.mutable_q());
   sample.k = TakeTensor(*qk.mutable_k());
   sample.kv_head_of = std::move(kv_head_of);
-  // Strictly ascending from >= 0: it names every head, in order (the
-  // default), exactly when its last entry is its size - 1.
-  if (qk.heads_size() > 0 && qk.heads(qk.heads_size() - 1) != qk.heads_size() - 1) {
-    sample.heads.assign(qk.heads().begin(), qk.heads().end());
-  }
+  // The names are dropped only when they say what no names say: every head
+  // of the model, in order. Heads 0..n-1 of a larger model are a subset (a
+  // rotation window), and a sample without names holds every head: the
+  // detector would forget the state of heads >= n.
+  const bool every_head = context.model.n_heads() > 0 && qk.heads_size() == context.model.n_heads();
+  if (qk.heads_size() > 0 && !every_head) sample.heads.assign(qk.heads().begin(), qk.heads().end());
   out.payload = std::move(sample);
   return std::nullopt;
 }

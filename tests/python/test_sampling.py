@@ -112,14 +112,16 @@ def test_every_sampled_head_reaches_the_daemon_as_itself(start_foreshockd):
     probe = torch.randint(0, 17, (3, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     monitor = Monitor(daemon.endpoint, run_id="sampled", job="t", model=model, probe_batch=probe,
-                      every=1, discover=False, dtype="fp32", probe_heads=3, probe_tokens=20)
+                      every=1, discover=False, dtype="fp32", probe_heads=4, probe_tokens=20)
     model.monitor = monitor
     want = {}  # (step, head) -> attention entropy from the full probe's tensors
     try:
-        for step in range(6):  # heads seen: 0-2, 3-5, 6,7,0, 1-3, 4-6, 7,0,1
+        # Heads 0-3, 4-7, 0-3, 4-7, ...: the window at head 0 comes back (a
+        # subset, not "every head": the other heads keep their state).
+        for step in range(6):
             monitor.step(step, loss=1.0)
             q_full, k_full = model.last
-            for h in sampling.head_subset(8, 2, 3, step)[0]:
+            for h in sampling.head_subset(8, 2, 4, step)[0]:
                 want[(step, h)] = attention_entropy(q_full[:2, h].reshape(20, 4).numpy(),
                                                     k_full[:2, h // 4].reshape(20, 4).numpy(), 10)
             model.monitor = None
@@ -140,8 +142,8 @@ def test_every_sampled_head_reaches_the_daemon_as_itself(start_foreshockd):
 
     def complete(_samples):
         try:
-            return len(points("attention_entropy", 1)) == 3 and \
-                len(points("qk_increment_entropy", 7)) == 1
+            return len(points("attention_entropy", 7)) == 3 and \
+                len(points("qk_increment_entropy", 7)) == 2
         except OSError:
             return False
 
@@ -191,5 +193,40 @@ def test_a_probe_over_max_probe_bytes_is_sampled_and_says_so(caplog):
         assert all(len(s.q.data) + len(s.k.data) <= budget for s in samples)
         said = [r.getMessage() for r in caplog.records if "max_probe_bytes" in r.getMessage()]
         assert len(said) == 1 and "every head every 4 probes" in said[0], said
+    finally:
+        monitor.close(timeout=0.1)
+
+
+def test_layers_are_sampled_as_they_are_captured(monkeypatch):
+    """A large model's probe never holds every layer's whole Q/K: each layer
+    is cut down (a copy, not a view of the whole) as it is captured."""
+    from foreshock import ModelInfo, capture
+
+    stored = []
+    original = capture.ProbeCollector.add_qk
+
+    def add_qk(self, store, layer, q, k, seq_len):
+        original(self, store, layer, q, k, seq_len)
+        stored.append(store[layer][:2])
+
+    monkeypatch.setattr(capture.ProbeCollector, "add_qk", add_qk)
+    torch.manual_seed(0)
+    model = GroupedAttention()
+    probe = torch.randint(0, 17, (2, 300))
+    records = []
+    budget = 3 * 256 * 4 * 4  # fp32: 2 query heads + 1 K head of 256 tokens
+    monitor = Monitor(f"127.0.0.1:{free_port()}", run_id="s", job="t", model=model,
+                      probe_batch=probe, every=1, tap=records.append, dtype="fp32",
+                      discover=False, max_probe_bytes=budget,
+                      model_info=ModelInfo(n_layers=1, n_heads=8, head_dim=4))
+    model.monitor = monitor
+    try:
+        for step in range(3):
+            monitor.step(step)
+        # From the first probe on (model_info says 1 layer): 2 of 8 heads, 256 tokens.
+        assert [tuple(q.shape) for q, _ in stored] == [(2, 256, 4)] * 3
+        assert [tuple(k.shape) for _, k in stored] == [(1, 256, 4)] * 3
+        assert all(q._base is None and k._base is None for q, k in stored)
+        assert [list(r.qk.heads) for r in records if r.HasField("qk")] == [[0, 1], [2, 3], [4, 5]]
     finally:
         monitor.close(timeout=0.1)

@@ -467,13 +467,19 @@ class ProbeCollector:
     forward, e.g. shared weights, is sampled at its first call).
     """
 
-    def __init__(self):
-        self.explicit_qk = {}      # layer -> (q [H, N, d], k [H, N, d], seq_len)
+    def __init__(self, reduce=None):
+        # layer -> (q [H, N, d], k [Hkv, N, d], seq_len, sampled): sampled is
+        # what `reduce` returned beside the tensors, None when it kept them whole.
+        self.explicit_qk = {}
         self.discovered_qk = {}
         self.fallback_qk = {}      # projection samples of interface sites not yet verified
         self.explicit_router = {}  # layer -> (logits [N, E], top_k)
         self.discovered_router = {}
         self._attention_sites = []
+        # reduce(q, k, seq_len) -> (q, k, seq_len, sampled): the monitor's
+        # sampling, applied as each layer is captured, so that a large model's
+        # probe never holds every layer's whole Q/K at once (foreshock.sampling).
+        self.reduce = reduce
 
     def add_qk(self, store, layer, q, k, seq_len):
         if layer in store:
@@ -487,7 +493,10 @@ class ProbeCollector:
             raise ValueError(f"layer {layer}: {hq} query heads cannot share {hk} key heads")
         # Grouped-query K goes on the wire once per group: the daemon pairs
         # query head h with K head h // (hq/hk), the layout of HF's repeat_kv.
-        store[layer] = (q.detach(), k.detach(), seq_len)
+        q, k, sampled = q.detach(), k.detach(), None
+        if self.reduce is not None:
+            q, k, seq_len, sampled = self.reduce(q, k, seq_len)
+        store[layer] = (q, k, seq_len, sampled)
 
     def add_router(self, store, layer, logits, top_k):
         if layer not in store:

@@ -241,7 +241,7 @@ class Monitor:
         if self.model is None or self.probe_batch is None:
             raise ValueError("probe() needs the monitor's model and probe_batch")
         start = time.perf_counter()
-        collector = capture.ProbeCollector()
+        collector = capture.ProbeCollector(reduce=self._capture_reducer())
         handles = collector.attach(
             [] if self._explicit_qk else self.attention_sites,
             [] if self._explicit_router else self.router_sites)
@@ -261,14 +261,11 @@ class Monitor:
             else collector.discovered_router
         probe_heads, probe_tokens = self._sampling_plan(qk)
         for layer in sorted(qk):
-            q, k, seq_len = qk[layer]
-            q, k, seq_len = sampling.token_subset(q, k, seq_len, probe_tokens)
-            subset = sampling.head_subset(q.shape[0], k.shape[0], probe_heads,
-                                          self._counts["probes"])
-            heads, kv_head_of = (), ()
-            if subset is not None:
-                heads, kv_heads, kv_head_of = subset
-                q, k = q[heads], k[kv_heads]
+            q, k, seq_len, sampled = qk[layer]
+            if sampled is None:  # not sampled as it was captured: now
+                q, k, seq_len, sampled = self._sample(q, k, seq_len, probe_heads, probe_tokens)
+            heads, kv_head_of = sampled[1], sampled[2]
+            subset = heads or None
             if self.broadcast_kv:
                 k = k[list(kv_head_of)] if subset is not None else \
                     capture.broadcast_kv_heads(q, k)
@@ -289,16 +286,60 @@ class Monitor:
         self._counts["probes"] += 1
         self._probe_seconds += time.perf_counter() - start
 
+    def _sample(self, q, k, seq_len, probe_heads, probe_tokens):
+        """One layer's q [H, N, d], k [Hkv, N, d] as this probe sends them:
+        (q, k, seq_len, (full shape, heads, kv_head_of)), heads and
+        kv_head_of empty when every head goes. Sampled tensors are copies:
+        the whole layer's storage is not kept alive by a view."""
+        full = (q.shape[0], k.shape[0], q.shape[1], q.shape[2], seq_len)
+        n = q.shape[1]
+        q, k, seq_len = sampling.token_subset(q, k, seq_len, probe_tokens)
+        subset = sampling.head_subset(q.shape[0], k.shape[0], probe_heads,
+                                      self._counts["probes"])
+        heads, kv_head_of = (), ()
+        if subset is not None:
+            heads, kv_heads, kv_head_of = subset
+            q, k = q[heads], k[kv_heads]  # indexing copies
+        elif q.shape[1] != n:
+            q, k = q.clone(), k.clone()
+        return q, k, seq_len, (full, heads, kv_head_of)
+
+    def _capture_reducer(self):
+        """ProbeCollector's reduce: samples each layer as it is captured, with
+        the plan of the previous probe when its layer shapes recur, or, on the
+        first probe, the plan for as many layers of this one's shape as
+        discovery found (or model_info says). None: nothing to sample by."""
+        if self.max_probe_bytes is None and self.probe_heads is None \
+                and self.probe_tokens is None:
+            return None
+        expected = len(self.attention_sites) or self.model_info.n_layers
+
+        def reduce(q, k, seq_len):
+            full = (q.shape[0], k.shape[0], q.shape[1], q.shape[2], seq_len)
+            if self._plan_cache is None or full not in self._plan_cache[0]:
+                if expected <= 0:
+                    return q, k, seq_len, None
+                self._plan_for((full,) * expected)
+            heads, tokens, _ = self._plan_cache[1]
+            return self._sample(q, k, seq_len, heads, tokens)
+
+        return reduce
+
+    def _plan_for(self, layers):
+        if self._plan_cache is None or self._plan_cache[0] != layers:  # the same every probe
+            self._plan_cache = (layers, sampling.plan(
+                layers, encoding.itemsize(self.dtype), self.max_probe_bytes, self.probe_heads,
+                self.probe_tokens))
+        return self._plan_cache[1]
+
     def _sampling_plan(self, qk):
         """(query heads per layer, tokens) this probe sends (None: all): the
         explicit probe_heads/probe_tokens, and within max_probe_bytes."""
-        layers = tuple((q.shape[0], k.shape[0], q.shape[1], q.shape[2], seq_len)
-                       for q, k, seq_len in qk.values())
+        layers = tuple(sampled[0] if sampled is not None else
+                       (q.shape[0], k.shape[0], q.shape[1], q.shape[2], seq_len)
+                       for q, k, seq_len, sampled in qk.values())
         itemsize = encoding.itemsize(self.dtype)
-        if self._plan_cache is None or self._plan_cache[0] != layers:  # the same every probe
-            self._plan_cache = (layers, sampling.plan(layers, itemsize, self.max_probe_bytes,
-                                                      self.probe_heads, self.probe_tokens))
-        heads, tokens, size = self._plan_cache[1]
+        heads, tokens, size = self._plan_for(layers)
         chosen = (heads, tokens)
         if chosen != (self.probe_heads, self.probe_tokens) and chosen != self._sampling_logged:
             self._sampling_logged = chosen

@@ -137,6 +137,18 @@ TEST_F(ValidationTest, ASubsetOfHeadsNamesThem) {
   detectors::Sample sample;
   ASSERT_FALSE(ValidateRecord(named, context_, limits_, sample).has_value());
   EXPECT_EQ(std::get<detectors::QKSample>(sample.payload).heads, (std::vector<int32_t>{5, 6}));
+  // The first heads of a larger model are a subset too (a rotation window at
+  // head 0), not "every head": their names stay.
+  v1::Record first = QK({2, 16, 8}, {1, 16, 8});
+  first.mutable_qk()->add_heads(0);
+  first.mutable_qk()->add_heads(1);
+  ASSERT_FALSE(ValidateRecord(first, context_, limits_, sample).has_value());
+  EXPECT_EQ(std::get<detectors::QKSample>(sample.payload).heads, (std::vector<int32_t>{0, 1}));
+  // Every head, named in order, is the same as no names.
+  v1::Record all = QK({8, 16, 8}, {2, 16, 8});
+  for (int h = 0; h < 8; ++h) all.mutable_qk()->add_heads(h);
+  ASSERT_FALSE(ValidateRecord(all, context_, limits_, sample).has_value());
+  EXPECT_TRUE(std::get<detectors::QKSample>(sample.payload).heads.empty());
   auto rejected = [&](std::vector<int32_t> heads, const std::string& detail) {
     v1::Record record = QK({2, 16, 8}, {2, 16, 8});
     for (int32_t h : heads) record.mutable_qk()->add_heads(h);
