@@ -391,6 +391,7 @@ bool QKDetector::RestoreWholeSample(codec::StateReader& reader, uint32_t version
   }
   if (q_shape.empty()) return true;
   RawTensor q{q_dtype, q_shape, std::string(q_data)}, k{k_dtype, k_shape, std::string(k_data)};
+  if (CountNonFinite(q) + CountNonFinite(k) > 0) return reader.Fail("a kept sample has non-finite values");
   std::vector<std::shared_ptr<const RawTensor>> k_heads(static_cast<size_t>(k_shape[0]));
   for (int64_t h = 0; h < q_shape[0]; ++h) {
     HeadState& head = state.heads[static_cast<int>(h)];
@@ -447,6 +448,11 @@ bool QKDetector::RestoreState(codec::StateReader& reader, const SeriesFilter& ke
             return reader.Fail("top direction length does not match the probe");
           }
           head_state.q = RawTensor{q_dtype, std::move(q_shape), std::string(q_data)};
+          // Only finite samples are kept: anything else is a corrupt state.
+          if (CountNonFinite(head_state.q) > 0 ||
+              CountNonFinite(RawTensor{k_dtype, k_shape, std::string(k_data)}) > 0) {
+            return reader.Fail("a kept sample has non-finite values");
+          }
           // Heads that shared a K copy when saved share one again (identical bytes).
           std::shared_ptr<const RawTensor>& k_copy = k_copies[k_data];
           if (k_copy == nullptr || k_copy->dtype != k_dtype || k_copy->shape != k_shape) {

@@ -571,6 +571,7 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar
   // powers of two) only for inputs far from order one, e.g. float values near
   // 1e38 or 1e-38. Statistics are scale-free.
   auto exponent_of = [](double max_square) {
+    if (!std::isfinite(max_square)) return 0;  // non-finite Grams: no rescaling (ilogb is undefined)
     const int exponent = std::ilogb(max_square) / 2;
     return std::abs(exponent) <= 60 ? 0 : exponent;
   };
