@@ -27,11 +27,14 @@ AlertFamily FamilyOfAlert(std::string_view alertname) {
 }
 
 ProbableCause ClassifyProbableCause(const CauseEvidence& evidence) {
-  const bool precision =
-      evidence.qk_spectrum ||
-      (evidence.attention_logits && evidence.attention_before_learning_rate);
-  const bool learning_rate = evidence.lr_rise || evidence.curvature || evidence.router_collapse;
   const bool attention = evidence.qk_spectrum || evidence.attention_logits;
+  const bool precision =
+      !evidence.precision_ruled_out &&
+      (evidence.qk_spectrum ||
+       (evidence.attention_logits && evidence.attention_before_learning_rate));
+  // With fp32 attention an attention instability is the update size's doing.
+  const bool learning_rate = evidence.lr_rise || evidence.curvature || evidence.router_collapse ||
+                             (evidence.precision_ruled_out && attention);
   if (precision && learning_rate) return ProbableCause::kCombined;
   if (learning_rate) return ProbableCause::kLearningRateTooHigh;
   if (attention) return ProbableCause::kLowPrecisionAttention;

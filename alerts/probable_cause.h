@@ -10,6 +10,9 @@
 //   curvature        ForeshockCurvatureAboveEdge (rho surge or rho > 1)
 //   LR rise          the learning rate the run streams (StepScalars.lr) rose by
 //                    lr_rise_factor or more over its own lagged baseline
+//   fp32 attention   every layer's QKSample.attention_dtype says FLOAT32: the
+//                    precision column below is "no", and attention evidence
+//                    counts as learning-rate evidence
 //   (loss spikes and non-finite values are consequences, not evidence)
 //
 // With  precision = qk spectrum, or attention logits that began before any
@@ -81,6 +84,9 @@ struct CauseEvidence {
   bool lr_rise = false;
   // The attention-logit evidence began before any learning-rate evidence.
   bool attention_before_learning_rate = false;
+  // Every layer that reports its attention compute dtype computes in fp32:
+  // no precision fault (and attention evidence then points at the update size).
+  bool precision_ruled_out = false;
 };
 
 ProbableCause ClassifyProbableCause(const CauseEvidence& evidence);

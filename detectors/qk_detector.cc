@@ -47,6 +47,7 @@ enum QKSignal : size_t {
   kHeadSignalCount,  // the signals above are per head; those below per layer
   kProbeHeads = kHeadSignalCount,
   kProbeTokens,
+  kAttentionComputeBits,
   kQKSignalCount,
 };
 
@@ -86,6 +87,11 @@ constexpr std::array<SignalSpec, kQKSignalCount> kQKSignals = {{
     {"qk_probe_tokens",
      "Tokens in the layer's latest QK sample (the probe batch, or the subset the client sends: "
      "Monitor(probe_tokens=...)).",
+     SignalScope::kLayer},
+    {"attention_compute_bits",
+     "Bits of the floating-point type the model computes the layer's attention in, as the "
+     "client reports it (32: fp32; 16: bf16 or fp16); absent when the client does not say. "
+     "fp32 attention rules out a low-precision-attention fault.",
      SignalScope::kLayer},
 }};
 
@@ -280,6 +286,10 @@ void QKDetector::Process(const Sample& sample, Emitter& emitter) {
   // What was sampled: the per-layer values above are over these heads and tokens.
   emitter.Emit(Observation{kQKSignals[kProbeHeads].name, qk.layer, kAllHeads, static_cast<double>(rows)});
   emitter.Emit(Observation{kQKSignals[kProbeTokens].name, qk.layer, kAllHeads, static_cast<double>(tokens)});
+  if (qk.attention_dtype) {
+    emitter.Emit(Observation{kQKSignals[kAttentionComputeBits].name, qk.layer, kAllHeads,
+                             8.0 * static_cast<double>(DTypeSize(*qk.attention_dtype))});
+  }
   // A full sample (no head names) holds every head there is: forget heads of
   // an earlier, larger shape, so that their values leave the layer's.
   if (qk.heads.empty()) state.heads.erase(state.heads.lower_bound(static_cast<int>(rows)), state.heads.end());

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <variant>
 #include <vector>
@@ -52,6 +53,9 @@ struct QKSample {
   std::vector<int32_t> heads;
   bool causal = false;
   int seq_len = 0;  // > 0: block-diagonal mask over back-to-back sequences
+  // The dtype the model computes this layer's attention in, when the client
+  // says (not the wire dtype of q and k).
+  std::optional<DType> attention_dtype;
 };
 
 struct RouterSample {

@@ -183,6 +183,15 @@ std::optional<Rejection> ValidateQK(v1::QKSample& qk, const StreamContext& conte
   if (auto r = CheckElements(qk.q(), "q", limits)) return r;
   if (auto r = CheckByteLength(qk.q(), "q")) return r;
   if (auto r = CheckByteLength(qk.k(), "k")) return r;
+  std::optional<DType> attention_dtype;
+  if (qk.attention_dtype() != v1::DTYPE_UNSPECIFIED) {
+    attention_dtype = ToDType(qk.attention_dtype());
+    if (!attention_dtype) {
+      return Reject(reason::kUnknownDType, absl::StrCat("attention_dtype ",
+                                                        static_cast<int>(qk.attention_dtype()),
+                                                        " is not a known DType"));
+    }
+  }
 
   detectors::QKSample sample;
   sample.layer = qk.layer();
@@ -192,6 +201,7 @@ std::optional<Rejection> ValidateQK(v1::QKSample& qk, const StreamContext& conte
   sample.q = TakeTensor(*qk.mutable_q());
   sample.k = TakeTensor(*qk.mutable_k());
   sample.kv_head_of = std::move(kv_head_of);
+  sample.attention_dtype = attention_dtype;
   // The names are dropped only when they say what no names say: every head
   // of the model, in order. Heads 0..n-1 of a larger model are a subset (a
   // rotation window), and a sample without names holds every head: the

@@ -148,14 +148,15 @@ TEST(QKDetector, IsRegisteredWithItsSignals) {
       {"qk_increment_top1_share", HeadAggregation::kMax}, {"qk_second_order_ratio", HeadAggregation::kMax},
       {"qk_increment_top1_overlap", HeadAggregation::kMin}, {"attention_entropy", HeadAggregation::kMin},
       {"attention_max_logit", HeadAggregation::kMax}, {"qk_probe_heads", HeadAggregation::kNone},
-      {"qk_probe_tokens", HeadAggregation::kNone}};
+      {"qk_probe_tokens", HeadAggregation::kNone}, {"attention_compute_bits", HeadAggregation::kNone}};
   ASSERT_EQ(qk->signals.size(), expected.size());
   for (const SignalSpec& spec : qk->signals) {
     SCOPED_TRACE(std::string(spec.name));
     ASSERT_TRUE(expected.count(std::string(spec.name)));
     EXPECT_EQ(spec.aggregation, expected.at(std::string(spec.name)));
-    EXPECT_EQ(spec.scope, std::string_view(spec.name).starts_with("qk_probe_") ? SignalScope::kLayer
-                                                                               : SignalScope::kLayerHead);
+    const bool per_layer = std::string_view(spec.name).starts_with("qk_probe_") ||
+                           spec.name == "attention_compute_bits";
+    EXPECT_EQ(spec.scope, per_layer ? SignalScope::kLayer : SignalScope::kLayerHead);
     EXPECT_FALSE(spec.help.empty());
     EXPECT_EQ(spec.help.find('\n'), std::string_view::npos);
   }
@@ -190,6 +191,25 @@ class QKDetectorSeries : public ::testing::Test {
   Heads q0, k0, q1, k1, q2, k2;
   std::unique_ptr<Detector> detector;
 };
+
+TEST(QKDetector, ReportsTheAttentionComputeWidthOnlyWhenTheClientSaysIt) {
+  std::mt19937 rng(5);
+  const Heads q = RandomHeads(2, 8, 4, rng), k = RandomHeads(2, 8, 4, rng);
+  std::unique_ptr<Detector> detector = MakeDetector("qk");
+  const std::vector<std::pair<std::optional<DType>, std::optional<double>>> cases = {
+      {std::nullopt, std::nullopt}, {DType::kFloat32, 32.0}, {DType::kBFloat16, 16.0},
+      {DType::kFloat16, 16.0}};
+  for (const auto& [dtype, bits] : cases) {
+    Sample sample = MakeSample("run", 3, "p", q, k);
+    std::get<QKSample>(sample.payload).attention_dtype = dtype;
+    RecordingEmitter emitter;
+    detector->Process(sample, emitter);
+    const auto by_signal = emitter.BySignal();
+    const auto it = by_signal.find("attention_compute_bits");
+    ASSERT_EQ(it != by_signal.end(), bits.has_value());
+    if (bits) EXPECT_EQ(it->second, (std::map<int, double>{{kAllHeads, *bits}}));
+  }
+}
 
 TEST_F(QKDetectorSeries, FirstSampleEmitsOnlyAttentionSignals) {
   const auto by_signal = Process(q0, k0);

@@ -692,3 +692,37 @@ def test_probe_restores_every_modules_own_mode_and_accepts_any_mapping():
         assert not any(m.training for m in frozen.modules())
     finally:
         monitor.close(timeout=0.1)
+
+
+@pytest.mark.parametrize("compute, declared, expected", [
+    (torch.float32, None, "FLOAT32"),
+    (torch.bfloat16, None, "BFLOAT16"),
+    (torch.float16, None, "FLOAT16"),
+    (torch.float64, None, "FLOAT32"),
+    # A kernel that computes in bf16 from fp32 inputs says so itself.
+    (torch.float32, "bf16", "BFLOAT16"),
+])
+def test_each_qk_sample_says_the_dtype_attention_is_computed_in(compute, declared, expected):
+    """QKSample.attention_dtype: the captured Q's own dtype, whatever the wire
+    dtype (bf16 here), unless Monitor(attention_dtype=...) says otherwise."""
+    class OneLayer(nn.Module):
+        def forward(self, x):
+            x = x.to(compute)
+            monitor.capture_qk(0, x[:, :2], x[:, 2:])
+            return x
+
+    probe = torch.randn(1, 4, 5, 3)  # [B, H, T, d]
+    kwargs = {} if declared is None else {"attention_dtype": declared}
+    monitor, records = make_monitor(OneLayer(), probe, **kwargs)
+    try:
+        monitor.step(0)
+        (sample,) = qk_records(records).values()
+        assert sample.q.dtype == encoding.pb.BFLOAT16  # the wire dtype is another matter
+        assert encoding.pb.DType.Name(sample.attention_dtype) == expected
+    finally:
+        monitor.close(timeout=0.1)
+
+
+def test_attention_dtype_must_be_a_known_name():
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        make_monitor(nn.Identity(), torch.zeros(1, 2, 3, 4), attention_dtype="fp8")

@@ -149,6 +149,7 @@ def qk(step, layer):
     record.qk.k.CopyFrom(tensor(pattern(n, 0.5 * step - layer), shape))
     record.qk.causal = True
     record.qk.seq_len = TOKENS
+    record.qk.attention_dtype = pb.BFLOAT16 if layer == 0 else pb.FLOAT32
     return record
 
 

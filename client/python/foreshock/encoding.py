@@ -48,6 +48,19 @@ def tensor_bytes(t, dtype="bf16"):
     return arr.tobytes()
 
 
+def wire_dtype(dtype):
+    """The wire enum of a dtype name or torch dtype; DTYPE_UNSPECIFIED for
+    others (float64 counts as fp32: it is at least as precise)."""
+    if isinstance(dtype, str):
+        return _DTYPES[check_dtype(dtype)][0]
+    if dtype == torch.float64:
+        return pb.FLOAT32
+    for wire, torch_dtype, _ in _DTYPES.values():
+        if dtype == torch_dtype:
+            return wire
+    return pb.DTYPE_UNSPECIFIED
+
+
 def encode_tensor(t, dtype="bf16"):
     """A foreshock.v1.Tensor holding `t` as `dtype` ("bf16", "fp16" or "fp32")."""
     return pb.Tensor(dtype=_DTYPES[check_dtype(dtype)][0], shape=list(t.shape),

@@ -77,6 +77,13 @@ class Monitor:
         clients did before K went on the wire with its own heads. Only for a
         foreshockd older than that (it rejects K with fewer heads than Q as
         shape_mismatch); it multiplies K's bytes by heads / kv_heads.
+      attention_dtype: the dtype the model computes attention in, "fp32",
+        "bf16" or "fp16", sent with every QK sample (QKSample.attention_dtype).
+        None (default): the dtype of the captured Q, which is right for a
+        model that runs attention on the Q/K it projects (autocast included).
+        Set it when a kernel computes attention in another precision than
+        its inputs. fp32 attention rules out a precision fault in the
+        daemon's probable cause.
       discover: attach discovery hooks for Q/K (ignored once capture_qk is used).
       discover_routers: attach discovery hooks for MoE routers (on by default).
       router_dtype: wire dtype of router logits (fp32 by default: they are
@@ -98,7 +105,7 @@ class Monitor:
                  backoff_initial_s=0.1, backoff_max_s=5.0, channel_options=(), curvature=None,
                  probe_all_ranks=False, endpoints=None, token=None, tls_ca=None, tls_cert=None,
                  tls_key=None, broadcast_kv=False, probe_heads=None, probe_tokens=None,
-                 max_probe_bytes=48 << 20):
+                 max_probe_bytes=48 << 20, attention_dtype=None):
         if run_id is None or job is None:
             raise TypeError("Monitor() needs run_id and job")
         if (endpoint is None) == (endpoints is None):
@@ -117,6 +124,8 @@ class Monitor:
         self.every = every
         self.dtype = encoding.check_dtype(dtype)
         self.router_dtype = encoding.check_dtype(router_dtype)
+        self.attention_dtype = None if attention_dtype is None \
+            else encoding.check_dtype(attention_dtype)
         self.probe_id = probe_id
         self.causal = causal
         self.broadcast_kv = broadcast_kv
@@ -274,7 +283,8 @@ class Monitor:
             record.qk.CopyFrom(pb.QKSample(
                 layer=layer, probe_id=self.probe_id, causal=self.causal, seq_len=seq_len,
                 q=encoding.encode_tensor(q, self.dtype), k=encoding.encode_tensor(k, self.dtype),
-                kv_head_of=kv_head_of, heads=heads))
+                kv_head_of=kv_head_of, heads=heads,
+                attention_dtype=encoding.wire_dtype(self.attention_dtype or q.dtype)))
             self._emit(record)
         for layer in sorted(routers):
             logits, top_k = routers[layer]

@@ -172,6 +172,26 @@ TEST_F(ValidationTest, RejectsUnknownDType) {
   EXPECT_EQ(Validate(record)->code, reason::kUnknownDType);
 }
 
+TEST_F(ValidationTest, AttentionDtypeIsOptionalAndMustBeKnown) {
+  auto attention_dtype = [&](int wire) -> std::optional<detectors::DType> {
+    v1::Record record = QK({2, 16, 8}, {2, 16, 8});
+    record.mutable_qk()->set_attention_dtype(static_cast<v1::DType>(wire));
+    detectors::Sample sample;
+    EXPECT_FALSE(ValidateRecord(record, context_, limits_, sample).has_value()) << wire;
+    return std::get<detectors::QKSample>(sample.payload).attention_dtype;
+  };
+  EXPECT_EQ(attention_dtype(v1::DTYPE_UNSPECIFIED), std::nullopt);  // not said
+  EXPECT_EQ(attention_dtype(v1::FLOAT32), detectors::DType::kFloat32);
+  EXPECT_EQ(attention_dtype(v1::BFLOAT16), detectors::DType::kBFloat16);
+  EXPECT_EQ(attention_dtype(v1::FLOAT16), detectors::DType::kFloat16);
+  v1::Record record = QK({2, 16, 8}, {2, 16, 8});
+  record.mutable_qk()->set_attention_dtype(static_cast<v1::DType>(42));
+  const auto rejection = Validate(record);
+  ASSERT_TRUE(rejection);
+  EXPECT_EQ(rejection->code, reason::kUnknownDType);
+  EXPECT_NE(rejection->detail.find("attention_dtype 42"), std::string::npos) << rejection->detail;
+}
+
 TEST_F(ValidationTest, RejectsShapesOverLimits) {
   EXPECT_EQ(Validate(QK({2, 65, 8}, {2, 65, 8}))->code, reason::kShapeOverLimit);
   EXPECT_EQ(Validate(QK({2, 16, 33}, {2, 16, 33}))->code, reason::kShapeOverLimit);
