@@ -109,6 +109,9 @@ struct AlertEngine::RunState {
   // LR-rise evidence can still look at.
   std::deque<std::pair<int64_t, double>> learning_rate;
   std::optional<FirstFiring> first_firing;
+  // The latest attention compute width per layer, as the client reports it
+  // (signal attention_compute_bits). Not checkpointed: every QK sample says it again.
+  std::map<int, double> attention_bits;
 
   int64_t latest_step = -1;  // the highest step of any point or event
 
@@ -188,6 +191,9 @@ std::vector<AlertTransition> AlertEngine::Observe(const SignalPoint& point) {
   AdvanceCleanSteps(run, point.step, out);
   if (point.signal == kLearningRateSignal && point.layer == detectors::kNoLayer) {
     RecordLearningRate(run, point.step, point.value);
+  }
+  if (point.signal == kAttentionComputeBitsSignal && point.head == detectors::kAllHeads) {
+    run.attention_bits[point.layer] = point.value;
   }
   MaybeSettleCause(run, point.step, out);
 
@@ -358,6 +364,18 @@ void AlertEngine::OnFired(RunState& run, AlertRecord& fired, int64_t step,
     }
   }
 
+  // A new episode after every mechanism alert of the run resolved is a new
+  // diagnosis: alerts that came and went before it (false alarms, or an
+  // incident the run recovered from) cannot explain it.
+  if (run.mechanism_onset >= 0 && !AnyMechanismAlertActive(run, &fired)) {
+    run.family_onset.fill(-1);
+    run.family_fired_step.fill(-1);
+    run.mechanism_onset = -1;
+    run.cause = ProbableCause::kUnknown;
+    run.cause_settled = false;
+    run.cause_evidence.clear();
+  }
+
   const AlertFamily family = FamilyOfAlert(alert.alertname);
   int64_t& family_onset = run.family_onset[static_cast<size_t>(family)];
   if (family == AlertFamily::kConsequence || (family_onset >= 0 && family_onset <= onset)) return;
@@ -372,6 +390,18 @@ void AlertEngine::OnFired(RunState& run, AlertRecord& fired, int64_t step,
     DeriveCause(run);
   }
   ReannotateRun(run, &fired, step, out);
+}
+
+bool AlertEngine::AnyMechanismAlertActive(const RunState& run, const AlertRecord* except) {
+  for (const auto& [key, record] : run.alerts) {
+    if (&record == except || FamilyOfAlert(record.alert.alertname) == AlertFamily::kConsequence) {
+      continue;
+    }
+    if (record.alert.state == AlertState::kPending || record.alert.state == AlertState::kFiring) {
+      return true;
+    }
+  }
+  return false;
 }
 
 void AlertEngine::ReannotateRun(RunState& run, const AlertRecord* skip, int64_t step,
@@ -453,6 +483,12 @@ void AlertEngine::DeriveCause(RunState& run, int64_t fired_by) const {
   const int64_t logits_onset = onset_of(static_cast<size_t>(AlertFamily::kAttentionLogits));
   evidence.attention_before_learning_rate =
       evidence.attention_logits && (learning_rate_onset < 0 || logits_onset < learning_rate_onset);
+  // Attention computed in fp32 (every layer that says) cannot be a precision fault.
+  if (!run.attention_bits.empty()) {
+    evidence.precision_ruled_out = true;
+    for (const auto& [layer, bits] : run.attention_bits) evidence.precision_ruled_out &= bits >= 32;
+    if (evidence.precision_ruled_out) because.push_back("attention computed in fp32 (not precision)");
+  }
   run.cause = ClassifyProbableCause(evidence);
   run.cause_evidence = because.empty() ? std::string("none") : internal::Join(because, "; ");
 }
@@ -778,6 +814,13 @@ std::string ConfigFingerprint(const AlertConfig& config) {
     w.PutI32(o.clear_after);
     w.PutBool(o.bound.has_value());
     w.PutDouble(o.bound.value_or(0.0));
+    // Options added later, only when set: a configuration without them
+    // keeps the fingerprint its checkpoints were written with.
+    if (o.min_baseline != 0 || o.small_sample_inflation != 0) {
+      w.PutString("small_sample");
+      w.PutI32(o.min_baseline);
+      w.PutDouble(o.small_sample_inflation);
+    }
   }
   w.PutBool(config.nonfinite.enabled);
   w.PutString(config.nonfinite.severity);

@@ -51,7 +51,12 @@
 // reported as a firing -> firing transition. The cause stays "provisional"
 // until every layer of the run has been processed to settle_steps past the
 // onset; it then becomes "settled" (every firing alert is re-sent once more)
-// and no longer changes. The settled cause counts only the alerts that fired
+// and no longer changes, until a new diagnosis: an alert that fires while
+// no other mechanism alert of the run is pending or firing starts one, from
+// no evidence, so alerts that came and went before its onset (false alarms,
+// an incident the run recovered from) do not explain it. The client's
+// attention compute dtype (signal attention_compute_bits) enters the rule
+// table: fp32 rules out a precision fault. The settled cause counts only the alerts that fired
 // by that step, so it does not depend on the order in which worker threads
 // deliver the layers (the provisional one may).
 //
@@ -112,6 +117,9 @@ inline constexpr std::string_view kRunLevelLayer = "all";
 inline constexpr std::string_view kNonFiniteSignal = "nonfinite_values";
 // The run-level signal the trainer streams its learning rate as (StepScalars.lr).
 inline constexpr std::string_view kLearningRateSignal = "lr";
+// The per-layer signal the QK detector reports the client's attention compute
+// dtype as (bits: 32 for fp32); fp32 rules out a precision fault.
+inline constexpr std::string_view kAttentionComputeBitsSignal = "attention_compute_bits";
 // Alert::resolved_reason values (public contract: the annotation and
 // foreshock.v1.Alert.resolved_reason).
 inline constexpr std::string_view kRunEnded = "run_ended";
@@ -285,6 +293,9 @@ class AlertEngine {
                     bool include_resolved = false) const;
   // RefreshCause for every alert of `run` but `skip`; firing ones whose
   // annotations changed are appended to `out` as firing -> firing at `step`.
+  // Some alert of `run` other than `except` and of a mechanism family (not a
+  // consequence) is pending or firing.
+  static bool AnyMechanismAlertActive(const RunState& run, const AlertRecord* except);
   void ReannotateRun(RunState& run, const AlertRecord* skip, int64_t step,
                      std::vector<AlertTransition>& out) const;
   // Re-derives the run's cause from its family onsets and LR history,

@@ -203,7 +203,9 @@ std::optional<ChangeDetector::Baseline> ChangeDetector::ComputeBaseline() const 
   const size_t gap = static_cast<size_t>(options_.gap);
   if (history_size <= gap) return std::nullopt;
   const size_t length = history_size - gap;  // the window: history[0, length)
-  const size_t min_length = std::max<size_t>(3, static_cast<size_t>(options_.window) / 2);
+  const size_t min_length =
+      std::max<size_t>(3, options_.min_baseline > 0 ? static_cast<size_t>(options_.min_baseline)
+                                                    : static_cast<size_t>(options_.window) / 2);
   if (length < min_length) return std::nullopt;
 
   Baseline baseline = FitWindow(0, length);
@@ -216,6 +218,7 @@ std::optional<ChangeDetector::Baseline> ChangeDetector::ComputeBaseline() const 
     if (sign_ * (recent_fit.level - baseline.level) > 0) baseline.level = recent_fit.level;
     baseline.scale = std::max(baseline.scale, recent_fit.scale);
   }
+  baseline.scale *= 1.0 + options_.small_sample_inflation / static_cast<double>(length);
   return baseline;
 }
 

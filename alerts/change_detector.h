@@ -17,7 +17,11 @@
 //    enter the baseline; a slow drift, by contrast, moves the baseline along.
 //    Statistics are robust: the median m and the MAD of the window.
 //    The baseline is ready once `warmup` samples have been seen and the
-//    window holds at least max(3, window/2) samples.
+//    window holds at least `min_baseline` samples (0: max(3, window/2)).
+//    A baseline from few samples is less certain: its scale is multiplied by
+//    1 + small_sample_inflation / n for a window of n samples, so that a
+//    young series needs a larger change to alarm (small_sample_inflation 0:
+//    no inflation).
 // 2. Trend (when `trend` is on): the slope of a span is the difference of
 //    the medians of its newer and older halves divided by the distance
 //    between them, clamped to the alert direction (a rise detector only
@@ -103,6 +107,12 @@ struct ChangeDetectorOptions {
   int warmup = 40;
   // Samples in the baseline window.
   int window = 40;
+  // Samples the window must hold before the baseline is ready; 0: half the
+  // window (at least 3).
+  int min_baseline = 0;
+  // The baseline scale is multiplied by 1 + small_sample_inflation / n for a
+  // window of n samples (the uncertainty of a median and MAD from few samples).
+  double small_sample_inflation = 0.0;
   // Samples between the newest baseline sample and the current one. Keep
   // it >= persist_n so a collapse confirms before it leaks into the baseline.
   int gap = 8;

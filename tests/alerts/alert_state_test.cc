@@ -428,7 +428,14 @@ TEST(AlertEngineStateTest, ReadsTheVersionBeforeTheRunLifecycle) {
     state.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
   }
   ASSERT_EQ(state.substr(0, 8), std::string("FSAE\x02\0\0\0", 8));
-  AlertEngine engine;
+  // The configuration it was saved with: the defaults of that version, whose
+  // curvature rule had an absolute bound (a changed configuration is refused).
+  AlertConfig config = DefaultAlertConfig();
+  ChangeDetectorOptions& curvature = config.signals.at("curvature_eos_ratio").detector;
+  curvature.bound = 1.0;
+  curvature.min_relative_change = 0.5;
+  curvature.trend = true;
+  AlertEngine engine(config);
   std::string error;
   ASSERT_TRUE(engine.RestoreState(state, &error)) << error;
   std::vector<Alert> alerts = engine.AllAlerts("r");
@@ -456,7 +463,7 @@ TEST(AlertEngineStateTest, ReadsTheVersionBeforeTheRunLifecycle) {
   EXPECT_EQ(closed[0].alert.alertname, kNonFinite);
   EXPECT_EQ(closed[0].alert.resolved_reason, "run_resumed");
   // Saved again, it is the current version.
-  AlertEngine again;
+  AlertEngine again(config);
   ASSERT_TRUE(again.RestoreState(engine.SaveState(), &error)) << error;
   EXPECT_EQ(again.SaveState(), engine.SaveState());
 }

@@ -299,6 +299,48 @@ TEST(ChangeDetectorTest, WarmupScoresNothing) {
             ChangeAssessment::Disposition::kScored);
 }
 
+TEST(ChangeDetectorTest, MinBaselineScoresAYoungSeriesFromAFewSamples) {
+  ChangeDetectorOptions options = Options(Direction::kDrop);
+  options.warmup = 8;
+  options.gap = 5;
+  options.min_baseline = 3;
+  ChangeDetector detector(options);
+  // 8 samples: a window of 3 behind a gap of 5 is ready at the 9th sample.
+  const Trace trace = Feed(detector, Concat(Noisy(8, 1.0, 0.01, 7), std::vector<double>(6, 0.5)));
+  EXPECT_TRUE(std::isnan(trace.samples[7].baseline));
+  EXPECT_FALSE(std::isnan(trace.samples[8].baseline));
+  EXPECT_EQ(trace.first_anomalous, 10);  // 3 of 5 from the collapse at sample 8
+  // The default (half the 40-sample window) would have waited for 20 + 5 samples.
+  ChangeDetectorOptions half = options;
+  half.min_baseline = 0;
+  ChangeDetector waiting(half);
+  const Trace waited = Feed(waiting, Concat(Noisy(8, 1.0, 0.01, 7), std::vector<double>(6, 0.5)));
+  EXPECT_EQ(waited.episodes, 0);
+}
+
+TEST(ChangeDetectorTest, SmallSampleInflationWidensAYoungBaselineOnly) {
+  ChangeDetectorOptions options = Options(Direction::kRise);
+  options.warmup = 8;
+  options.gap = 2;
+  options.min_baseline = 4;
+  options.trend = false;
+  options.small_sample_inflation = 6.0;
+  ChangeDetector inflated(options);
+  options.small_sample_inflation = 0.0;
+  ChangeDetector plain(options);
+  const std::vector<double> values = Noisy(60, 1.0, 0.05, 11);
+  const Trace a = Feed(inflated, values);
+  const Trace b = Feed(plain, values);
+  // Same window, same median; the scale is (1 + 6 / n) times larger: 2.5x at
+  // n = 4, 1.15x at the full 40.
+  for (size_t i : {8u, 20u, 59u}) {
+    ASSERT_FALSE(std::isnan(a.samples[i].scale)) << i;
+    EXPECT_DOUBLE_EQ(a.samples[i].baseline, b.samples[i].baseline) << i;
+    const double n = std::min<double>(40, static_cast<double>(i) - options.gap);
+    EXPECT_NEAR(a.samples[i].scale / b.samples[i].scale, 1 + 6 / n, 1e-12) << i;
+  }
+}
+
 TEST(ChangeDetectorTest, RiseGuardFiresAfterMofNWithoutABaseline) {
   ChangeDetectorOptions options = Options(Direction::kRise);
   options.change_detection = false;

@@ -34,6 +34,8 @@ void ExpectSameDetector(const ChangeDetectorOptions& a, const ChangeDetectorOpti
   EXPECT_EQ(a.warmup, b.warmup) << where;
   EXPECT_EQ(a.window, b.window) << where;
   EXPECT_EQ(a.gap, b.gap) << where;
+  EXPECT_EQ(a.min_baseline, b.min_baseline) << where;
+  EXPECT_DOUBLE_EQ(a.small_sample_inflation, b.small_sample_inflation) << where;
   EXPECT_EQ(a.trend, b.trend) << where;
   EXPECT_DOUBLE_EQ(a.z_threshold, b.z_threshold) << where;
   EXPECT_DOUBLE_EQ(a.cusum_k, b.cusum_k) << where;
@@ -89,7 +91,8 @@ TEST(AlertConfigTest, DefaultsAreValidAndCoverEverySignalAlert) {
   EXPECT_EQ(config.signals.at("router_entropy").detector.direction, Direction::kDrop);
   EXPECT_EQ(config.signals.at("router_flip_rate").detector.direction, Direction::kRise);
   EXPECT_EQ(config.signals.at("curvature_eos_ratio").detector.direction, Direction::kRise);
-  EXPECT_EQ(config.signals.at("curvature_eos_ratio").detector.bound, 1.0);
+  // Healthy Adam sits at the edge of stability: a surge rule, no absolute bound.
+  EXPECT_FALSE(config.signals.at("curvature_eos_ratio").detector.bound.has_value());
   EXPECT_TRUE(config.signals.at("attention_max_logit").detector.bound.has_value());
   EXPECT_FALSE(config.signals.at("router_dead_experts").detector.change_detection);
 }
@@ -202,6 +205,10 @@ TEST(AlertConfigTest, BadValuesAreErrorsThatSayWhatIsExpected) {
                 "alerts.signals.loss.trend: expected true or false, got 'maybe'"},
            Case{"alerts:\n  signals:\n    loss:\n      persist_m: 6\n",
                 "persist_m: must not exceed persist_n (5), got 6"},
+           Case{"alerts:\n  signals:\n    loss:\n      min_baseline: 101\n",
+                "alerts.signals.loss: min_baseline: must not exceed window (100), got 101"},
+           Case{"alerts:\n  signals:\n    loss:\n      small_sample_inflation: -1\n",
+                "alerts.signals.loss.small_sample_inflation: must be a finite number >= 0"},
            Case{"alerts:\n  signals:\n    loss:\n      bound: [1, 2]\n",
                 "alerts.signals.loss.bound: expected a single value"},
            Case{"alerts:\n  signals:\n    loss:\n      alert: ForeshockNonFinite\n",
