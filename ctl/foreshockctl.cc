@@ -14,6 +14,7 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <chrono>
@@ -21,6 +22,7 @@
 #include <fstream>
 #include <sstream>
 #include <cstdio>
+#include <filesystem>
 #include <functional>
 #include <future>
 #include <iostream>
@@ -29,6 +31,8 @@
 #include <thread>
 #include <vector>
 
+#include "alerts/config.h"
+#include "ctl/backtest.h"
 #include "ctl/cli.h"
 #include "ctl/replay.h"
 #include "foreshock/v1/query.grpc.pb.h"
@@ -534,6 +538,63 @@ int RunReplay(const Args& args, const Globals& g) {
   return all_ok ? kExitOk : kExitFailed;
 }
 
+int RunBacktestCommand(const Args& args, const Globals& g) {
+  BacktestOptions options;
+  if (args.Has("config")) {
+    auto config = alerts::LoadAlertConfigFile(args.Get("config"));
+    if (!config.ok()) {
+      std::fprintf(stderr, "foreshockctl backtest: %s\n", std::string(config.status().message()).c_str());
+      return kExitUsage;
+    }
+    options.config = *std::move(config);
+  }
+  if (args.Has("divergence_warmup")) {
+    auto v = ParseInt(args.Get("divergence_warmup"));
+    if (!v || *v < 0) {
+      std::fprintf(stderr, "foreshockctl backtest: --divergence_warmup is a step count >= 0\n");
+      return kExitUsage;
+    }
+    options.divergence_warmup = *v;
+  }
+  if (args.Has("gradnorm_z")) {
+    char* end = nullptr;
+    const std::string text = args.Get("gradnorm_z");
+    const double z = std::strtod(text.c_str(), &end);
+    if (text.empty() || *end != '\0' || !(z > 0)) {
+      std::fprintf(stderr, "foreshockctl backtest: --gradnorm_z is a number > 0\n");
+      return kExitUsage;
+    }
+    options.gradnorm_z = z;
+  }
+  // Files, or directories of recordings (foreshockd --record_dir).
+  std::vector<std::string> files;
+  for (const std::string& path : args.positional) {
+    std::error_code ec;
+    if (std::filesystem::is_directory(path, ec)) {
+      std::vector<std::string> found;
+      for (const auto& entry : std::filesystem::recursive_directory_iterator(path, ec)) {
+        if (entry.is_regular_file() && entry.path().extension() == record::kRecordingExtension) {
+          found.push_back(entry.path().string());
+        }
+      }
+      std::sort(found.begin(), found.end());
+      files.insert(files.end(), found.begin(), found.end());
+    } else {
+      files.push_back(path);
+    }
+  }
+  const BacktestResult result = RunBacktest(files, options);
+  if (g.json) {
+    std::cout << BacktestJson(result);
+  } else {
+    std::cout << BacktestTable(result) << '\n' << BacktestSummary(result);
+  }
+  std::cout << std::flush;
+  bool ok = result.errors.empty();
+  for (const BacktestRun& run : result.runs) ok = ok && run.error.empty();
+  return ok ? kExitOk : kExitFailed;
+}
+
 // ---------------------------------------------------------------- table
 
 std::vector<Command> Commands() {
@@ -632,6 +693,48 @@ std::vector<Command> Commands() {
       1,
       SIZE_MAX,
       RunReplay});
+  commands.push_back(Command{
+      "backtest",
+      "score the alerts of recorded runs, replayed in process (no daemon)",
+      "Replays recordings (foreshockd --record_dir; FILE may be a directory, searched for\n"
+      "*.fsrec) through the daemon's validation, detectors and alert engine in this process,\n"
+      "with the alert configuration of --config (default: the built-in defaults), one thread,\n"
+      "so the result is deterministic. The files of one run (ranks, reconnects) are merged by\n"
+      "receive time. Per run it prints the first alert, the divergence step, the lead, the\n"
+      "probable cause, false alarms and the first alarm of the baselines; then a summary. This\n"
+      "is how to tune thresholds on your own past runs.\n\n"
+      "Labels come from the recording's Hello labels (Monitor(labels=...)):\n"
+      "  injection_step   the step a fault (or a benign change) began\n"
+      "  expected_cause   set on fault runs: low_precision_attention, learning_rate_too_high,\n"
+      "                   combined\n"
+      "  scenario, config names, for the table\n"
+      "  warmup_steps     the divergence rule's warm-up (else --divergence_warmup)\n"
+      "Divergence: the first step after the warm-up where the 20-step mean loss exceeds 1.3x\n"
+      "its running minimum, or the loss is not finite (docs/DESIGN.md §6.3). A run with\n"
+      "expected_cause is a fault run; one with injection_step or scenario but no\n"
+      "expected_cause is a control; an unlabeled run is a fault run when it diverged.\n"
+      "False alarms: any alert that fired in a control, or before injection_step in a fault\n"
+      "run. Lead: divergence - the step of the first alert fired at or after the injection;\n"
+      "lead%: the lead over (divergence - injection). Cause: the probable cause last given\n"
+      "before the divergence. Baselines (docs/DESIGN.md §6.4): olmo (6 sigma over 128 steps,\n"
+      "loss or grad norm), megatron (loss above 10x its running max), nan, gradnorm_z (robust\n"
+      "z of the grad norm over its trailing 200 steps, 10 back, above --gradnorm_z on 3\n"
+      "steps in a row); \"(early)\" marks one that also alarmed before the injection.\n\n"
+      "With --json: one document {\"runs\": [...], \"summary\": {...}, \"errors\": [...]}, a\n"
+      "row per run with run_id, first_alert_step, divergence_step, lead, lead_fraction,\n"
+      "cause, false_alarms, baselines and every fired alert. Status 1 when a file cannot be\n"
+      "read or holds a corrupt frame (the rest is still scored).\n\n"
+      "Options:\n"
+      "  --config FILE            alert configuration (foreshockd --config format)\n"
+      "  --divergence_warmup N    warm-up of the divergence rule without a warmup_steps\n"
+      "                           label (default 100)\n"
+      "  --gradnorm_z Z           threshold of the gradnorm_z baseline (default 8)\n",
+      "foreshockctl backtest FILE|DIR... [--config FILE] [--divergence_warmup N] "
+      "[--gradnorm_z Z] [--json]",
+      {{"config", true}, {"divergence_warmup", true}, {"gradnorm_z", true}},
+      1,
+      SIZE_MAX,
+      RunBacktestCommand});
   return commands;
 }
 
