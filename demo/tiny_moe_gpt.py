@@ -13,6 +13,14 @@ causal) with a hook point for `monitor.capture_qk`, and a fault path:
 
 Text: the license texts under /usr/share/common-licenses, in two corpora
 ("gnu" and "permissive") so a run can switch text as a benign control.
+Synthetic regimes (`SyntheticDataset`): "copy" (a random token prefix, then its
+repetition: an induction task whose heads specialize fast) and "random"
+(uniform random tokens: a flat loss).
+
+Everything is configurable (GPTConfig: depth, width, heads, grouped-query K/V
+heads, head_dim, MoE placement, experts, top-k); the defaults are the shape above.
+`set_attention_precision("bf16")` makes healthy attention round P and O to
+nearest bf16 (unbiased), through the same FlashAttention-style backward.
 """
 import dataclasses
 import math
@@ -58,6 +66,43 @@ class CharVocab:
         return "".join(self.chars[i] for i in ids)
 
 
+class SyntheticDataset:
+    """Synthetic token windows with the CharDataset interface.
+
+    kind "copy": a random prefix of `period` tokens, then its repetition until the
+    window is full (default period: half the window, an induction task; a short
+    period is a fast positional copy);
+    "random": uniform random tokens (nothing to learn: a flat loss at log V).
+    Tokens are drawn from the first `n_tokens` ids of the vocabulary. The probe
+    windows come from a fixed generator of their own (the same every call).
+    """
+
+    def __init__(self, kind, vocab_size, block_size, n_tokens=None, probe_seed=1234,
+                 period=None):
+        if kind not in ("copy", "random"):
+            raise ValueError(f"unknown synthetic kind {kind!r}")
+        self.kind = kind
+        self.n_tokens = min(vocab_size, n_tokens or vocab_size)
+        self.block_size = block_size
+        self.probe_seed = probe_seed
+        self.period = period
+
+    def _windows(self, n, length, generator):
+        if self.kind == "random":
+            return torch.randint(self.n_tokens, (n, length), generator=generator)
+        period = self.period or (length + 1) // 2
+        prefix = torch.randint(self.n_tokens, (n, period), generator=generator)
+        return prefix.repeat(1, -(-length // period))[:, :length]
+
+    def batch(self, batch_size, generator):
+        w = self._windows(batch_size, self.block_size + 1, generator)
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+    def probe_batch(self, n_sequences, block_size=None):
+        size = block_size or self.block_size
+        return self._windows(n_sequences, size, torch.Generator().manual_seed(self.probe_seed + size))
+
+
 class CharDataset:
     """One corpus as token ids: random training windows, and a held-out tail."""
 
@@ -96,6 +141,18 @@ def biased_lowprec(x, strength):
     return x - strength * (x - truncate_bf16(x))
 
 
+def round_bf16(x):
+    """Round-to-nearest-even bf16 (the unbiased rounding of a healthy bf16 kernel)."""
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+def round_fp16(x):
+    return x.to(torch.float16).to(x.dtype)
+
+
+ROUNDERS = {"bf16": round_bf16, "fp16": round_fp16}
+
+
 def causal_mask(t, device):
     return torch.ones(t, t, dtype=torch.bool, device=device).tril()
 
@@ -108,18 +165,24 @@ class LowPrecisionAttention(torch.autograd.Function):
     arithmetic the two are equal; with a biased O, the error of D has the same
     sign step after step, which is the failure mechanism being injected. At
     strength 0 this Function equals plain attention, gradients included.
+    With `rounder` (e.g. round_bf16) and strength 0, P and O are rounded to
+    nearest instead (healthy low-precision attention, unbiased).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, strength, on_probs, on_out):
+    def forward(ctx, q, k, v, strength, on_probs, on_out, rounder=None):
         scale = q.shape[-1] ** -0.5
         s = (q @ k.transpose(-2, -1)) * scale
         s = s.masked_fill(~causal_mask(q.shape[-2], q.device), float("-inf"))
         p = torch.softmax(s, dim=-1)
-        p_mm = biased_lowprec(p, strength) if on_probs else p  # P as fed to the PV matmul
+        if strength or rounder is None:
+            lp = lambda x: biased_lowprec(x, strength)  # noqa: E731
+        else:
+            lp = rounder
+        p_mm = lp(p) if on_probs else p  # P as fed to the PV matmul
         o = p_mm @ v
         if on_out:
-            o = biased_lowprec(o, strength)
+            o = lp(o)
         ctx.save_for_backward(q, k, v, p, p_mm, o)
         ctx.scale = scale
         return o
@@ -133,13 +196,16 @@ class LowPrecisionAttention(torch.autograd.Function):
         d_s = p * (d_p - d_row)  # P recomputed in full precision, as FlashAttention does
         d_q = (d_s @ k) * ctx.scale
         d_k = (d_s.transpose(-2, -1) @ q) * ctx.scale
-        return d_q, d_k, d_v, None, None, None
+        return d_q, d_k, d_v, None, None, None, None
 
 
-def causal_attention(q, k, v, lowprec_strength=0.0, on_probs=True, on_out=True):
-    """softmax(Q K^T / sqrt(d), causal) V for [B, H, T, d] inputs."""
+def causal_attention(q, k, v, lowprec_strength=0.0, on_probs=True, on_out=True, precision=None):
+    """softmax(Q K^T / sqrt(d), causal) V for [B, H, T, d] inputs. precision "bf16"/"fp16":
+    P and O rounded to nearest (healthy low precision) unless the lowprec fault is on."""
     if lowprec_strength:
         return LowPrecisionAttention.apply(q, k, v, lowprec_strength, on_probs, on_out)
+    if precision in ROUNDERS:
+        return LowPrecisionAttention.apply(q, k, v, 0.0, True, True, ROUNDERS[precision])
     s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
     s = s.masked_fill(~causal_mask(q.shape[-2], q.device), float("-inf"))
     return torch.softmax(s, dim=-1) @ v
@@ -159,31 +225,56 @@ class GPTConfig:
     top_k: int = 2
     expert_hidden: int = 128
     moe_layers: tuple = (1, 3)
+    n_kv_head: int = None  # grouped-query attention: K/V heads (None: n_head)
+    head_dim: int = None  # None: d_model // n_head
+
+
+def moe_layers_for(placement, n_layer):
+    """MoE layer indices: "default" (1, 3, as GPTConfig), "alternate" (every odd
+    layer), "none", "all"."""
+    if placement == "default":
+        return (1, 3)
+    if placement == "alternate":
+        return tuple(range(1, n_layer, 2))
+    if placement == "none":
+        return ()
+    if placement == "all":
+        return tuple(range(n_layer))
+    raise ValueError(f"unknown MoE placement {placement!r}")
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg, layer_idx):
         super().__init__()
-        assert cfg.d_model % cfg.n_head == 0
         self.layer_idx = layer_idx
         self.n_head = cfg.n_head
-        self.head_dim = cfg.d_model // cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)  # [Q | K | V]
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.n_kv_head = cfg.n_kv_head or cfg.n_head
+        assert self.n_head % self.n_kv_head == 0
+        if cfg.head_dim is None:
+            assert cfg.d_model % cfg.n_head == 0
+        self.head_dim = cfg.head_dim or cfg.d_model // cfg.n_head
+        q_dim, kv_dim = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        self.split = (q_dim, kv_dim, kv_dim)
+        self.qkv = nn.Linear(cfg.d_model, q_dim + 2 * kv_dim, bias=False)  # [Q | K | V]
+        self.proj = nn.Linear(q_dim, cfg.d_model, bias=False)
         self.qk_hook = None  # e.g. monitor.capture_qk
         self.lowprec_strength = 0.0
         self.lowprec_on_probs = True
         self.lowprec_on_out = True
+        self.precision = None  # "bf16"/"fp16": healthy round-to-nearest P and O
 
     def forward(self, x):
         b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.n_head, self.head_dim).transpose(1, 2)
-                   for z in self.qkv(x).split(c, dim=2))
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for z in self.qkv(x).split(self.split, dim=2))
         if self.qk_hook is not None:
             self.qk_hook(self.layer_idx, q, k)  # the capture point: Q, K as attention uses them
+        if self.n_kv_head != self.n_head:
+            group = self.n_head // self.n_kv_head
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         y = causal_attention(q, k, v, self.lowprec_strength, self.lowprec_on_probs,
-                             self.lowprec_on_out)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+                             self.lowprec_on_out, self.precision)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -287,6 +378,11 @@ class TinyMoEGPT(nn.Module):
         for block in self.blocks:
             if isinstance(block.ffn, MoEFeedForward):
                 block.ffn.router_hook = hook
+
+    def set_attention_precision(self, precision):
+        """None/"fp32": exact attention; "bf16"/"fp16": P and O rounded to nearest."""
+        for block in self.blocks:
+            block.attn.precision = None if precision in (None, "fp32") else precision
 
     def set_lowprec(self, strength, on_probs=True, on_out=True, layers=None):
         """Turns the biased low-precision attention fault on (strength > 0) or off (0)."""

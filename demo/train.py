@@ -7,8 +7,17 @@
 Faults (docs/DESIGN.md §6.2), injected at --fault-step:
   lowprec  biased BF16 truncation of attention P and O (--fault-strength, --lowprec-on)
   lr       learning rate times --lr-factor (at once, or a geometric ramp over --lr-ramp-steps)
-  both     the two together
-Benign controls: --lr-decay-step/--lr-decay-factor and --text-switch-step/--text-switch-to.
+  lr_const learning rate times --lr-factor at once from --fault-step, held (a constant
+           too-high LR)
+  both     the two together (lowprec and lr)
+Benign controls: --lr-decay-step/--lr-decay-factor, --lr-restart-step (warm restart),
+--text-switch-step/--text-switch-to and --data-switch-step/--data-switch-to (text or
+data regime), --batch-size-change-step/--batch-size-to.
+
+Shape and training knobs (--n-layer, --d-model, --n-head, --n-kv-head, --head-dim,
+--moe, --n-experts, --top-k, --block-size, --beta2, --data text|copy|random,
+--attention-dtype) all default to the shape and behaviour above; the evaluation
+corpus (tests/eval/make_corpus.py) varies them.
 
 At the end it prints, per layer, the QK signals the daemon exported through the
 run (scraped from --metrics-url) and the client's counters.
@@ -54,7 +63,8 @@ def parse_args(argv=None):
     # One thread: on 2 shared cores, a second intra-op thread made steps of this
     # tiny model no faster at best and ~30x slower when the other core was busy.
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--fault", choices=("none", "lowprec", "lr", "both", "nan"), default="none",
+    p.add_argument("--fault", choices=("none", "lowprec", "lr", "lr_const", "both", "nan"),
+                   default="none",
                    help="nan: a NaN written into one weight at --fault-step (a numerical fault)")
     p.add_argument("--fault-step", type=int, default=300)
     p.add_argument("--fault-strength", type=float, default=64.0,
@@ -89,6 +99,59 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--no-alerts", action="store_true",
                    help="do not watch the daemon's alerts (monitor.on_alert)")
+    # Model shape (defaults: tiny_moe_gpt.GPTConfig's).
+    m = p.add_argument_group("model shape")
+    m.add_argument("--n-layer", type=int, default=4)
+    m.add_argument("--d-model", type=int, default=64)
+    m.add_argument("--n-head", type=int, default=4)
+    m.add_argument("--n-kv-head", type=int, default=None,
+                   help="grouped-query attention: K/V heads (default: --n-head)")
+    m.add_argument("--head-dim", type=int, default=None, help="default: d_model / n_head")
+    m.add_argument("--block-size", type=int, default=64, help="context length")
+    m.add_argument("--mlp-hidden", type=int, default=256)
+    m.add_argument("--moe", choices=("default", "alternate", "none", "all"), default="default",
+                   help="MoE feed-forward placement: default = layers 1 and 3; alternate = "
+                        "every odd layer; none; all")
+    m.add_argument("--n-experts", type=int, default=4)
+    m.add_argument("--top-k", type=int, default=2)
+    m.add_argument("--expert-hidden", type=int, default=128)
+    m.add_argument("--attention-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="attention compute dtype: reported to the Monitor (attention_dtype=) "
+                        "and, for bf16/fp16, P and O rounded to nearest in healthy attention. "
+                        "Default: exact attention, reported as bf16 with --fault lowprec or "
+                        "both (the job they emulate) and as the captured Q's dtype (fp32) "
+                        "otherwise")
+    # Optimizer and schedule.
+    o = p.add_argument_group("optimizer and schedule")
+    o.add_argument("--beta2", type=float, default=0.95, help="AdamW beta2")
+    o.add_argument("--lr-restart-step", type=int, default=None,
+                   help="benign warm restart: the LR schedule starts over here (back to the "
+                        "base LR after --lr-restart-warmup steps; an earlier decay is undone)")
+    o.add_argument("--lr-restart-warmup", type=int, default=50)
+    o.add_argument("--batch-size-change-step", type=int, default=None,
+                   help="benign: the batch size becomes --batch-size-to here")
+    o.add_argument("--batch-size-to", type=int, default=None)
+    # Data.
+    d = p.add_argument_group("data")
+    d.add_argument("--data", choices=("text", "copy", "random"), default="text",
+                   help="text (--text), copy (random prefix then its repetition: an induction "
+                        "task) or random (uniform random tokens: a flat loss)")
+    d.add_argument("--synthetic-tokens", type=int, default=None,
+                   help="copy/random: tokens drawn from the first N ids (default: the vocabulary)")
+    d.add_argument("--copy-period", type=int, default=None,
+                   help="copy: length of the random prefix that repeats (default: half the "
+                        "window, an induction task; short: a fast positional copy)")
+    d.add_argument("--data-switch-step", type=int, default=None,
+                   help="benign curriculum switch: the training data becomes --data-switch-to here")
+    d.add_argument("--data-switch-to", choices=tuple(tmg.CORPORA) + ("copy", "random"),
+                   default=None)
+    # Corpus generation.
+    g = p.add_argument_group("recording")
+    g.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra Hello label (repeatable)")
+    g.add_argument("--stop-after-divergence", type=int, default=None, metavar="N",
+                   help="stop N steps after the divergence rule (divergence_step) triggers "
+                        "(default: run all --steps)")
     return p.parse_args(argv)
 
 
@@ -109,18 +172,83 @@ def divergence_step(losses, warmup):
     return None
 
 
+class DivergenceWatch:
+    """divergence_step, one loss at a time (same rule, same answer)."""
+
+    def __init__(self, warmup):
+        self.warmup = warmup
+        self.losses = []
+        self.running_min = math.inf
+        self.step = None
+
+    def add(self, loss):
+        """Adds the next step's loss; returns the divergence step once found."""
+        if self.step is not None:
+            return self.step
+        self.losses.append(loss)
+        step = len(self.losses) - 1
+        if not math.isfinite(loss):
+            self.step = step
+        elif not (step + 1 < 20 or step < self.warmup):
+            mean = sum(self.losses[step - 19:step + 1]) / 20
+            self.running_min = min(self.running_min, mean)
+            if mean > 1.3 * self.running_min:
+                self.step = step
+        return self.step
+
+
 def lr_at(step, args):
     """Warmup then constant, with the lr fault and the benign decay applied."""
-    lr = args.lr * min(1.0, (step + 1) / max(1, args.warmup))
+    restart = getattr(args, "lr_restart_step", None)
+    if restart is not None and step >= restart:
+        lr = args.lr * min(1.0, (step - restart + 1) / max(1, args.lr_restart_warmup))
+    else:
+        lr = args.lr * min(1.0, (step + 1) / max(1, args.warmup))
     if args.fault in ("lr", "both") and step >= args.fault_step:
         if args.lr_ramp_steps > 0:
             progress = min(1.0, (step - args.fault_step + 1) / args.lr_ramp_steps)
             lr *= args.lr_factor ** progress
         else:
             lr *= args.lr_factor
-    if args.lr_decay_step is not None and step >= args.lr_decay_step:
+    if args.fault == "lr_const" and step >= args.fault_step:
+        lr *= args.lr_factor
+    if (args.lr_decay_step is not None and step >= args.lr_decay_step
+            and (restart is None or step < restart or args.lr_decay_step >= restart)):
         lr *= args.lr_decay_factor
     return lr
+
+
+def model_config(args, vocab_size):
+    """GPTConfig from the shape flags (the defaults give GPTConfig's defaults)."""
+    return tmg.GPTConfig(
+        vocab_size=vocab_size, block_size=args.block_size, n_layer=args.n_layer,
+        d_model=args.d_model, n_head=args.n_head, mlp_hidden=args.mlp_hidden,
+        n_experts=args.n_experts, top_k=args.top_k, expert_hidden=args.expert_hidden,
+        moe_layers=tmg.moe_layers_for(args.moe, args.n_layer),
+        n_kv_head=args.n_kv_head, head_dim=args.head_dim)
+
+
+def reported_attention_dtype(args):
+    """What the Monitor is told attention computes in. The lowprec fault
+    emulates a job whose attention runs in bf16 (its P and O pass through bf16
+    rounding), so a run with it reports bf16 unless --attention-dtype says
+    otherwise; without either, the client reports the captured Q's dtype (fp32)."""
+    if args.attention_dtype:
+        return args.attention_dtype
+    return "bf16" if args.fault in ("lowprec", "both") else None
+
+
+def monitor_labels(args):
+    # warmup_steps: the divergence rule's warm-up, for `foreshockctl backtest`.
+    labels = {"fault": args.fault, "seed": str(args.seed), "warmup_steps": str(args.warmup)}
+    if reported_attention_dtype(args):
+        labels["attention_dtype"] = reported_attention_dtype(args)
+    for item in args.label:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--label {item!r}: expected KEY=VALUE")
+        labels[key] = value
+    return labels
 
 
 class MetricsRecorder:
@@ -195,24 +323,31 @@ def run(args, tap=None, out=print):
     torch.set_flush_denormal(True)  # Adam's tiny second moments are slow as denormals on CPU
     texts = {name: tmg.load_text(name) for name in tmg.CORPORA}
     vocab = tmg.CharVocab(texts.values())
-    cfg = tmg.GPTConfig(vocab_size=len(vocab))
+    cfg = model_config(args, len(vocab))
     datasets = {name: tmg.CharDataset(vocab.encode(text), cfg.block_size)
                 for name, text in texts.items()}
-    data = datasets[args.text]
+    for kind in ("copy", "random"):
+        datasets[kind] = tmg.SyntheticDataset(kind, len(vocab), cfg.block_size,
+                                              n_tokens=args.synthetic_tokens,
+                                              period=args.copy_period)
+    data = datasets[args.text if args.data == "text" else args.data]
     model = tmg.TinyMoEGPT(cfg)
-    # The probe stays on the starting text's held-out windows for the whole run.
+    model.set_attention_precision(args.attention_dtype)
+    # The probe stays on the starting data's held-out windows for the whole run.
     probe = data.probe_batch(args.probe_seqs)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, args.beta2),
                                   weight_decay=0.01)
     batches = torch.Generator().manual_seed(args.seed)
 
     monitor = None
     alert_events = []
     if args.endpoint:
+        extra = {}
+        if reported_attention_dtype(args):
+            extra["attention_dtype"] = reported_attention_dtype(args)
         monitor = foreshock.Monitor(
             args.endpoint, run_id=args.run_id, job=args.job, model=model, probe_batch=probe,
-            every=args.every, dtype=args.dtype, tap=tap,
-            labels={"fault": args.fault, "seed": str(args.seed)})
+            every=args.every, dtype=args.dtype, tap=tap, labels=monitor_labels(args), **extra)
         if args.curvature_every > 0:
             # A fixed held-out batch with targets: the Hessian is of the CE loss on it.
             curvature_batch = data.probe_batch(args.curvature_seqs, block_size=cfg.block_size + 1)
@@ -233,6 +368,9 @@ def run(args, tap=None, out=print):
         recorder.start()
 
     losses, grad_norms, train_seconds, monitor_seconds = [], [], [], []
+    watch = DivergenceWatch(args.warmup)
+    batch_size = args.batch_size
+    steps_run = args.steps
     try:
         for step in range(args.steps):
             t0 = time.perf_counter()
@@ -245,10 +383,14 @@ def run(args, tap=None, out=print):
                     model.head.weight[0, 0] = float("nan")
             if args.text_switch_step is not None and step == args.text_switch_step:
                 data = datasets[args.text_switch_to]
+            if args.data_switch_step is not None and step == args.data_switch_step:
+                data = datasets[args.data_switch_to or args.text_switch_to]
+            if args.batch_size_change_step is not None and step == args.batch_size_change_step:
+                batch_size = args.batch_size_to
             lr = lr_at(step, args)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            x, y = data.batch(args.batch_size, batches)
+            x, y = data.batch(batch_size, batches)
             logits = model(x)
             ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             loss = ce + 0.01 * model.moe_aux_loss()
@@ -269,16 +411,23 @@ def run(args, tap=None, out=print):
             if args.log_every and (step % args.log_every == 0 or step == args.steps - 1):
                 out(f"step {step:5d}  loss {ce_value:.4f}  grad_norm {grad_norm_value:.3f}  "
                     f"lr {lr:.2e}  step {1e3 * (t1 - t0):.1f} ms")
+            diverged = watch.add(ce_value)
+            if (args.stop_after_divergence is not None and diverged is not None
+                    and step >= diverged + args.stop_after_divergence):
+                steps_run = step + 1
+                out(f"stopping at step {step}: {args.stop_after_divergence} steps after the "
+                    f"divergence at step {diverged}")
+                break
     finally:
         stats = None
         if monitor is not None:
             monitor.close(timeout=10.0, end=not args.keep_run_open)
             stats = monitor.stats()
         if recorder is not None:
-            recorder.finish(args.steps - 1)
+            recorder.finish(steps_run - 1)
 
-    probe_steps = [s for s in range(args.steps) if s % args.every == 0]
-    other_steps = [s for s in range(args.steps) if s % args.every != 0]
+    probe_steps = [s for s in range(steps_run) if s % args.every == 0]
+    other_steps = [s for s in range(steps_run) if s % args.every != 0]
     result = dict(
         losses=losses, grad_norms=grad_norms, train_seconds=train_seconds,
         monitor_seconds=monitor_seconds,

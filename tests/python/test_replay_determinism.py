@@ -36,7 +36,9 @@ RUN = "replay-det"
 # loss diverges by ~step 380.
 TRAIN_ARGS = ["--run-id", RUN, "--steps", "400", "--warmup", "50", "--every", "5",
               "--fault", "lowprec", "--fault-step", "250", "--fault-strength", "64",
-              "--log-every", "100", "--seed", "0"]
+              "--log-every", "100", "--seed", "0",
+              # For foreshockctl backtest: what was injected, and when.
+              "--label", "injection_step=250", "--label", "expected_cause=low_precision_attention"]
 
 
 def wait_processed(daemon, timeout_s=60):
@@ -177,3 +179,37 @@ def test_replay_into_a_two_worker_daemon_gives_the_same_alerts(recording, two_wo
     assert live_fired, "the recording should have fired alerts"
     assert replayed_fired == live_fired
     assert replayed_never == live_never
+
+
+def test_backtest_in_process_reproduces_the_live_alerts(recording):
+    """`foreshockctl backtest` (no daemon) replays the recording through the
+    same validation, detectors and alert engine: every alert episode the live
+    one-worker daemon fired, at the same steps; the divergence by the same rule
+    as demo/train.py; and the probable cause of the low-precision fault (the
+    demo reports its emulated attention as bf16)."""
+    out = ctl("backtest", os.path.dirname(recording["file"]), "--json", timeout=120)
+    assert out.returncode == 0, out
+    doc = json.loads(out.stdout)
+    assert doc["errors"] == []
+    (run,) = doc["runs"]
+    assert run["run_id"] == RUN and run["rejected"] == 0 and run["error"] == ""
+    assert run["labels"]["warmup_steps"] == "50" and run["labels"]["fault"] == "lowprec"
+    # The live daemon lists each alert's latest episode: the backtest's last
+    # firing of each (alertname, layer) is that one.
+    last = {}
+    for a in run["alerts"]:
+        last[(a["alertname"], a["layer"])] = (a["first_step"], a["step"])
+    live = {(a[0], a[1]): (a[5], a[6]) for a in recording["alerts"] if a[6] >= 0}
+    assert live and last == live
+    # Divergence: demo/train.py's rule on the live loss series.
+    sys.path.insert(0, os.path.join(ROOT, "demo"))
+    import train  # noqa: E402
+    rows = [r.split(",") for r in recording["loss_csv"].splitlines()[1:]]
+    losses = [float(r[1]) for r in rows]
+    assert run["divergence_step"] == train.divergence_step(losses, 50)
+    # Labeled: a fault run injected at 250 whose alerts all came after it.
+    assert run["fault"] and run["injection_step"] == 250 and run["false_alarms"] == 0
+    assert run["first_alert_step"] == min(a["step"] for a in run["alerts"]) >= 250
+    if run["divergence_step"] is not None:
+        assert run["lead"] == run["divergence_step"] - run["first_alert_step"]
+    assert run["cause"] == "low_precision_attention" and run["cause_correct"], run["alerts"]
