@@ -816,10 +816,13 @@ std::string ConfigFingerprint(const AlertConfig& config) {
     w.PutDouble(o.bound.value_or(0.0));
     // Options added later, only when set: a configuration without them
     // keeps the fingerprint its checkpoints were written with.
-    if (o.min_baseline != 0 || o.small_sample_inflation != 0) {
+    if (o.min_baseline != 0 || o.small_sample_inflation != 0 || o.gate_inflation != 0 ||
+        o.log_scale) {
       w.PutString("small_sample");
       w.PutI32(o.min_baseline);
       w.PutDouble(o.small_sample_inflation);
+      w.PutDouble(o.gate_inflation);
+      w.PutBool(o.log_scale);
     }
   }
   w.PutBool(config.nonfinite.enabled);

@@ -13,6 +13,8 @@ constexpr double kRelativeScaleFloor = 1e-6;
 constexpr double kAbsoluteScaleFloor = 1e-12;
 // Fewer samples than this in the window give no trend estimate.
 constexpr size_t kMinTrendSamples = 6;
+// log_scale: values at or below this are scored as this.
+constexpr double kLogScaleFloor = 1e-30;
 // The CUSUM input is clipped here (or at z_threshold if lower): one outlier
 // adds at most 3 - k, so with heavy-tailed noise two spikes in a row cannot
 // reach h on their own.
@@ -91,8 +93,10 @@ ChangeAssessment ChangeDetector::Score(int64_t step, double value) {
   ChangeAssessment a;
   a.step = step;
   a.value = value;
+  // The detector's own units: the value, or its log for multiplicative series.
+  const double x = options_.log_scale ? std::log(std::max(value, kLogScaleFloor)) : value;
   if (c.samples_seen <= options_.warmup) {
-    PushBounded(c.history, value, history_capacity);
+    PushBounded(c.history, x, history_capacity);
     PushBounded(c.history_steps, step, history_capacity);
     a.disposition = ChangeAssessment::Disposition::kWarmup;
     a.state = c.state;
@@ -101,16 +105,31 @@ ChangeAssessment ChangeDetector::Score(int64_t step, double value) {
 
   if (options_.change_detection) {
     if (const std::optional<Baseline> baseline = ComputeBaseline()) {
-      const double delta = value - baseline->level;
+      const double delta = x - baseline->level;
       const double directed_z = sign_ * delta / baseline->scale;
-      a.baseline = baseline->level;
       a.scale = baseline->scale;
       a.z = delta / baseline->scale;
-      if (baseline->level != 0) a.relative_change = delta / std::abs(baseline->level);
       const double effect = sign_ * delta;
-      const double min_effect = std::max(options_.min_relative_change * std::abs(baseline->level),
-                                         options_.min_absolute_change);
-      const bool large_enough = effect > 0 && effect >= min_effect;
+      // The gate, wider for a young baseline (gate_inflation, relative to the full window).
+      const double n = static_cast<double>(core_.history.size() - static_cast<size_t>(options_.gap));
+      const double gate = options_.min_relative_change *
+                          (1.0 + options_.gate_inflation / n) /
+                          (1.0 + options_.gate_inflation / static_cast<double>(options_.window));
+      bool large_enough;
+      if (options_.log_scale) {
+        a.baseline = std::exp(baseline->level);
+        a.relative_change = std::expm1(delta);
+        // A rise by the factor 1 + gate, or a drop to 1 - gate (capped short of 0).
+        const double min_effect = sign_ > 0 ? std::log1p(gate) : -std::log1p(-std::min(gate, 0.999));
+        large_enough = effect > 0 && effect >= min_effect &&
+                       sign_ * (value - a.baseline) >= options_.min_absolute_change;
+      } else {
+        a.baseline = baseline->level;
+        if (baseline->level != 0) a.relative_change = delta / std::abs(baseline->level);
+        const double min_effect =
+            std::max(gate * std::abs(baseline->level), options_.min_absolute_change);
+        large_enough = effect > 0 && effect >= min_effect;
+      }
       // Only changes past the gate accumulate, so a long significant-but-small
       // shift (healthy drift) cannot charge the CUSUM for a later sample.
       const double clip = std::min(kCusumClip, options_.z_threshold);
@@ -154,7 +173,7 @@ ChangeAssessment ChangeDetector::Score(int64_t step, double value) {
   }
   // The history (hence the baseline) is frozen while the series is anomalous.
   if (c.state != SeriesState::kAnomalous) {
-    PushBounded(c.history, value, history_capacity);
+    PushBounded(c.history, x, history_capacity);
     PushBounded(c.history_steps, step, history_capacity);
   }
 

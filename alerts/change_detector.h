@@ -21,7 +21,9 @@
 //    A baseline from few samples is less certain: its scale is multiplied by
 //    1 + small_sample_inflation / n for a window of n samples, so that a
 //    young series needs a larger change to alarm (small_sample_inflation 0:
-//    no inflation).
+//    no inflation); likewise the effect-size gate, by
+//    (1 + gate_inflation / n) / (1 + gate_inflation / window). With
+//    `log_scale` every step below works on log(value) (multiplicative series).
 // 2. Trend (when `trend` is on): the slope of a span is the difference of
 //    the medians of its newer and older halves divided by the distance
 //    between them, clamped to the alert direction (a rise detector only
@@ -113,6 +115,15 @@ struct ChangeDetectorOptions {
   // The baseline scale is multiplied by 1 + small_sample_inflation / n for a
   // window of n samples (the uncertainty of a median and MAD from few samples).
   double small_sample_inflation = 0.0;
+  // The effect-size gate (min_relative_change) is multiplied by
+  // (1 + gate_inflation / n) / (1 + gate_inflation / window) for a window of
+  // n samples: a young baseline needs a larger change, a full one the gate as set.
+  double gate_inflation = 0.0;
+  // Score log(value) (values <= 1e-30 as 1e-30): for series that change by
+  // factors (logits, z-loss), so that the trend follows exponential growth and
+  // the scale is relative. min_relative_change then means a rise by the factor
+  // 1 + r or a drop to 1 - r; min_absolute_change still applies to the value.
+  bool log_scale = false;
   // Samples between the newest baseline sample and the current one. Keep
   // it >= persist_n so a collapse confirms before it leaks into the baseline.
   int gap = 8;

@@ -160,17 +160,19 @@ constexpr std::array<IntField, 7> kIntFields = {{
     {"persist_n", &ChangeDetectorOptions::persist_n, 1, kMaxWindow},
     {"clear_after", &ChangeDetectorOptions::clear_after, 1, kMaxCount},
 }};
-constexpr std::array<DoubleField, 6> kDoubleFields = {{
+constexpr std::array<DoubleField, 7> kDoubleFields = {{
     {"z_threshold", &ChangeDetectorOptions::z_threshold, 0, true},
     {"small_sample_inflation", &ChangeDetectorOptions::small_sample_inflation, 0, false},
+    {"gate_inflation", &ChangeDetectorOptions::gate_inflation, 0, false},
     {"cusum_k", &ChangeDetectorOptions::cusum_k, 0, false},
     {"cusum_h", &ChangeDetectorOptions::cusum_h, 0, true},
     {"min_relative_change", &ChangeDetectorOptions::min_relative_change, 0, false},
     {"min_absolute_change", &ChangeDetectorOptions::min_absolute_change, 0, false},
 }};
-constexpr std::array<BoolField, 2> kBoolFields = {{
+constexpr std::array<BoolField, 3> kBoolFields = {{
     {"change_detection", &ChangeDetectorOptions::change_detection},
     {"trend", &ChangeDetectorOptions::trend},
+    {"log_scale", &ChangeDetectorOptions::log_scale},
 }};
 
 // Keys of a signal entry that are not detector fields.

@@ -341,6 +341,56 @@ TEST(ChangeDetectorTest, SmallSampleInflationWidensAYoungBaselineOnly) {
   }
 }
 
+TEST(ChangeDetectorTest, GateInflationAsksMoreOfAYoungBaselineAndTheGateAsSetOfAFullOne) {
+  ChangeDetectorOptions options = Options(Direction::kRise);
+  options.warmup = 8;
+  options.gap = 2;
+  options.min_baseline = 4;
+  options.window = 20;
+  options.trend = false;
+  options.min_relative_change = 0.2;
+  options.gate_inflation = 20.0;
+  // A rise of 50% after 8 samples: the gate there (n = 6) is
+  // 0.2 x (1 + 20/6) / (1 + 20/20) = 43%: it passes; a 30% rise does not.
+  for (const auto& [rise, fires] : {std::pair{1.5, true}, std::pair{1.3, false}}) {
+    ChangeDetector detector(options);
+    const Trace t = Feed(detector, Concat(std::vector<double>(8, 1.0), std::vector<double>(5, rise)));
+    EXPECT_EQ(t.episodes, fires ? 1 : 0) << rise;
+  }
+  // With a full window the gate is min_relative_change itself: 30% passes.
+  ChangeDetector full(options);
+  const Trace t = Feed(full, Concat(Noisy(30, 1.0, 0.001, 3), std::vector<double>(5, 1.3)));
+  EXPECT_EQ(t.episodes, 1);
+}
+
+TEST(ChangeDetectorTest, LogScaleFollowsExponentialGrowthAndGatesByFactors) {
+  ChangeDetectorOptions options = Options(Direction::kRise);
+  options.warmup = 12;
+  options.min_relative_change = 0.25;
+  // Healthy: logits growing 10% per sample (with 1% noise), from 0.1 to ~300.
+  std::vector<double> growth;
+  std::mt19937_64 rng(4);
+  std::normal_distribution<double> noise(0.0, 0.01);
+  for (int i = 0; i < 80; ++i) growth.push_back(0.1 * std::pow(1.1, i) * (1 + noise(rng)));
+  options.log_scale = true;
+  ChangeDetector logged(options);
+  EXPECT_EQ(Feed(logged, growth).episodes, 0);
+  options.log_scale = false;
+  ChangeDetector linear(options);
+  EXPECT_GE(Feed(linear, growth).episodes, 1);  // linear trends lag exponential growth
+  // A jump to 2x the trend fires in log scale; the baseline reads in the
+  // value's own units and the relative change as a factor.
+  options.log_scale = true;
+  ChangeDetector jump(options);
+  std::vector<double> values(growth.begin(), growth.begin() + 60);
+  for (int i = 60; i < 65; ++i) values.push_back(2 * 0.1 * std::pow(1.1, i));
+  const Trace t = Feed(jump, values);
+  EXPECT_EQ(t.episodes, 1);
+  const ChangeAssessment& a = t.samples[60];
+  EXPECT_NEAR(a.baseline, 0.1 * std::pow(1.1, 60), 0.1 * 0.1 * std::pow(1.1, 60));
+  EXPECT_NEAR(a.relative_change, 1.0, 0.15);
+}
+
 TEST(ChangeDetectorTest, RiseGuardFiresAfterMofNWithoutABaseline) {
   ChangeDetectorOptions options = Options(Direction::kRise);
   options.change_detection = false;

@@ -36,6 +36,8 @@ void ExpectSameDetector(const ChangeDetectorOptions& a, const ChangeDetectorOpti
   EXPECT_EQ(a.gap, b.gap) << where;
   EXPECT_EQ(a.min_baseline, b.min_baseline) << where;
   EXPECT_DOUBLE_EQ(a.small_sample_inflation, b.small_sample_inflation) << where;
+  EXPECT_DOUBLE_EQ(a.gate_inflation, b.gate_inflation) << where;
+  EXPECT_EQ(a.log_scale, b.log_scale) << where;
   EXPECT_EQ(a.trend, b.trend) << where;
   EXPECT_DOUBLE_EQ(a.z_threshold, b.z_threshold) << where;
   EXPECT_DOUBLE_EQ(a.cusum_k, b.cusum_k) << where;
