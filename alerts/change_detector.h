@@ -106,19 +106,19 @@ struct ChangeDetectorOptions {
   // False: only the absolute guard (`bound`) can make a sample anomalous.
   bool change_detection = true;
   // Samples seen before anything is scored (baseline and guard alike).
-  int warmup = 40;
+  int warmup = 12;
   // Samples in the baseline window.
   int window = 40;
   // Samples the window must hold before the baseline is ready; 0: half the
   // window (at least 3).
-  int min_baseline = 0;
+  int min_baseline = 4;
   // The baseline scale is multiplied by 1 + small_sample_inflation / n for a
   // window of n samples (the uncertainty of a median and MAD from few samples).
-  double small_sample_inflation = 0.0;
+  double small_sample_inflation = 25.0;
   // The effect-size gate (min_relative_change) is multiplied by
   // (1 + gate_inflation / n) / (1 + gate_inflation / window) for a window of
   // n samples: a young baseline needs a larger change, a full one the gate as set.
-  double gate_inflation = 0.0;
+  double gate_inflation = 20.0;
   // Score log(value) (values <= 1e-30 as 1e-30): for series that change by
   // factors (logits, z-loss), so that the trend follows exponential growth and
   // the scale is relative. min_relative_change then means a rise by the factor

@@ -35,10 +35,21 @@ std::string Label(const Alert& alert, const std::string& name) {
   return "";
 }
 
+// The defaults with the attention signals alerting on changes (by default
+// the max logit alerts on its bound only and the entropy not at all): the
+// engine's mechanics are the same for every signal, and the cause rules
+// take attention-logit evidence however it came.
+AlertConfig WithAttentionAlerts() {
+  AlertConfig config = DefaultAlertConfig();
+  config.signals.at("attention_max_logit").detector.change_detection = true;
+  config.signals.at("attention_entropy").enabled = true;
+  return config;
+}
+
 // Drives an engine and keeps every transition it returned.
 class EngineDriver {
  public:
-  explicit EngineDriver(AlertConfig config = DefaultAlertConfig()) : engine(std::move(config)) {}
+  explicit EngineDriver(AlertConfig config = WithAttentionAlerts()) : engine(std::move(config)) {}
 
   void Point(std::string_view run, int64_t step, std::string_view signal, int layer, double value,
              int head = kAllHeads, bool for_detection = true) {
@@ -397,7 +408,7 @@ TEST(AlertEngineTest, ProbableCauseFromTheRunsAlertFamilies) {
       {"qk_increment_entropy", {0.8, 0.4}},
       {"attention_max_logit", {10, 20}},
       {"attention_entropy", {2.0, 1.0}},
-      {"curvature_eos_ratio", {0.5, 1.5}},
+      {"curvature_eos_ratio", {0.5, 2.5}},
       {"router_entropy", {0.9, 0.5}},
       {"router_load_cv", {0.3, 0.9}},
       {"loss", {2.0, 4.0}}};
@@ -428,7 +439,7 @@ TEST(AlertEngineTest, NewEvidenceReannotatesFiringAlerts) {
   EXPECT_EQ(driver.engine.ActiveAlerts()[0].probable_cause, "low_precision_attention");
   driver.transitions.clear();
 
-  driver.Fault("r1", "curvature_eos_ratio", kNoLayer, 1040, 0.5, 1.5);
+  driver.Fault("r1", "curvature_eos_ratio", kNoLayer, 1040, 0.5, 2.5);
   // The curvature alert fires as combined, and the attention alert is re-sent.
   const auto qk = driver.Transitions(kQKIncrementCollapse, "3");
   ASSERT_EQ(qk.size(), 1u);  // re-annotated at 1060
@@ -469,7 +480,7 @@ TEST(AlertEngineTest, EvidenceAfterTheOnsetWindowDoesNotChangeTheCause) {
 TEST(AlertEngineTest, RunsAreIndependentAndCanBeForgotten) {
   EngineDriver driver;
   driver.Fault("a", "qk_increment_entropy", 0, 1000, 0.8, 0.4);
-  driver.Fault("b", "curvature_eos_ratio", kNoLayer, 1000, 0.5, 1.5);
+  driver.Fault("b", "curvature_eos_ratio", kNoLayer, 1000, 0.5, 2.5);
   const auto active = driver.engine.ActiveAlerts();
   ASSERT_EQ(active.size(), 2u);
   EXPECT_EQ(active[0].run, "a");
@@ -490,7 +501,7 @@ TEST(AlertEngineTest, RunsAreIndependentAndCanBeForgotten) {
 }
 
 TEST(AlertEngineTest, DisabledAndUnknownSignalsNeverAlert) {
-  AlertConfig config = DefaultAlertConfig();
+  AlertConfig config = WithAttentionAlerts();
   config.signals.at("qk_increment_entropy").enabled = false;
   EngineDriver driver(config);
   driver.Fault("r1", "qk_increment_entropy", 0, 1000, 0.8, 0.4);
@@ -571,6 +582,19 @@ TEST(AlertEngineTest, AnLRRiseBeforeTheBaselineWindowIsNoEvidence) {
   EXPECT_EQ(driver.engine.ActiveAlerts().at(0).probable_cause, "low_precision_attention");
 }
 
+TEST(AlertEngineTest, AttentionChangesDoNotAlertByDefault) {
+  // Healthy training moves attention logits and entropy a lot (the evaluation
+  // corpus): by default neither alerts on a change, the logit only above 100.
+  EngineDriver driver{DefaultAlertConfig()};
+  driver.Fault("r1", "attention_max_logit", 0, 1000, 10, 40);
+  driver.Fault("r1", "attention_entropy", 0, 1000, 2.0, 0.5);
+  EXPECT_TRUE(driver.transitions.empty());
+  driver.Series("r1", "attention_max_logit", 0, 1100, 3, 150.0);
+  ASSERT_FALSE(driver.transitions.empty());
+  EXPECT_EQ(driver.transitions.back().alert.alertname, kAttentionLogitGrowth);
+  EXPECT_EQ(driver.transitions.back().to, AlertState::kFiring);
+}
+
 TEST(AlertEngineTest, FP32AttentionRulesOutAPrecisionFault) {
   struct Case {
     const char* name;
@@ -624,7 +648,7 @@ TEST(AlertEngineTest, ANewIncidentAfterEveryAlertResolvedIsDiagnosedAfresh) {
 
   // The curvature surges next: a learning-rate incident of its own, not
   // "combined" with the attention false alarm long gone.
-  driver.Fault("r1", "curvature_eos_ratio", kNoLayer, 3020, 0.5, 1.5);
+  driver.Fault("r1", "curvature_eos_ratio", kNoLayer, 3020, 0.5, 2.5);
   EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kLearningRateTooHigh);
   const auto curvature = driver.Transitions(kCurvatureAboveEdge, "all");
   ASSERT_FALSE(curvature.empty());
@@ -636,7 +660,7 @@ TEST(AlertEngineTest, ANewIncidentAfterEveryAlertResolvedIsDiagnosedAfresh) {
 }
 
 TEST(AlertEngineTest, TheCauseIsProvisionalUntilItSettles) {
-  AlertConfig config = DefaultAlertConfig();
+  AlertConfig config = WithAttentionAlerts();
   config.probable_cause.settle_steps = 200;  // past the last point Fault() feeds
   EngineDriver driver(config);
   StreamLearningRate(driver, "r1", 0, 1040, Ramp);

@@ -177,7 +177,7 @@ std::vector<Event> EngineScript() {
       {"r2", "router_entropy", 1, 0.9, 0.4, 1800, 2100},
       {"r2", "router_load_cv", 1, 0.2, 0.8, 1800, 2100},
       {"r2", "router_entropy", 3, 0.9, 0.9, 0, 0},
-      {"r2", "curvature_eos_ratio", kNoLayer, 0.9, 1.5, 1850, 2100},
+      {"r2", "curvature_eos_ratio", kNoLayer, 0.9, 4.0, 1850, 2100},
       {"r2", "loss", kNoLayer, 2.5, 2.5, 0, 0},
   };
   std::mt19937_64 rng(42);
@@ -414,6 +414,32 @@ TEST(AlertEngineStateTest, AChangedConfigurationIsRefused) {
   EXPECT_TRUE(engine2.RestoreState(state, &error)) << error;
 }
 
+// The built-in defaults before the evaluation corpus recalibrated them (the
+// configuration the version-2 checkpoint below was saved with).
+AlertConfig DefaultsBeforeIssue13() {
+  AlertConfig config = DefaultAlertConfig();
+  for (auto& [name, signal] : config.signals) {
+    ChangeDetectorOptions& o = signal.detector;
+    o.warmup = 40;
+    o.min_baseline = 0;
+    o.small_sample_inflation = 0;
+    o.gate_inflation = 0;
+    o.log_scale = false;
+  }
+  config.signals.at("attention_entropy").detector.min_relative_change = 0.20;
+  config.signals.at("attention_entropy").enabled = true;
+  config.signals.at("attention_max_logit").detector.change_detection = true;
+  ChangeDetectorOptions& curvature = config.signals.at("curvature_eos_ratio").detector;
+  curvature.warmup = 10;
+  curvature.bound = 1.0;
+  curvature.min_relative_change = 0.5;
+  curvature.trend = true;
+  ChangeDetectorOptions& loss = config.signals.at("loss").detector;
+  loss.warmup = 100;
+  loss.min_relative_change = 0.25;
+  return config;
+}
+
 // A checkpoint of the previous format (version 2, before the run lifecycle),
 // written by the code of that version (testdata/alert_engine_state_v2_gen.cc.txt):
 // an upgraded daemon keeps its alerts and baselines.
@@ -430,11 +456,7 @@ TEST(AlertEngineStateTest, ReadsTheVersionBeforeTheRunLifecycle) {
   ASSERT_EQ(state.substr(0, 8), std::string("FSAE\x02\0\0\0", 8));
   // The configuration it was saved with: the defaults of that version, whose
   // curvature rule had an absolute bound (a changed configuration is refused).
-  AlertConfig config = DefaultAlertConfig();
-  ChangeDetectorOptions& curvature = config.signals.at("curvature_eos_ratio").detector;
-  curvature.bound = 1.0;
-  curvature.min_relative_change = 0.5;
-  curvature.trend = true;
+  AlertConfig config = DefaultsBeforeIssue13();
   AlertEngine engine(config);
   std::string error;
   ASSERT_TRUE(engine.RestoreState(state, &error)) << error;

@@ -304,6 +304,8 @@ TEST(ChangeDetectorTest, MinBaselineScoresAYoungSeriesFromAFewSamples) {
   options.warmup = 8;
   options.gap = 5;
   options.min_baseline = 3;
+  options.small_sample_inflation = 0;  // min_baseline alone
+  options.gate_inflation = 0;
   ChangeDetector detector(options);
   // 8 samples: a window of 3 behind a gap of 5 is ready at the 9th sample.
   const Trace trace = Feed(detector, Concat(Noisy(8, 1.0, 0.01, 7), std::vector<double>(6, 0.5)));

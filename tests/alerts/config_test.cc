@@ -123,7 +123,8 @@ alerts:
       z_threshold: 7.5
       severity: critical
     attention_max_logit:
-      bound: null          # drop the absolute guard
+      change_detection: true  # alert on changes too ...
+      bound: null             # ... and drop the absolute guard
     router_flip_rate:
       enabled: no
     grad_norm:             # a new signal
@@ -147,6 +148,7 @@ alerts:
   EXPECT_EQ(config.signals.at("qk_increment_entropy").detector.warmup, 50);
   EXPECT_DOUBLE_EQ(config.signals.at("qk_increment_top1_share").detector.min_relative_change, 0.3);
   EXPECT_FALSE(config.signals.at("attention_max_logit").detector.bound.has_value());
+  EXPECT_TRUE(config.signals.at("attention_max_logit").detector.change_detection);
   EXPECT_FALSE(config.signals.at("router_flip_rate").enabled);
   const SignalConfig& grad_norm = config.signals.at("grad_norm");
   EXPECT_EQ(grad_norm.alertname, kLossSpike);

@@ -4,7 +4,7 @@ Runs every scenario x seed as a real training of the tiny MoE GPT (demo/train.py
 with the real Python client streaming to its own real foreshockd (fresh daemon
 per run, default flags = the daemon's built-in defaults), collects the alerts
 through WatchAlerts, computes the loss/grad-norm baselines on the same per-step
-series, and writes one JSON file. docs/EVALUATION.md is written from it by
+series, and writes one JSON file. docs/evaluation/MATRIX.md is written from it by
 report.py.
 
     OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/fault_injection/run_matrix.py \\
