@@ -308,7 +308,6 @@ BacktestResult RunBacktest(const std::vector<std::string>& files, const Backtest
   BacktestResult result;
   // Group the files by the run of their Hello.
   std::map<std::string, std::vector<std::string>> by_run;
-  std::map<std::string, std::string> first_error;
   for (const std::string& path : files) {
     record::RecordingReader reader;
     if (!reader.Open(path)) {
