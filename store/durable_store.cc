@@ -226,6 +226,45 @@ void DurableSeriesStore::RecoverSegmentLocked(uint64_t sequence, const std::stri
     QuarantineLocked(path, "no valid record in " + std::to_string(data.size()) + " bytes");
     return;
   }
+  // An unsealed segment of format 2 or later holds whole writes only up to
+  // its last kCommit: the records after it are a write the process did not
+  // finish (killed mid-write()), cut like a torn record so that an append is
+  // kept whole or not at all (record_format.h).
+  SegmentHeader format;
+  const bool commits_writes =
+      records.front().record.type == RecordType::kSegmentHeader &&
+      DecodeSegmentHeader(records.front().record.payload, &format) && format.version >= 2;
+  const bool sealed = std::any_of(records.begin(), records.end(), [](const Found& f) {
+    return f.record.type == RecordType::kSegmentEnd;
+  });
+  if (commits_writes && !sealed) {
+    size_t keep = 0;
+    for (size_t i = records.size(); i-- > 0;) {
+      if (records[i].record.type == RecordType::kCommit) {
+        keep = i + 1;
+        break;
+      }
+    }
+    if (keep == 0) {
+      // Not even the creation finished: nothing was acknowledged in it.
+      while (keep < records.size() && (records[keep].record.type == RecordType::kSegmentHeader ||
+                                        records[keep].record.type == RecordType::kBlockStart)) {
+        ++keep;
+      }
+    }
+    for (size_t i = keep; i < records.size(); ++i) {
+      if (!records[i].after_damage) continue;
+      --damaged_regions;
+      damaged_bytes -= records[i].offset - records[i].damage_begin;
+    }
+    if (keep < records.size()) {
+      records.resize(keep);
+      valid_end = records.back().offset + records.back().record.size;
+      if (first_damage != std::string_view::npos && first_damage >= valid_end) {
+        first_damage = std::string_view::npos;
+      }
+    }
+  }
   const uint64_t tail_bytes = data.size() - valid_end;
 
   Segment segment;
@@ -333,6 +372,8 @@ void DurableSeriesStore::RecoverSegmentLocked(uint64_t sequence, const std::stri
       case RecordType::kSeriesDef:
       case RecordType::kSeriesTable:
         break;  // pass 2
+      case RecordType::kCommit:
+        break;  // applied above
       case RecordType::kPoints: {
         // Local ids beyond the known definitions belong to lost ones (the
         // checksum vouches for the record itself).
@@ -641,6 +682,7 @@ absl::Status DurableSeriesStore::RollSegmentLocked() {
                EncodeSegmentHeader(SegmentHeader{kSegmentFormatVersion, sequence, now}));
   const uint64_t block_offset = bytes.size();
   AppendRecord(&bytes, RecordType::kBlockStart, {});
+  AppendRecord(&bytes, RecordType::kCommit, {});
   std::string error;
   int error_number = InjectedFault(StoreFileOp::kWrite);
   // With any fsync policy but none, the new directory entry must be durable
@@ -821,6 +863,8 @@ absl::Status DurableSeriesStore::AppendInternal(
       AppendRecord(&scratch_, RecordType::kEvent,
                    EncodeEvent(EventRecord{event->first, now, event->second}));
     }
+    // Last: the write counts only once this record is on disk too.
+    AppendRecord(&scratch_, RecordType::kCommit, {});
 
     const uint64_t block_offset = segment.valid_bytes;
     if (absl::Status status = WriteLocked(scratch_); !status.ok()) {

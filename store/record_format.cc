@@ -31,7 +31,7 @@ ParseResult ParseRecord(std::string_view data, size_t offset, Record* record) {
     return ParseResult::kCorrupt;
   }
   if (type < static_cast<uint8_t>(RecordType::kSegmentHeader) ||
-      type > static_cast<uint8_t>(RecordType::kSeriesTable)) {
+      type > static_cast<uint8_t>(RecordType::kCommit)) {
     return ParseResult::kCorrupt;
   }
   record->type = static_cast<RecordType>(type);
@@ -47,7 +47,7 @@ size_t FindNextRecord(std::string_view data, size_t from) {
     // any checksum is computed.
     const uint8_t type = static_cast<uint8_t>(data[offset + 8]);
     if (type < static_cast<uint8_t>(RecordType::kSegmentHeader) ||
-        type > static_cast<uint8_t>(RecordType::kSeriesTable)) {
+        type > static_cast<uint8_t>(RecordType::kCommit)) {
       continue;
     }
     const uint32_t length = DecodeFixed32(data.data() + offset + 4);
@@ -69,7 +69,8 @@ bool DecodeSegmentHeader(std::string_view payload, SegmentHeader* header) {
   uint64_t version, sequence;
   int64_t created;
   if (!GetVarint64(&payload, &version) || !GetVarint64(&payload, &sequence) ||
-      !GetSignedVarint64(&payload, &created) || version != kSegmentFormatVersion) {
+      !GetSignedVarint64(&payload, &created) || version < kOldestSegmentFormatVersion ||
+      version > kSegmentFormatVersion) {
     return false;
   }
   header->version = static_cast<uint32_t>(version);

@@ -10,7 +10,16 @@
 //
 // The first record is a kSegmentHeader, the second a kBlockStart; a sealed
 // segment ends with a kSeriesTable and a kSegmentEnd, so an older segment cut
-// at a record boundary is still recognised as truncated. A series
+// at a record boundary is still recognised as truncated.
+//
+// Every write (the segment's creation, each append) ends with a kCommit
+// (version 2): a write is whole only up to its kCommit. A process killed in
+// the middle of a write() can leave a prefix of it on disk (the kernel copies
+// a write page by page and stops at a fatal signal), whole records included;
+// recovery cuts the newest segment after its last kCommit, so an append is in
+// the log whole or not at all, and a batch is never kept without the
+// delivery mark written with it (server/ingest/delivery.h). Version 1
+// segments (no kCommit) are read as before: cut after the last whole record. A series
 // is introduced in each segment by a kSeriesDef before its first point there,
 // so every segment decodes on its own: deleting older segments orphans
 // nothing. Points (kPoints, store/point_codec.h) refer to series by their
@@ -28,7 +37,9 @@
 namespace foreshock::store {
 
 inline constexpr std::string_view kSegmentMagic = "FSHKSEG1";
-inline constexpr uint32_t kSegmentFormatVersion = 1;
+inline constexpr uint32_t kSegmentFormatVersion = 2;
+// The oldest segment format still read (without kCommit records).
+inline constexpr uint32_t kOldestSegmentFormatVersion = 1;
 inline constexpr size_t kRecordHeaderBytes = 9;
 // Larger lengths are corruption; the writer splits batches well below this.
 inline constexpr uint32_t kMaxRecordPayloadBytes = 64u << 20;
@@ -43,6 +54,8 @@ enum class RecordType : uint8_t {
   kSeriesTable = 7,    // every series definition of the segment again, written
                        // just before kSegmentEnd: a damaged kSeriesDef does not
                        // orphan the series' points in a sealed segment
+  kCommit = 8,         // empty: ends one write; the records of an unfinished
+                       // write (no kCommit after them) are cut at recovery
 };
 
 void AppendRecord(std::string* out, RecordType type, std::string_view payload);

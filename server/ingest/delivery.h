@@ -11,11 +11,13 @@
 //   - the seqs being processed now, with the resends waiting on them.
 //
 // Durability: a batch's points and its mark go to the store in ONE append
-// (SeriesStore::AppendBatchWithEvent: one log write, mark last), before its
-// Ack. After a process crash (kill -9) the write is in the log whole or not at
-// all, so a resend is either a duplicate (acked, not stored again) or stored
-// for the first time. A write torn by power loss can keep the points without
-// the mark (never the reverse): those records may then be stored twice. Marks are
+// (SeriesStore::AppendBatchWithEvent: one log write, mark last, closed by a
+// commit record), before its Ack. After a process crash (kill -9, which can
+// stop a write() part-way) recovery keeps the write whole or drops it
+// (store/record_format.h, kCommit), so a resend is either a duplicate (acked,
+// not stored again) or stored for the first time. Only a write torn by power
+// loss with --fsync=none or interval, whose later pages reached the disk
+// before earlier ones, could break that (then records may be stored twice). Marks are
 // events of kind "ingest_seq"; the whole table is also checkpointed
 // ("ingest_seq" checkpoint) every kCheckpointEvery commits and with the
 // daemon's checkpoints, since the store keeps only the newest events of a kind.

@@ -165,7 +165,7 @@ TEST(DurableStoreFuzzTest, WellFramedGarbageRecordsNeverCrash) {
         std::string payload(rng() % 48, '\0');
         for (char& c : payload) c = static_cast<char>(rng());
         if (rng() % 3 == 0 && !payload.empty()) payload[0] = static_cast<char>(rng() % 4);
-        AppendRecord(&bytes, static_cast<RecordType>(1 + rng() % 6), payload);
+        AppendRecord(&bytes, static_cast<RecordType>(1 + rng() % 8), payload);
       }
       char file[32];
       std::snprintf(file, sizeof(file), "/segments/%08llu.seg",
