@@ -35,6 +35,7 @@ std::string Summary(std::string_view alertname, const std::string& run, int laye
   if (alertname == kRouterCollapse) what = "MoE router collapse";
   if (alertname == kRouterImbalance) what = "MoE router load imbalance";
   if (alertname == kCurvatureAboveEdge) what = "Curvature above the edge of stability";
+  if (alertname == kLearningRateSurge) what = "Learning rate above any the run trained at";
   if (alertname == kLossSpike) what = "Loss spike";
   if (alertname == kNonFinite) what = "Non-finite values";
   return internal::Cat(what, " in ", where);
@@ -212,6 +213,17 @@ std::vector<AlertTransition> AlertEngine::Observe(const SignalPoint& point) {
     case ChangeAssessment::Disposition::kWarmup:
     case ChangeAssessment::Disposition::kScored: ++counters_.points_scored; break;
   }
+  // A held attention-side episode (fp32 attention) that nothing corroborated
+  // within the onset window is the model learning (heads specializing): the
+  // series ends the episode and its baseline takes the new level in.
+  if (assessment.state == SeriesState::kAnomalous && before == SeriesState::kAnomalous &&
+      series.record->alert.state == AlertState::kPending && assessment.onset_step >= 0 &&
+      point.step - assessment.onset_step > config_.probable_cause.onset_window_steps &&
+      HeldForCorroboration(run, *series.record)) {
+    series.detector.ResetEpisode();
+    Evaluate(run, *series.record, series, series.detector.last(), point.step, out);
+    return out;
+  }
   // Only a change of the series' state can move its alert.
   if (assessment.state != before) {
     Evaluate(run, *series.record, series, assessment, point.step, out);
@@ -290,6 +302,20 @@ void AlertEngine::Evaluate(RunState& run, AlertRecord& record, const Series& tri
     out.insert(out.end(), updates.begin(), updates.end());
   };
 
+  // fp32 attention: an attention-side alert confirms, but waits pending for
+  // another kind of alert in the run (ProbableCauseConfig).
+  const bool held = any_anomalous && HeldForCorroboration(run, record);
+  if (held) {
+    any_anomalous = false;
+    any_pending = true;
+  }
+  auto note_held = [&] {
+    if (held) {
+      alert.description += " Held: this run computes attention in fp32, so this waits for another "
+                           "kind of alert (curvature, router, learning rate, loss) to fire.";
+    }
+  };
+
   switch (alert.state) {
     case AlertState::kInactive:
     case AlertState::kResolved: {
@@ -301,12 +327,20 @@ void AlertEngine::Evaluate(RunState& run, AlertRecord& record, const Series& tri
       } else {
         alert.state = AlertState::kPending;
         alert.pending_step = step;
-        take_labels_from(trigger, assessment, false);
+        take_labels_from(trigger, assessment, held);
+        note_held();
         emit(from);
       }
       return;
     }
     case AlertState::kPending:
+      if (held) {  // stays pending; says why once
+        if (alert.description.find(" Held: ") == std::string::npos) {
+          take_labels_from(trigger, assessment, true);
+          note_held();
+        }
+        return;
+      }
       if (any_anomalous) {
         fire(AlertState::kPending);
       } else if (!any_pending) {
@@ -336,8 +370,51 @@ void AlertEngine::Evaluate(RunState& run, AlertRecord& record, const Series& tri
   }
 }
 
+bool AlertEngine::HeldForCorroboration(const RunState& run, const AlertRecord& record) const {
+  if (!config_.probable_cause.fp32_attention_needs_corroboration) return false;
+  const AlertFamily family = FamilyOfAlert(record.alert.alertname);
+  if (family != AlertFamily::kQKSpectrum && family != AlertFamily::kAttentionLogits) return false;
+  if (run.attention_bits.empty()) return false;
+  for (const auto& [layer, bits] : run.attention_bits) {
+    if (bits < 32) return false;
+  }
+  for (const auto& [key, other] : run.alerts) {
+    if (other.alert.state == AlertState::kFiring && Corroborates(FamilyOfAlert(other.alert.alertname))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool AlertEngine::Corroborates(AlertFamily family) {
+  return family == AlertFamily::kCurvature || family == AlertFamily::kRouterCollapse ||
+         family == AlertFamily::kLearningRate || family == AlertFamily::kConsequence;
+}
+
+void AlertEngine::ReleaseHeld(RunState& run, int64_t step, std::vector<AlertTransition>& out) {
+  std::vector<AlertRecord*> held;
+  for (auto& [key, record] : run.alerts) {
+    if (record.alert.state != AlertState::kPending) continue;
+    for (const Series* s : record.series) {
+      if (s->detector.state() == SeriesState::kAnomalous) {
+        held.push_back(&record);
+        break;
+      }
+    }
+  }
+  for (AlertRecord* record : held) {
+    for (const Series* s : record->series) {
+      if (s->detector.state() != SeriesState::kAnomalous) continue;
+      Evaluate(run, *record, *s, s->detector.last(), step, out);
+      break;
+    }
+  }
+}
+
 void AlertEngine::OnFired(RunState& run, AlertRecord& fired, int64_t step,
                           std::vector<AlertTransition>& out) {
+  // Attention-side alerts held in an fp32 run fire with the first alert of another kind.
+  if (Corroborates(FamilyOfAlert(fired.alert.alertname))) ReleaseHeld(run, step, out);
   const Alert& alert = fired.alert;
   // The episode's onset: the earliest first anomalous step of the series
   // that are anomalous now (a non-finite alert has no series: its step).
@@ -444,6 +521,7 @@ void AlertEngine::DeriveCause(RunState& run, int64_t fired_by) const {
   evidence.router_collapse = within(AlertFamily::kRouterCollapse, "router collapse");
   evidence.router_imbalance = within(AlertFamily::kRouterImbalance, "router load imbalance");
   evidence.curvature = within(AlertFamily::kCurvature, "curvature above the edge");
+  evidence.lr_rise = within(AlertFamily::kLearningRate, "learning rate surge");
 
   // LR rise: the first LR, up to the end of the provisional period, of at
   // least lr_rise_factor x the median of the lagged baseline window (or the
@@ -459,7 +537,8 @@ void AlertEngine::DeriveCause(RunState& run, int64_t fired_by) const {
     baseline.push_back(run.learning_rate.front().second);
   }
   int64_t lr_rise_step = -1;
-  if (!baseline.empty()) {
+  if (evidence.lr_rise) lr_rise_step = onset_of(static_cast<size_t>(AlertFamily::kLearningRate));
+  if (!baseline.empty() && !evidence.lr_rise) {
     std::nth_element(baseline.begin(), baseline.begin() + baseline.size() / 2, baseline.end());
     const double reference = baseline[baseline.size() / 2];
     for (const auto& [lr_step, lr] : run.learning_rate) {
@@ -483,6 +562,9 @@ void AlertEngine::DeriveCause(RunState& run, int64_t fired_by) const {
   const int64_t logits_onset = onset_of(static_cast<size_t>(AlertFamily::kAttentionLogits));
   evidence.attention_before_learning_rate =
       evidence.attention_logits && (learning_rate_onset < 0 || logits_onset < learning_rate_onset);
+  const int64_t qk_onset = onset_of(static_cast<size_t>(AlertFamily::kQKSpectrum));
+  evidence.qk_before_learning_rate =
+      evidence.qk_spectrum && (learning_rate_onset < 0 || qk_onset < learning_rate_onset);
   // Attention computed in fp32 (every layer that says) cannot be a precision fault.
   if (!run.attention_bits.empty()) {
     evidence.precision_ruled_out = true;
@@ -767,7 +849,8 @@ void AlertEngine::SetLifecycleMark(std::string_view run, const LifecycleMark& ma
 // U64 x 4 counters: scored, stale, duplicate, nonfinite
 // U64     runs, then per run (by name):
 //   String name, I64 latest_step
-//   U32 family count (must be kFamilyCount), I64 onset per family,
+//   U32 family count (kFamilyCount, or one fewer: saved before the
+//     learning-rate family, which then reads as -1), I64 onset per family,
 //     I64 fired step per family (v2)
 //   U64 layers, each I32 layer, I64 highest step processed (v2)
 //   U8 cause, I64 mechanism_onset, Bool cause_settled, String cause_evidence
@@ -834,6 +917,9 @@ std::string ConfigFingerprint(const AlertConfig& config) {
   w.PutDouble(pc.lr_rise_factor);
   w.PutI64(pc.lr_baseline_steps);
   w.PutI64(pc.lr_baseline_gap_steps);
+  // Appended only when not the default, so that states saved before the
+  // option existed keep their fingerprint.
+  if (!pc.fp32_attention_needs_corroboration) w.PutString("fp32_attention_alone");
   return w.Take();
 }
 
@@ -953,13 +1039,21 @@ bool AlertEngine::RestoreState(std::string_view bytes, std::string* error) {
   auto read_run = [&](RunState& run) -> bool {
     uint32_t families = 0;
     if (!r.GetString(run.name) || !r.GetI64(run.latest_step) || !r.GetU32(families)) return false;
-    if (families != kFamilyCount) return r.Fail("alert family count differs");
-    for (int64_t& onset : run.family_onset) {
-      if (!r.GetI64(onset)) return false;
+    // States saved before the learning-rate family existed have one family
+    // fewer, in the same order with kLearningRate missing.
+    constexpr size_t kLearningRateIndex = static_cast<size_t>(AlertFamily::kLearningRate);
+    if (families != kFamilyCount && families != kFamilyCount - 1) {
+      return r.Fail("alert family count differs");
     }
-    for (int64_t& fired : run.family_fired_step) {
-      if (!r.GetI64(fired)) return false;
-    }
+    auto read_families = [&](std::array<int64_t, kFamilyCount>& values) {
+      values.fill(-1);
+      for (size_t f = 0; f < kFamilyCount; ++f) {
+        if (families < kFamilyCount && f == kLearningRateIndex) continue;
+        if (!r.GetI64(values[f])) return false;
+      }
+      return true;
+    };
+    if (!read_families(run.family_onset) || !read_families(run.family_fired_step)) return false;
     uint64_t layers = 0;
     if (!r.GetCount(layers, 12)) return false;
     for (uint64_t i = 0; i < layers; ++i) {

@@ -289,6 +289,12 @@ class AlertEngine {
   // re-annotates the run's alerts; firing alerts other than `fired` whose
   // annotations changed are appended to `out` as firing -> firing.
   void OnFired(RunState& run, AlertRecord& fired, int64_t step, std::vector<AlertTransition>& out);
+  // fp32 attention: an attention-side alert that must wait for another kind
+  // (ProbableCauseConfig::fp32_attention_needs_corroboration).
+  bool HeldForCorroboration(const RunState& run, const AlertRecord& record) const;
+  static bool Corroborates(AlertFamily family);
+  // Fires the held alerts whose series are anomalous (another kind fired).
+  void ReleaseHeld(RunState& run, int64_t step, std::vector<AlertTransition>& out);
   bool RefreshCause(const RunState& run, AlertRecord& record,
                     bool include_resolved = false) const;
   // RefreshCause for every alert of `run` but `skip`; firing ones whose

@@ -130,6 +130,21 @@ AlertConfig DefaultAlertConfig() {
     o.persist_n = 3;
   }
 
+  // Learning rate (docs/DESIGN.md §1.3): more than twice the highest LR the
+  // run has trained at (detectors/lr_schedule_detector.cc) steps over the edge
+  // of stability the run adapted to. The value is exact (no noise) and the
+  // detector already leaves warm-up and decay alone, so the guard fires on
+  // the first such sample; twice leaves room for a batch-size doubling with
+  // the linear LR scaling rule.
+  {
+    ChangeDetectorOptions& o = add("lr_over_held_max", kLearningRateSurge, Direction::kRise);
+    o.change_detection = false;
+    o.bound = 2.0;
+    o.warmup = 0;
+    o.persist_m = 1;
+    o.persist_n = 1;
+  }
+
   // Loss is reported every step and is noisy per batch: a longer window, and
   // half again above its baseline (a data switch moved it by a third). Scored
   // from the 15th step, no small-sample inflation (its gate dominates).
@@ -547,10 +562,12 @@ void ParseAlertsSection(const YamlReader& reader, const YAML::Node& alerts, Aler
       steps(config.probable_cause.lr_baseline_gap_steps);
     } else if (key == "lr_rise_factor") {
       config.probable_cause.lr_rise_factor = reader.Double(node, path);
+    } else if (key == "fp32_attention_needs_corroboration") {
+      config.probable_cause.fp32_attention_needs_corroboration = reader.Bool(node, path);
     } else {
       FailUnknownKey(reader, key_node, "alerts.probable_cause", key,
                      {"onset_window_steps", "settle_steps", "lr_rise_factor", "lr_baseline_steps",
-                      "lr_baseline_gap_steps"});
+                      "lr_baseline_gap_steps", "fp32_attention_needs_corroboration"});
     }
   }
 }

@@ -33,6 +33,7 @@
 //       lr_rise_factor: 3.0
 //       lr_baseline_steps: 1000
 //       lr_baseline_gap_steps: 100
+//       fp32_attention_needs_corroboration: true
 //
 // Unknown keys, wrong types and out-of-range values are errors that name the
 // key and its line.
@@ -58,15 +59,17 @@ inline constexpr std::string_view kAttentionEntropyCollapse = "ForeshockAttentio
 inline constexpr std::string_view kRouterCollapse = "ForeshockRouterCollapse";
 inline constexpr std::string_view kRouterImbalance = "ForeshockRouterImbalance";
 inline constexpr std::string_view kCurvatureAboveEdge = "ForeshockCurvatureAboveEdge";
+inline constexpr std::string_view kLearningRateSurge = "ForeshockLearningRateSurge";
 inline constexpr std::string_view kLossSpike = "ForeshockLossSpike";
 inline constexpr std::string_view kNonFinite = "ForeshockNonFinite";
-inline constexpr std::array<std::string_view, 8> kAlertNames = {
+inline constexpr std::array<std::string_view, 9> kAlertNames = {
     kQKIncrementCollapse,
     kAttentionLogitGrowth,
     kAttentionEntropyCollapse,
     kRouterCollapse,
     kRouterImbalance,
     kCurvatureAboveEdge,
+    kLearningRateSurge,
     kLossSpike,
     kNonFinite,
 };
@@ -111,6 +114,13 @@ struct ProbableCauseConfig {
   double lr_rise_factor = 3.0;
   int64_t lr_baseline_steps = 1000;
   int64_t lr_baseline_gap_steps = 100;
+  // In a run whose attention computes in fp32 (every layer's QKSample says
+  // so), the QK-spectrum and attention-logit alerts wait, pending, until an
+  // alert of another kind fires in the run (curvature, router collapse,
+  // learning-rate surge, loss spike, non-finite): without low precision they
+  // have no mechanism of their own, and heads that specialize (a copy task,
+  // induction heads) move them in healthy training.
+  bool fp32_attention_needs_corroboration = true;
 };
 
 struct AlertConfig {

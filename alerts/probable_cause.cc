@@ -23,6 +23,7 @@ AlertFamily FamilyOfAlert(std::string_view alertname) {
   if (alertname == kRouterCollapse) return AlertFamily::kRouterCollapse;
   if (alertname == kRouterImbalance) return AlertFamily::kRouterImbalance;
   if (alertname == kCurvatureAboveEdge) return AlertFamily::kCurvature;
+  if (alertname == kLearningRateSurge) return AlertFamily::kLearningRate;
   return AlertFamily::kConsequence;
 }
 
@@ -30,7 +31,7 @@ ProbableCause ClassifyProbableCause(const CauseEvidence& evidence) {
   const bool attention = evidence.qk_spectrum || evidence.attention_logits;
   const bool precision =
       !evidence.precision_ruled_out &&
-      (evidence.qk_spectrum ||
+      ((evidence.qk_spectrum && evidence.qk_before_learning_rate) ||
        (evidence.attention_logits && evidence.attention_before_learning_rate));
   // With fp32 attention an attention instability is the update size's doing.
   const bool learning_rate = evidence.lr_rise || evidence.curvature || evidence.router_collapse ||

@@ -8,16 +8,18 @@
 //   router collapse  ForeshockRouterCollapse (entropy drop, flip surge, z-loss, dead experts)
 //   router imbalance ForeshockRouterImbalance (load CV, MaxVio)
 //   curvature        ForeshockCurvatureAboveEdge (rho surge or rho > 1)
-//   LR rise          the learning rate the run streams (StepScalars.lr) rose by
-//                    lr_rise_factor or more over its own lagged baseline
+//   LR rise          ForeshockLearningRateSurge (the LR the run streams,
+//                    StepScalars.lr, above twice the highest it has trained at),
+//                    or, without that alert, an LR lr_rise_factor or more above
+//                    its own lagged baseline
 //   fp32 attention   every layer's QKSample.attention_dtype says FLOAT32: the
 //                    precision column below is "no", and attention evidence
 //                    counts as learning-rate evidence
 //   (loss spikes and non-finite values are consequences, not evidence)
 //
-// With  precision = qk spectrum, or attention logits that began before any
-//                   learning-rate evidence (the LR had not yet risen by the
-//                   factor, and neither the curvature nor the router had alerted),
+// With  precision = qk spectrum or attention logits that began before any
+//                   learning-rate evidence (the LR had not yet risen, and
+//                   neither the curvature nor the router had alerted),
 //       learning rate = LR rise or curvature or router collapse,
 //       attention = qk spectrum or attention logits,
 // first match wins:
@@ -32,13 +34,13 @@
 // Why: the spectral entropy and top-1 share of the QK increment are
 // scale-invariant, so a larger learning rate, which scales every update, does
 // not move them by itself; biased rounding in low-precision attention does
-// (its gradient errors point the same way every step). Logit growth and
-// attention-entropy collapse, by contrast, follow from any too-large update:
-// on the evaluation model a geometric LR ramp grew the attention max logit
-// before the router or the curvature alerted. So with learning-rate evidence
-// present, attention logits count as a precision fault only when they began
-// before the learning rate went up (a cause cannot follow its effect); the QK
-// spectrum counts whenever it collapses near the onset.
+// (its gradient errors point the same way every step). But an update large
+// enough to destabilize the run moves everything: on the evaluation corpus a
+// 15-100x LR jump collapsed the QK increment within 40 steps, and logit
+// growth and attention-entropy collapse follow from any too-large update. So
+// with learning-rate evidence present, attention evidence counts as a
+// precision fault only when it began before the learning rate went up (a
+// cause cannot follow its effect).
 // A too-large learning rate shows in the curvature and the router (rising logit
 // norms, falling entropy, flip surges, dead experts), and most directly in the
 // LR the run reports. Router load imbalance alone is no evidence either way:
@@ -69,7 +71,8 @@ enum class AlertFamily : uint8_t {
   kRouterCollapse,
   kRouterImbalance,
   kCurvature,
-  kConsequence,  // loss spikes, non-finite values
+  kLearningRate,  // ForeshockLearningRateSurge: the LR the run streams
+  kConsequence,   // loss spikes, non-finite values
 };
 
 // The family of one of the docs/DESIGN.md §5.1 alert names (kConsequence for others).
@@ -84,6 +87,8 @@ struct CauseEvidence {
   bool lr_rise = false;
   // The attention-logit evidence began before any learning-rate evidence.
   bool attention_before_learning_rate = false;
+  // The QK-spectrum evidence began before any learning-rate evidence.
+  bool qk_before_learning_rate = false;
   // Every layer that reports its attention compute dtype computes in fp32:
   // no precision fault (and attention evidence then points at the update size).
   bool precision_ruled_out = false;

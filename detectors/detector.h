@@ -91,6 +91,11 @@ struct DetectorOptions {
   double baseline_spike_sigmas = 6.0;
   // ... and Megatron-style spiky loss when loss exceeds factor x running max.
   double baseline_spiky_loss_factor = 10.0;
+
+  // Learning rate (lr_over_held_max): the warm-up is over after this many
+  // samples without a new high, and a new LR level counts as trained at once
+  // it has been held this long.
+  int lr_held_samples = 20;
 };
 
 // Which series a restore keeps: called with the run and the layer of a

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <functional>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -605,7 +606,7 @@ TEST(AlertEngineTest, FP32AttentionRulesOutAPrecisionFault) {
       {"not reported", {}, "low_precision_attention"},
       {"bf16", {16, 16}, "low_precision_attention"},
       {"fp32 in one layer, bf16 in another", {32, 16}, "low_precision_attention"},
-      {"fp32", {32, 32}, "learning_rate_too_high"},
+      {"fp32, with the curvature surging too", {32, 32}, "learning_rate_too_high"},
   };
   for (const Case& c : cases) {
     EngineDriver driver;
@@ -613,15 +614,69 @@ TEST(AlertEngineTest, FP32AttentionRulesOutAPrecisionFault) {
       driver.Point("r1", 0, kAttentionComputeBitsSignal, static_cast<int>(layer), c.bits[layer],
                    kAllHeads, false);
     }
+    // (fp32: the QK alert alone would wait for another kind of alert.)
+    if (c.bits == std::vector<double>{32, 32}) {
+      driver.Fault("r1", "curvature_eos_ratio", kNoLayer, 1000, 0.5, 2.5);
+    }
     driver.Fault("r1", "qk_increment_entropy", 0, 1000, 0.8, 0.4);
     EXPECT_EQ(ProbableCauseName(driver.engine.RunProbableCause("r1")), c.cause) << c.name;
-    ASSERT_EQ(driver.engine.ActiveAlerts().size(), 1u) << c.name;
-    const Alert alert = driver.engine.ActiveAlerts()[0];
+    std::optional<Alert> qk;
+    for (const Alert& alert : driver.engine.ActiveAlerts()) {
+      if (alert.alertname == kQKIncrementCollapse) qk = alert;
+    }
+    ASSERT_TRUE(qk) << c.name;
+    const Alert alert = *qk;
+    EXPECT_EQ(alert.state, AlertState::kFiring) << c.name;
     EXPECT_EQ(alert.probable_cause, c.cause) << c.name;
     EXPECT_EQ(alert.probable_cause_evidence.find("fp32") != std::string::npos,
               std::string(c.cause) == "learning_rate_too_high")
         << c.name << ": " << alert.probable_cause_evidence;
   }
+}
+
+// fp32 attention has no precision mechanism: a QK-spectrum or attention-logit
+// change alone is heads specializing (a copy task, induction heads). It waits,
+// pending, for another kind of alert; none within the onset window, and the
+// series takes the new level in.
+TEST(AlertEngineTest, FP32AttentionAlertsWaitForAnotherKind) {
+  EngineDriver driver;
+  for (int layer : {0, 1}) {
+    driver.Point("r1", 0, kAttentionComputeBitsSignal, layer, 32, kAllHeads, false);
+  }
+  driver.Series("r1", "qk_increment_entropy", 0, 400, 60, 0.8);
+  driver.Series("r1", "qk_increment_entropy", 0, 1000, 4, 0.4);  // confirmed at 1020: held
+  ASSERT_EQ(driver.engine.ActiveAlerts().size(), 1u);
+  EXPECT_EQ(driver.engine.ActiveAlerts()[0].state, AlertState::kPending);
+  EXPECT_NE(driver.engine.ActiveAlerts()[0].description.find("fp32"), std::string::npos);
+  EXPECT_EQ(driver.Transitions(kQKIncrementCollapse, "0").size(), 1u);  // -> pending only
+
+  // The curvature surges from 1010 and fires at 1030: the QK alert fires with
+  // it, its onset kept, and both are the learning rate's doing.
+  driver.Fault("r1", "curvature_eos_ratio", kNoLayer, 1010, 0.5, 2.5);
+  const auto qk = driver.StateChanges(kQKIncrementCollapse, "0");
+  ASSERT_EQ(qk.size(), 2u);
+  EXPECT_EQ(qk[1].to, AlertState::kFiring);
+  EXPECT_EQ(qk[1].step, 1030);
+  EXPECT_EQ(qk[1].alert.first_step, 1000);
+  EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kLearningRateTooHigh);
+
+  // Another run: the collapse alone, held past the onset window (50 steps)
+  // with nothing else: absorbed, never fired.
+  driver.Point("r2", 0, kAttentionComputeBitsSignal, 0, 32, kAllHeads, false);
+  driver.Series("r2", "qk_increment_entropy", 0, 400, 60, 0.8);
+  driver.Series("r2", "qk_increment_entropy", 0, 1000, 60, 0.4);
+  for (const AlertTransition& t : driver.transitions) {
+    if (t.alert.run == "r2") EXPECT_NE(t.to, AlertState::kFiring) << t.step;
+  }
+  for (const Alert& alert : driver.engine.ActiveAlerts()) EXPECT_NE(alert.run, "r2");
+  // Switched off, it fires alone as before.
+  AlertConfig config = WithAttentionAlerts();
+  config.probable_cause.fp32_attention_needs_corroboration = false;
+  EngineDriver alone(config);
+  alone.Point("r1", 0, kAttentionComputeBitsSignal, 0, 32, kAllHeads, false);
+  alone.Fault("r1", "qk_increment_entropy", 0, 1000, 0.8, 0.4);
+  ASSERT_EQ(alone.engine.ActiveAlerts().size(), 1u);
+  EXPECT_EQ(alone.engine.ActiveAlerts()[0].state, AlertState::kFiring);
 }
 
 TEST(AlertEngineTest, ANewIncidentAfterEveryAlertResolvedIsDiagnosedAfresh) {
@@ -661,14 +716,16 @@ TEST(AlertEngineTest, ANewIncidentAfterEveryAlertResolvedIsDiagnosedAfresh) {
 
 TEST(AlertEngineTest, TheCauseIsProvisionalUntilItSettles) {
   AlertConfig config = WithAttentionAlerts();
-  config.probable_cause.settle_steps = 200;  // past the last point Fault() feeds
+  config.probable_cause.settle_steps = 240;  // past the last point Fault() feeds
   EngineDriver driver(config);
   StreamLearningRate(driver, "r1", 0, 1040, Ramp);
-  driver.Fault("r1", "attention_max_logit", 1, 1000, 10, 20);  // fires at 1020
+  // Fires at 1020, after the LR reached 3x (step 974): the update size.
+  driver.Fault("r1", "attention_max_logit", 1, 1000, 10, 20);
   EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kLearningRateTooHigh);
-  // The QK spectrum collapses 30 steps after the onset, within the window:
-  // precision is at fault as well.
-  driver.Fault("r1", "qk_increment_entropy", 0, 1030, 0.8, 0.4);
+  // Layer 0 (another worker, behind) shows that the QK spectrum had collapsed
+  // from step 960, before the LR rose: precision is at fault as well. The
+  // onset moves to 960.
+  driver.Fault("r1", "qk_increment_entropy", 0, 960, 0.8, 0.4);
   EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kCombined);
   for (const Alert& alert : driver.engine.ActiveAlerts()) {
     EXPECT_EQ(alert.probable_cause, "combined") << alert.alertname;
@@ -682,7 +739,7 @@ TEST(AlertEngineTest, TheCauseIsProvisionalUntilItSettles) {
     driver.Point("r1", step, "attention_max_logit", 1, 20);
   }
   EXPECT_TRUE(driver.transitions.empty());
-  for (int64_t step = 1130; step <= 1200; step += 10) {
+  for (int64_t step = 1100; step <= 1200; step += 10) {
     driver.Point("r1", step, "qk_increment_entropy", 0, 0.4);
   }
   // Both firing alerts are re-sent once, settled, at the step that settled them.

@@ -14,13 +14,15 @@ namespace {
 struct Row {
   bool qk_spectrum, attention_logits, router_collapse, router_imbalance, curvature, lr_rise;
   ProbableCause expected;
+  // The attention evidence (QK spectrum, logits) began before the learning-rate evidence.
+  bool attention_first = true;
 };
 
 void PrintTo(const Row& row, std::ostream* os) {
   *os << "{qk " << row.qk_spectrum << ", logits " << row.attention_logits << ", router_collapse "
       << row.router_collapse << ", router_imbalance " << row.router_imbalance << ", curvature "
-      << row.curvature << ", lr_rise " << row.lr_rise << " -> " << ProbableCauseName(row.expected)
-      << "}";
+      << row.curvature << ", lr_rise " << row.lr_rise << ", attention first "
+      << row.attention_first << " -> " << ProbableCauseName(row.expected) << "}";
 }
 
 class ProbableCauseTableTest : public ::testing::TestWithParam<Row> {};
@@ -34,6 +36,8 @@ TEST_P(ProbableCauseTableTest, ClassifiesTheRow) {
   evidence.router_imbalance = row.router_imbalance;
   evidence.curvature = row.curvature;
   evidence.lr_rise = row.lr_rise;
+  evidence.qk_before_learning_rate = row.qk_spectrum && row.attention_first;
+  evidence.attention_before_learning_rate = row.attention_logits && row.attention_first;
   EXPECT_EQ(ProbableCauseName(ClassifyProbableCause(evidence)), ProbableCauseName(row.expected));
 }
 
@@ -45,18 +49,19 @@ using PC = ProbableCause;
 INSTANTIATE_TEST_SUITE_P(
     Rows, ProbableCauseTableTest,
     ::testing::Values(
-        // QK spectrum + any learning-rate evidence -> combined
+        // attention evidence that began first + any learning-rate evidence -> combined
         Row{Y, N, N, N, N, Y, PC::kCombined}, Row{Y, Y, N, N, N, Y, PC::kCombined},
         Row{Y, N, Y, N, N, N, PC::kCombined}, Row{Y, N, N, N, Y, N, PC::kCombined},
-        Row{Y, Y, Y, Y, Y, Y, PC::kCombined},
-        // learning-rate evidence without the QK spectrum -> learning rate,
-        // even with attention logit growth (a consequence of large updates)
+        Row{Y, Y, Y, Y, Y, Y, PC::kCombined}, Row{N, Y, N, N, N, Y, PC::kCombined},
+        // learning-rate evidence with attention evidence that followed it ->
+        // learning rate (a large update moves the attention too)
         Row{N, N, N, N, N, Y, PC::kLearningRateTooHigh},
         Row{N, N, N, N, Y, N, PC::kLearningRateTooHigh},
         Row{N, N, Y, N, N, N, PC::kLearningRateTooHigh},
-        Row{N, Y, N, N, N, Y, PC::kLearningRateTooHigh},
-        Row{N, Y, Y, N, Y, N, PC::kLearningRateTooHigh},
-        Row{N, Y, Y, Y, Y, Y, PC::kLearningRateTooHigh},
+        Row{Y, N, N, N, N, Y, PC::kLearningRateTooHigh, false},
+        Row{N, Y, N, N, N, Y, PC::kLearningRateTooHigh, false},
+        Row{Y, Y, Y, N, Y, N, PC::kLearningRateTooHigh, false},
+        Row{N, Y, Y, Y, Y, Y, PC::kLearningRateTooHigh, false},
         // attention evidence, learning-rate evidence quiet -> low-precision
         // attention, whether or not the load is imbalanced
         Row{Y, N, N, N, N, N, PC::kLowPrecisionAttention},
@@ -79,6 +84,9 @@ INSTANTIATE_TEST_SUITE_P(
       add(info.param.router_imbalance, "router_imbalance");
       add(info.param.curvature, "curvature");
       add(info.param.lr_rise, "lr");
+      if (info.param.attention_first && (info.param.qk_spectrum || info.param.attention_logits)) {
+        add(info.param.router_collapse || info.param.curvature || info.param.lr_rise, "attention_first");
+      }
       return name.empty() ? std::string("none") : name;
     });
 
@@ -96,6 +104,7 @@ TEST(ProbableCauseTest, EveryAlertNameHasItsFamily) {
   EXPECT_EQ(FamilyOfAlert(kRouterCollapse), AlertFamily::kRouterCollapse);
   EXPECT_EQ(FamilyOfAlert(kRouterImbalance), AlertFamily::kRouterImbalance);
   EXPECT_EQ(FamilyOfAlert(kCurvatureAboveEdge), AlertFamily::kCurvature);
+  EXPECT_EQ(FamilyOfAlert(kLearningRateSurge), AlertFamily::kLearningRate);
   EXPECT_EQ(FamilyOfAlert(kLossSpike), AlertFamily::kConsequence);
   EXPECT_EQ(FamilyOfAlert(kNonFinite), AlertFamily::kConsequence);
 }

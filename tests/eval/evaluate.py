@@ -301,13 +301,16 @@ CALIBRATION_AXES = {
     "qk.trend": [True, False],
     "loss.min_relative_change": [0.25, 0.5],
     "curvature_eos_ratio.min_relative_change": [1.0, 2.0],
+    # The learning-rate surge: above twice (or three times) the highest LR held.
+    "lr_over_held_max.bound": [2.0, 3.0],
 }
 
 FAMILIES = {
     "ForeshockQKIncrementCollapse": "QK spectrum", "ForeshockAttentionLogitGrowth": "attention logits",
     "ForeshockAttentionEntropyCollapse": "attention logits", "ForeshockRouterCollapse": "router collapse",
     "ForeshockRouterImbalance": "router imbalance", "ForeshockCurvatureAboveEdge": "curvature",
-    "ForeshockLossSpike": "loss spike", "ForeshockNonFinite": "non-finite",
+    "ForeshockLearningRateSurge": "learning rate", "ForeshockLossSpike": "loss spike",
+    "ForeshockNonFinite": "non-finite",
 }
 
 

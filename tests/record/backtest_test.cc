@@ -52,6 +52,9 @@ class BacktestTest : public ::testing::Test {
     c.persist_m = 3;
     c.persist_n = 3;
     c.min_relative_change = 0.5;
+    // These runs' LR jumps 10x: the learning-rate alert would come first
+    // (its own test below); here the curvature is what is scored.
+    options_.config.signals.erase("lr_over_held_max");
   }
   void TearDown() override { fs::remove_all(dir_); }
 
@@ -240,6 +243,30 @@ TEST_F(BacktestTest, AlertsBeforeTheInjectionAreFalseAlarmsAndUnlabeledRunsAreJu
   EXPECT_EQ(result.runs[0].first_alert->step, 520);
   EXPECT_EQ(result.runs[0].false_alarms, 0);
   EXPECT_FALSE(result.runs[1].fault);
+}
+
+// With the shipped learning-rate rule, the 10x LR jump is the first alert,
+// at the injection step itself: the whole injection -> divergence interval
+// is lead, and the cause is the learning rate.
+TEST_F(BacktestTest, TheLearningRateJumpIsAlertedAtTheInjection) {
+  BacktestOptions options = options_;
+  options.config.signals["lr_over_held_max"] =
+      alerts::DefaultAlertConfig().signals.at("lr_over_held_max");
+  const BacktestResult result =
+      RunBacktest({Write("fault.fsrec", "fault-run", true, 0, 900, 1),
+                   Write("control.fsrec", "control-run", false, 0, 900, 1)},
+                  options);
+  ASSERT_EQ(result.runs.size(), 2u);
+  EXPECT_TRUE(result.runs[0].fired.empty());  // a constant LR: nothing
+  const BacktestRun& fault = result.runs[1];
+  ASSERT_TRUE(fault.first_alert);
+  EXPECT_EQ(fault.first_alert->alertname, "ForeshockLearningRateSurge");
+  EXPECT_EQ(fault.first_alert->step, 500);
+  ASSERT_TRUE(fault.lead_fraction);
+  EXPECT_DOUBLE_EQ(*fault.lead_fraction, 1.0);
+  EXPECT_EQ(fault.first_alert->probable_cause, "learning_rate_too_high");
+  EXPECT_EQ(fault.cause, "learning_rate_too_high");
+  EXPECT_EQ(fault.false_alarms, 0);
 }
 
 TEST_F(BacktestTest, UnreadableAndCorruptFilesAreReportedAndTheRestIsScored) {
