@@ -304,7 +304,8 @@ void AlertEngine::Evaluate(RunState& run, AlertRecord& record, const Series& tri
 
   // fp32 attention: an attention-side alert confirms, but waits pending for
   // another kind of alert in the run (ProbableCauseConfig).
-  const bool held = any_anomalous && HeldForCorroboration(run, record);
+  const bool held = any_anomalous && alert.state != AlertState::kFiring &&
+                    HeldForCorroboration(run, record);
   if (held) {
     any_anomalous = false;
     any_pending = true;

@@ -659,6 +659,17 @@ TEST(AlertEngineTest, FP32AttentionAlertsWaitForAnotherKind) {
   EXPECT_EQ(qk[1].step, 1030);
   EXPECT_EQ(qk[1].alert.first_step, 1000);
   EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kLearningRateTooHigh);
+  // Once fired it stays firing while its series is anomalous, also after the
+  // curvature resolved.
+  driver.Series("r1", "curvature_eos_ratio", kNoLayer, 1110, 40, 0.5);
+  driver.Series("r1", "qk_increment_top1_share", 0, 400, 60, 0.1);
+  driver.Series("r1", "qk_increment_top1_share", 0, 1040, 6, 0.6);  // a second series of it
+  driver.Series("r1", "qk_increment_entropy", 0, 1040, 20, 0.4);
+  for (const Alert& alert : driver.engine.ActiveAlerts()) {
+    EXPECT_NE(alert.alertname, kCurvatureAboveEdge);
+  }
+  const auto still = driver.StateChanges(kQKIncrementCollapse, "0");
+  EXPECT_EQ(still.back().to, AlertState::kFiring);
 
   // Another run: the collapse alone, held past the onset window (50 steps)
   // with nothing else: absorbed, never fired.
