@@ -6,17 +6,21 @@
 #   deb.sh build    BUILD_DIR WORK_DIR   cpack -G DEB from BUILD_DIR into WORK_DIR
 #   deb.sh info     WORK_DIR             dpkg-deb --info: name, version, depends, scripts, conffiles
 #   deb.sh contents WORK_DIR             dpkg-deb --contents: binaries, unit, configuration
-#   deb.sh install  WORK_DIR             dpkg -i (needs root); refuses if foreshock is already installed
+#   deb.sh install  WORK_DIR             dpkg -i (needs root); refuses if foreshock is already installed,
+#                                        unless an earlier run of these tests left it (then purges it first)
 #   deb.sh help                          the installed /usr/bin/foreshockd --help, foreshockctl --help
 #   deb.sh run      WORK_DIR             the installed daemon starts with the installed configuration
 #   deb.sh verify                        systemd-analyze verify (no warnings) and security of the installed unit
-#   deb.sh purge    WORK_DIR             dpkg --purge, only if `install` installed it
+#   deb.sh purge    WORK_DIR             dpkg --purge, only if `install` (this or an earlier run) installed it
 set -euo pipefail
 
 step=$1
 shift
 
 fail() { echo "FAIL: $*" >&2; exit 1; }
+
+# Says, across checkouts and reboots, that these tests installed the package.
+machine_marker=/var/lib/foreshock-deb-test/installed-by-test
 
 the_deb() {
   local debs=("$1"/foreshock_*_amd64.deb)
@@ -77,8 +81,20 @@ case "$step" in
     deb=$(the_deb "$work")
     [ "$(id -u)" -eq 0 ] || fail "dpkg -i needs root"
     if dpkg-query -W -f='${Status}' foreshock 2>/dev/null | grep -q 'ok installed\|config-files'; then
-      fail "a foreshock package is already on this machine; not touching it (dpkg --purge foreshock first)"
+      if [ -f "$machine_marker" ]; then
+        # An earlier run of these tests (another checkout, or one stopped
+        # before its purge step) installed it: ours to remove.
+        echo "foreshock was left installed by an earlier run of these tests ($(cat "$machine_marker")); purging it"
+        dpkg --purge foreshock
+        rm -f "$machine_marker"
+      else
+        fail "a foreshock package is already on this machine; not touching it (dpkg --purge foreshock first)"
+      fi
     fi
+    # Marked before dpkg runs, here and machine-wide, so that a run stopped
+    # anywhere after this point leaves its package recognisable as its own.
+    mkdir -p "$(dirname "$machine_marker")"
+    echo "$deb" >"$machine_marker"
     touch "$work/installed-by-test"
     dpkg -i "$deb"
     dpkg-query -W -f='${Status}\n' foreshock | grep -q 'install ok installed' || fail "not installed"
@@ -139,8 +155,8 @@ case "$step" in
     ;;
   purge)
     work=$1
-    if [ -f "$work/installed-by-test" ]; then
-      rm -f "$work/installed-by-test"
+    if [ -f "$work/installed-by-test" ] || [ -f "$machine_marker" ]; then
+      rm -f "$work/installed-by-test" "$machine_marker"
       dpkg --purge foreshock
       ! dpkg-query -W -f='${Status}' foreshock 2>/dev/null | grep -q 'installed' || fail "still installed"
       for path in /usr/bin/foreshockd /usr/bin/foreshockctl /lib/systemd/system/foreshockd.service /etc/foreshock; do
