@@ -9,7 +9,7 @@
 //   router imbalance ForeshockRouterImbalance (load CV, MaxVio)
 //   curvature        ForeshockCurvatureAboveEdge (rho surge or rho > 1)
 //   LR rise          ForeshockLearningRateSurge (the LR the run streams,
-//                    StepScalars.lr, above twice the highest it has trained at),
+//                    StepScalars.lr, above three times the highest it has trained at),
 //                    or, without that alert, an LR lr_rise_factor or more above
 //                    its own lagged baseline
 //   fp32 attention   every layer's QKSample.attention_dtype says FLOAT32: the

@@ -1,5 +1,6 @@
 // lr_over_held_max (detectors/lr_schedule_detector.cc): schedules read at or
-// below 2 (the default alert bound), faults above it, at the step they begin.
+// below 2 (a batch-size doubling; the default alert bound is 3), faults above
+// it, at the step they begin.
 #include <gtest/gtest.h>
 
 #include <algorithm>
