@@ -356,8 +356,9 @@ def write_report(path, result, corpus, notes_path):
              f"({'the built-in defaults, identical to deploy/foreshock.yaml' if not result.get('config') else result['config']}).",
              ""]
     lines += ["## Held-out configurations", "",
-              "Configurations never used for any tuning decision (other architectures and probe "
-              "cadences than every calibration configuration).", "", SUMMARY_HEADER,
+              "Configurations the calibration never saw (other architectures and probe cadences "
+              "than every calibration configuration). Decisions taken after looking at them are "
+              "listed in the reading at the end.", "", SUMMARY_HEADER,
               summary_row("held out", result["held_out"]),
               summary_row("calibration", result["calibration"]),
               summary_row("all", result["all"]), "",
