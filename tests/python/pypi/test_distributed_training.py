@@ -40,7 +40,10 @@ TORCHRUN_TIMEOUT_S = 240       # a hang fails the test instead of the suite
 def torchrun(nproc, mode, endpoint, run_id, out_dir, slow_rank=None, steps=STEPS, worker=WORKER):
     """Runs the worker on `nproc` ranks; returns {rank: result dict}. A worker
     other than distributed_worker.py takes no mode argument."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    # PYTHONFAULTHANDLER: a rank that aborts in native code (SIGABRT, SIGSEGV)
+    # prints the Python stack it was on, into the output the assertion shows.
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               PYTHONFAULTHANDLER="1")
     paths = [ROOT] if INSTALLED_CLIENT else [CLIENT, ROOT]
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(
         os.pathsep) if p])
