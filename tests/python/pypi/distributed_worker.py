@@ -20,6 +20,7 @@ it in every collective.
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -232,6 +233,8 @@ def main():
         if monitor is not None:
             close_start = time.monotonic()
             monitor.close(timeout=CLOSE_TIMEOUT_S)
+            result["client_threads_after_close"] = sorted(
+                t.name for t in threading.enumerate() if t.name.startswith("foreshock"))
             result.update(
                 losses=losses, train_s=train_s, close_s=time.monotonic() - close_start,
                 rank_attr=monitor.rank, stats=monitor.stats(), layout=monitor._layout.kind,

@@ -103,6 +103,10 @@ def assert_training_untouched(results):
         # Same seeds with and without the Monitor: the Monitor (probes,
         # curvature, sender) changed nothing in the training, bit for bit.
         assert r["same_losses"] and r["same_params"], f"rank {rank}: training changed"
+        # close() leaves no client thread behind: at interpreter exit none can be
+        # inside gRPC's native code (CPython ends such threads with pthread_exit,
+        # which aborts a C++ frame: 'terminate called without an active exception').
+        assert r["client_threads_after_close"] == [], f"rank {rank}: {r['client_threads_after_close']}"
 
 
 def assert_delivered(result):
