@@ -23,6 +23,7 @@ At the end it prints, per layer, the QK signals the daemon exported through the
 run (scraped from --metrics-url) and the client's counters.
 """
 import argparse
+import json
 import math
 import os
 import sys
@@ -40,6 +41,7 @@ if __package__ in (None, ""):
 from demo import tiny_moe_gpt as tmg  # noqa: E402
 import foreshock  # noqa: E402
 from foreshock import prometheus  # noqa: E402
+from foreshock.capture import ModelInfo  # noqa: E402
 from foreshock.curvature import CurvatureEstimator  # noqa: E402
 
 TABLE_METRICS = ("foreshock_qk_increment_entropy", "foreshock_qk_increment_top1_share",
@@ -97,6 +99,14 @@ def parse_args(argv=None):
                    help="close the monitor without ending the run (its alerts stay active, "
                         "e.g. for a dashboard to look at); by default the run ends at the end")
     p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--weight-qk", action="store_true",
+                   help="evaluation: also stream the weight-side QK factors (W_Q^h and W_K^h of "
+                        "every layer, per head) as a second run RUN_ID-wqk, probed at --every, "
+                        "so that the daemon's QK-increment detector scores the increment of "
+                        "W_Q^h W_K^hT (tests/eval/weight_qk.py)")
+    p.add_argument("--weight-qk-log", default=None,
+                   help="with --weight-qk: also write, per probe, the singular values of every "
+                        "head's W_Q^hT W_K^h to this JSONL file")
     p.add_argument("--no-alerts", action="store_true",
                    help="do not watch the daemon's alerts (monitor.on_alert)")
     # Model shape (defaults: tiny_moe_gpt.GPTConfig's).
@@ -251,6 +261,44 @@ def monitor_labels(args):
     return labels
 
 
+class WeightQKView(torch.nn.Module):
+    """The weight-side QK form as a probe forward: for every layer it hands
+    `hook(layer, q, k)` the transposed per-head projections W_Q^hT and W_K^hT
+    ([1, heads, d_model, head_dim]), so that q k^T = W_Q^hT W_K^h, the
+    bilinear form of the head's attention logits (without the layer norm's
+    gain), and the daemon's Q/K increment spectrum is that of the weights'
+    step increment. Reads the model; holds no parameters of its own."""
+
+    def __init__(self, model, level_log=None):
+        super().__init__()
+        self._model = [model]  # a list: not a submodule (no parameters here)
+        self.hook = None
+        # level_log: a JSONL file; per probe, the singular values of every head's
+        # W_Q^hT W_K^h (d_model x d_model, rank <= head_dim), from the small core
+        # R_Q R_K^T of the thin QRs W_Q^hT = Q_Q R_Q, W_K^hT = Q_K R_K.
+        self.level_log = level_log
+        self.step = None
+
+    def forward(self, _probe):
+        levels = []
+        for block in self._model[0].blocks:
+            attn = block.attn
+            q_dim, kv_dim, _ = attn.split
+            weight = attn.qkv.weight.detach().float()  # [q_dim + 2 kv_dim, d_model]
+            d_model = weight.shape[1]
+            q = weight[:q_dim].view(attn.n_head, attn.head_dim, d_model).transpose(1, 2)
+            k = weight[q_dim:q_dim + kv_dim].view(attn.n_kv_head, attn.head_dim,
+                                                  d_model).transpose(1, 2)
+            self.hook(attn.layer_idx, q.unsqueeze(0), k.unsqueeze(0))
+            if self.level_log is not None:
+                group = attn.n_head // attn.n_kv_head
+                r_q = torch.linalg.qr(q.double(), mode="r")[1]  # [heads, hd, hd]
+                r_k = torch.linalg.qr(k.double(), mode="r")[1].repeat_interleave(group, dim=0)
+                levels.append(torch.linalg.svdvals(r_q @ r_k.transpose(1, 2)).tolist())
+        if self.level_log is not None:
+            self.level_log.write(json.dumps(dict(step=self.step, singular_values=levels)) + "\n")
+
+
 class MetricsRecorder:
     """Scrapes /metrics on a background thread (training never waits on it)."""
 
@@ -362,6 +410,17 @@ def run(args, tap=None, out=print):
             # Runs on the client's watcher thread; a real job would set a flag
             # here and checkpoint, stop or lower the LR from the training loop.
             monitor.on_alert(lambda event: alert_events.append(event))
+    weight_monitor = None
+    if args.endpoint and args.weight_qk:
+        view = WeightQKView(model, open(args.weight_qk_log, "w") if args.weight_qk_log else None)
+        weight_monitor = foreshock.Monitor(
+            args.endpoint, run_id=f"{args.run_id}-wqk", job=args.job, model=view,
+            probe_batch=torch.zeros(1, dtype=torch.long), every=args.every, dtype="fp32",
+            labels=dict(monitor_labels(args), source="weights", main_run=args.run_id),
+            discover=False, discover_routers=False, causal=False, probe_id="weights",
+            model_info=ModelInfo(n_layers=cfg.n_layer, n_heads=cfg.n_head,
+                                 head_dim=model.blocks[0].attn.head_dim))
+        view.hook = weight_monitor.capture_qk
     recorder = None
     if args.metrics_url:
         recorder = MetricsRecorder(args.metrics_url, args.run_id, args.scrape_interval)
@@ -403,6 +462,9 @@ def run(args, tap=None, out=print):
             t1 = time.perf_counter()
             if monitor is not None:
                 monitor.step(step, loss=ce_value, grad_norm=grad_norm_value, lr=lr)
+            if weight_monitor is not None:
+                view.step = step
+                weight_monitor.step(step)
             t2 = time.perf_counter()
             losses.append(ce_value)
             grad_norms.append(grad_norm_value)
@@ -423,6 +485,10 @@ def run(args, tap=None, out=print):
         if monitor is not None:
             monitor.close(timeout=10.0, end=not args.keep_run_open)
             stats = monitor.stats()
+        if weight_monitor is not None:
+            weight_monitor.close(timeout=10.0, end=not args.keep_run_open)
+            if view.level_log is not None:
+                view.level_log.close()
         if recorder is not None:
             recorder.finish(steps_run - 1)
 

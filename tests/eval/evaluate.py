@@ -69,10 +69,13 @@ def run_of_file(path):
     return stem.rsplit("-rank", 1)[0]
 
 
-def recordings(corpus):
+def recordings(corpus, weight_side=False):
+    """The corpus's recordings: the training runs' own, or (weight_side) the
+    RUN-wqk streams of make_corpus.py --weight-qk (tests/eval/weight_qk.py)."""
     out = []
     for dirpath, _, names in os.walk(os.path.join(corpus, "recordings")):
-        out += [os.path.join(dirpath, n) for n in names if n.endswith(".fsrec")]
+        out += [os.path.join(dirpath, n) for n in names
+                if n.endswith(".fsrec") and ("-wqk-rank" in n) == weight_side]
     return sorted(out)
 
 

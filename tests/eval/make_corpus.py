@@ -199,7 +199,7 @@ def run_one(run, endpoint, out_dir, python):
     log_dir = os.path.join(out_dir, "logs")
     rec_dir = os.path.join(out_dir, "recordings")
     for name in os.listdir(rec_dir):  # an interrupted earlier attempt's recording
-        if f"-{run['run_id']}-rank" in name:
+        if f"-{run['run_id']}-rank" in name or f"-{run['run_id']}-wqk-rank" in name:
             os.remove(os.path.join(rec_dir, name))
     spec_path = os.path.join(log_dir, run["run_id"] + ".spec.json")
     res_path = os.path.join(log_dir, run["run_id"] + ".result.json")
@@ -231,6 +231,9 @@ def run_one(run, endpoint, out_dir, python):
     row["diverged"] = div is not None
     row["divergence_delay"] = div - inj if (div is not None and inj is not None) else None
     row["recordings"] = sorted(n for n in os.listdir(rec_dir) if f"-{run['run_id']}-rank" in n)
+    weight_recordings = sorted(n for n in os.listdir(rec_dir) if f"-{run['run_id']}-wqk-rank" in n)
+    if weight_recordings:
+        row["weight_recordings"] = weight_recordings
     return row
 
 
@@ -264,12 +267,20 @@ def main(argv=None):
                    help="two short runs of a tiny configuration (CI; ~1-2 minutes)")
     p.add_argument("--foreshockd", default=os.path.join(ROOT, "build", "server", "foreshockd"))
     p.add_argument("--python", default=sys.executable)
+    p.add_argument("--weight-qk", action="store_true",
+                   help="train.py --weight-qk: each run also streams its weight-side QK factors "
+                        "as run RUN_ID-wqk (tests/eval/weight_qk.py evaluates them)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     args = p.parse_args(argv)
 
     runs = plan(args.only or list(configs.CONFIGS), args.seeds, smoke=args.smoke)
     if args.scenarios:
         runs = [r for r in runs if r["scenario"] in args.scenarios]
+    if args.weight_qk:
+        logs = os.path.join(os.path.abspath(args.out), "logs")
+        runs = [dict(r, train_flags=r["train_flags"] + [
+            "--weight-qk", "--weight-qk-log", os.path.join(logs, r["run_id"] + ".wqk.jsonl")])
+            for r in runs]
     out_dir = os.path.abspath(args.out)
     manifest_path = os.path.join(out_dir, "manifest.json")
     if args.dry_run:

@@ -60,3 +60,37 @@ def test_smoke_corpus_backtests_and_scores(tmp_path):
     result = json.load(open(tmp_path / "eval.json"))
     assert result["all"]["fault_runs"] == 1 and result["all"]["control_runs"] == 1
     assert {r["run_id"] for r in result["runs"]} == set(manifest)
+
+
+def test_weight_side_streams_are_recorded_and_scored_apart(tmp_path):
+    # make_corpus.py --weight-qk: each run also streams RUN-wqk (the weights'
+    # QK factors); evaluate.py leaves those out, weight_qk.py replays them.
+    corpus = tmp_path / "corpus"
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    made = subprocess.run([sys.executable, os.path.join(HERE, "make_corpus.py"), "--smoke",
+                           "--weight-qk", "--out", str(corpus), "--jobs", "2",
+                           "--foreshockd", FORESHOCKD],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
+    manifest = {r["run_id"]: r for r in json.load(open(corpus / "manifest.json"))["runs"]}
+    for run_id, m in manifest.items():
+        assert len(m["weight_recordings"]) == 1 and m["recordings"], m
+        assert (corpus / "logs" / f"{run_id}.wqk.jsonl").exists()
+
+    sys.path.insert(0, HERE)
+    import evaluate
+    import weight_qk
+    assert not any("-wqk-" in f for f in evaluate.recordings(str(corpus)))
+    assert len(evaluate.recordings(str(corpus), weight_side=True)) == len(manifest)
+    rows = weight_qk.main(["--corpus", str(corpus), "--foreshockctl", FORESHOCKCTL,
+                           "--report", str(tmp_path / "wqk.md")])
+    assert {r["run_id"] for r in rows} == manifest.keys()
+    lr = next(r for r in rows if r["scenario"] == "lr_const")
+    assert lr["lr_surge"] == lr["injection"] == 100  # the training run's own alerts, joined
+    # The weight-side stream went through the daemon's validation whole.
+    out = subprocess.run([FORESHOCKCTL, "backtest", "--json",
+                          *evaluate.recordings(str(corpus), weight_side=True)],
+                         capture_output=True, text=True, timeout=300)
+    for run in json.loads(out.stdout)["runs"]:
+        assert run["records"] > 0 and run["rejected"] == 0 and run["labels"]["source"] == "weights"
+    assert "weight-side increment" in (tmp_path / "wqk.md").read_text()

@@ -165,3 +165,41 @@ def test_short_training_lowers_the_loss():
     result = train.run(args, out=lambda *_: None)
     losses = result["losses"]
     assert sum(losses[-10:]) / 10 < losses[0] - 1.0
+
+
+def test_weight_qk_view_hands_over_each_heads_bilinear_form_and_its_spectrum():
+    # GQA (4 query heads, 2 K heads): head h's logits are x W_Q^hT W_K^g x^T with
+    # g = h // 2, so its Q K^T from the view must be that d_model x d_model form,
+    # and the logged singular values those of a dense SVD of it.
+    import io
+    import json
+    import numpy as np
+    torch.manual_seed(0)
+    cfg = tmg.GPTConfig(vocab_size=30, n_layer=2, d_model=48, n_head=4, n_kv_head=2,
+                        block_size=16, mlp_hidden=64, expert_hidden=32, moe_layers=())
+    model = tmg.TinyMoEGPT(cfg)
+    log = io.StringIO()
+    view = train.WeightQKView(model, log)
+    seen = []
+    view.hook = lambda layer, q, k: seen.append((layer, q, k))
+    view.step = 7
+    view(torch.zeros(1, dtype=torch.long))
+    assert [layer for layer, _, _ in seen] == [0, 1]
+    row = json.loads(log.getvalue())
+    assert row["step"] == 7
+    hd = 12
+    for layer, q, k in seen:
+        assert q.shape == (1, 4, 48, hd) and k.shape == (1, 2, 48, hd)
+        weight = model.blocks[layer].attn.qkv.weight.detach().double().numpy()
+        x = np.random.default_rng(layer).standard_normal((5, 48))
+        for h in range(4):
+            w_q, w_k = weight[h * hd:(h + 1) * hd], weight[48 + (h // 2) * hd:48 + (h // 2 + 1) * hd]
+            form = w_q.T @ w_k
+            got = q[0, h].double().numpy() @ k[0, h // 2].double().numpy().T
+            np.testing.assert_allclose(got, form, rtol=1e-5, atol=1e-7)
+            # The same logits as the layer computes from x (before the 1/sqrt(d) scale).
+            np.testing.assert_allclose(x @ got @ x.T, (x @ w_q.T) @ (x @ w_k.T).T, rtol=1e-5,
+                                       atol=1e-6)
+            dense = np.linalg.svd(form, compute_uv=False)[:hd]
+            np.testing.assert_allclose(row["singular_values"][layer][h], dense,
+                                       rtol=1e-9, atol=1e-12 * dense[0])
