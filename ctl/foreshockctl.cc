@@ -308,12 +308,16 @@ int RunRuns(const Args& args, const Globals& g) {
     std::cout << "no runs\n";
     return kExitOk;
   }
-  Table table({"RUN", "JOB", "FIRST_STEP", "LAST_STEP", "SERIES", "ACTIVE_ALERTS", "LAST_SEEN"});
+  // ATTEMPT > 1: the run resumed (from a checkpoint, or after it ended);
+  // ENDED: when every sender said goodbye, "-" while the run is live.
+  Table table({"RUN", "JOB", "FIRST_STEP", "LAST_STEP", "SERIES", "ACTIVE_ALERTS", "LAST_SEEN",
+               "ATTEMPT", "ENDED"});
   for (const v1::RunInfo& run : response.runs()) {
     table.AddRow({run.run(), run.job_name().empty() ? "-" : run.job_name(),
                   std::to_string(run.first_step()), std::to_string(run.last_step()),
                   std::to_string(run.series()), std::to_string(run.active_alerts()),
-                  UtcTime(run.last_seen_unix_ms())});
+                  UtcTime(run.last_seen_unix_ms()), std::to_string(std::max(1, run.attempt())),
+                  run.ended() ? UtcTime(run.ended_unix_ms()) : "-"});
   }
   std::cout << table.Render();
   return kExitOk;
@@ -339,7 +343,10 @@ int RunAlerts(const Args& args, const Globals& g) {
   Table table({"STATE", "ALERTNAME", "RUN", "LAYER", "SEVERITY", "FIRST_STEP", "FIRING_STEP",
                "RESOLVED_STEP", "VALUE", "PROBABLE_CAUSE", "SUMMARY"});
   for (const v1::Alert& a : response.alerts()) {
-    table.AddRow({a.state(), a.alertname(), a.run(), a.layer(), a.severity(),
+    // A resolution by the run's lifecycle, not its signals, says so: resolved:run_ended.
+    const std::string state =
+        a.resolved_reason().empty() ? a.state() : a.state() + ":" + a.resolved_reason();
+    table.AddRow({state, a.alertname(), a.run(), a.layer(), a.severity(),
                   std::to_string(a.first_step()), StepOrDash(a.firing_step()),
                   StepOrDash(a.resolved_step()), ShortNumber(a.value()), Cause(a), a.summary()});
   }

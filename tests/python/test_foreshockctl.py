@@ -228,6 +228,15 @@ def test_alerts_json_table_and_watch(foreshockd):
         out = ctl("alerts", "--run", run, "--json", "--endpoint", endpoint)
         assert out.returncode == 0 and json.loads(out.stdout) == {"alerts": []}, out
 
+    # The run ends (its sender says goodbye): the alert resolves by the run's
+    # lifecycle, and the table says so in its STATE column.
+    stream(endpoint, "ctl-alert", [ingest_pb2.Batch(seq=2, goodbye=ingest_pb2.Goodbye())])
+
+    def states():
+        out = ctl("alerts", "--run", "ctl-alert", "--all", "--endpoint", endpoint)
+        return [row.split()[0] for row in out.stdout.splitlines()[1:]]
+    assert wait_until(lambda: states() == ["resolved:run_ended"], 20), states()
+
     # A watch that the daemon ends (it shuts down) exits non-zero.
     watch = subprocess.Popen([foreshockctl_binary(), "watch", "--endpoint", endpoint],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -302,10 +311,18 @@ def test_runs_and_series_csv_match_the_points_sent(foreshockd):
     assert out.returncode == 0, out
     (run,) = [r for r in json.loads(out.stdout)["runs"] if r["run"] == "ctl-series"]
     assert run["job_name"] == "ctl-test" and run["first_step"] == "0" and run["last_step"] == "59"
+    # A run whose sender said goodbye shows when it ended; a live one "-".
+    ended = stream(endpoint, "ctl-ended", [scalars_batch(1, [0, 1], loss),
+                                           ingest_pb2.Batch(seq=2, goodbye=ingest_pb2.Goodbye())])
+    assert [a.seq for a in ended] == [1, 2], ended
     out = ctl("runs", "--endpoint", endpoint)
     header, *rows = out.stdout.splitlines()
     assert header.split()[:4] == ["RUN", "JOB", "FIRST_STEP", "LAST_STEP"]
-    assert any(r.split()[:4] == ["ctl-series", "ctl-test", "0", "59"] for r in rows), rows
+    assert header.split()[-2:] == ["ATTEMPT", "ENDED"]
+    by_run = {r.split()[0]: r for r in rows}
+    assert by_run["ctl-series"].split()[:4] == ["ctl-series", "ctl-test", "0", "59"], rows
+    assert by_run["ctl-series"].split()[-2:] == ["1", "-"], rows
+    assert by_run["ctl-ended"][header.index("ENDED"):].startswith("20"), rows  # a UTC time
 
 
 def test_replay_realtime_keeps_the_recorded_gaps_and_max_does_not(tmp_path):
