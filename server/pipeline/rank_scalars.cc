@@ -142,4 +142,105 @@ RankScalars::Result RankScalars::Offer(const Sample& sample) {
   return out;
 }
 
+namespace {
+constexpr std::string_view kRankScalarsMagic = "FSRS";
+constexpr uint32_t kRankScalarsVersion = 1;
+}  // namespace
+
+void RankScalars::SaveState(codec::StateWriter& writer) const {
+  writer.PutHeader(kRankScalarsMagic, kRankScalarsVersion);
+  writer.PutU64(runs_.size());
+  for (const auto& [name, run] : runs_) {
+    writer.PutString(name);
+    writer.PutI32(run.world_size);
+    writer.PutBool(run.several);
+    writer.PutI64(run.emitted);
+    writer.PutI64(run.steps);
+    writer.PutU64(run.ranks.size());
+    for (const auto& [rank, state] : run.ranks) {
+      writer.PutI32(rank);
+      writer.PutI64(state.last_step);
+      writer.PutI32(state.missed);
+    }
+    writer.PutU64(run.open.size());
+    for (const auto& [step, open] : run.open) {
+      writer.PutI64(step);
+      writer.PutI64(open.index);
+      writer.PutU64(open.by_rank.size());
+      for (const auto& [rank, s] : open.by_rank) {
+        writer.PutI32(rank);
+        writer.PutU8(static_cast<uint8_t>((s.has_loss ? 1 : 0) | (s.has_grad_norm ? 2 : 0) |
+                                          (s.has_lr ? 4 : 0)));
+        writer.PutDouble(s.loss);
+        writer.PutDouble(s.grad_norm);
+        writer.PutDouble(s.lr);
+      }
+    }
+  }
+}
+
+bool RankScalars::RestoreState(codec::StateReader& reader,
+                               const std::function<bool(std::string_view run)>& keep) {
+  uint32_t version = 0;
+  uint64_t n_runs = 0;
+  if (!reader.GetHeader(kRankScalarsMagic, kRankScalarsVersion, kRankScalarsVersion, version) ||
+      !reader.GetCount(n_runs)) {
+    return false;
+  }
+  std::map<std::string, Run, std::less<>> restored;
+  for (uint64_t r = 0; r < n_runs; ++r) {
+    std::string name;
+    Run run;
+    uint64_t n_ranks = 0, n_open = 0;
+    if (!reader.GetString(name) || !reader.GetI32(run.world_size) ||
+        !reader.GetBool(run.several) || !reader.GetI64(run.emitted) ||
+        !reader.GetI64(run.steps) || !reader.GetCount(n_ranks)) {
+      return false;
+    }
+    for (uint64_t i = 0; i < n_ranks; ++i) {
+      int32_t rank = 0;
+      RankState state;
+      if (!reader.GetI32(rank) || !reader.GetI64(state.last_step) || !reader.GetI32(state.missed)) {
+        return false;
+      }
+      if (!run.ranks.emplace(rank, state).second) return reader.Fail("a rank saved twice");
+    }
+    if (!reader.GetCount(n_open)) return false;
+    for (uint64_t i = 0; i < n_open; ++i) {
+      int64_t step = 0;
+      OpenStep open;
+      uint64_t n_reports = 0;
+      if (!reader.GetI64(step) || !reader.GetI64(open.index) || !reader.GetCount(n_reports)) {
+        return false;
+      }
+      if (step <= run.emitted) return reader.Fail("an open step at or below the emitted one");
+      for (uint64_t k = 0; k < n_reports; ++k) {
+        int32_t rank = 0;
+        uint8_t fields = 0;
+        ScalarsSample s;
+        if (!reader.GetI32(rank) || !reader.GetU8(fields) || !reader.GetDouble(s.loss) ||
+            !reader.GetDouble(s.grad_norm) || !reader.GetDouble(s.lr)) {
+          return false;
+        }
+        if (fields > 7) return reader.Fail("unknown scalar fields");
+        if (!open.by_rank.empty() && open.by_rank.back().first >= rank) {
+          return reader.Fail("an open step's ranks out of order");
+        }
+        s.has_loss = fields & 1;
+        s.has_grad_norm = fields & 2;
+        s.has_lr = fields & 4;
+        open.by_rank.emplace_back(rank, s);
+      }
+      if (!run.open.emplace(step, std::move(open)).second) return reader.Fail("a step saved twice");
+    }
+    if (!restored.emplace(std::move(name), std::move(run)).second) {
+      return reader.Fail("a run saved twice");
+    }
+  }
+  for (auto& [name, run] : restored) {
+    if (keep(name)) runs_.insert_or_assign(name, std::move(run));
+  }
+  return true;
+}
+
 }  // namespace foreshock::server

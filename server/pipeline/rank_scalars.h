@@ -27,17 +27,20 @@
 // The mean sums in rank order, and equal values give that value exactly.
 //
 // One instance per worker: all of a run's scalars go to one worker, in order
-// (WorkerPool), so no locks. Not checkpointed: after a daemon restart, the
-// steps open at shutdown are not emitted (the ranks' own values are stored).
+// (WorkerPool), so no locks. Checkpointed with the detectors (SaveState):
+// the steps open at a checkpoint, the one taken at shutdown included, are
+// completed after the restart as if the daemon had not stopped.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "detectors/sample.h"
+#include "detectors/state_codec.h"
 
 namespace foreshock::server {
 
@@ -61,9 +64,24 @@ class RankScalars {
   // Drops the run's state, open steps included (a run resumed from a
   // checkpoint: WorkerPool::ForgetRun).
   void ForgetRun(const std::string& run) { runs_.erase(run); }
+  // Drops every run's state (a checkpoint that could not be restored).
+  void Clear() { runs_.clear(); }
 
   // Steps waiting for ranks, over all runs (for tests and introspection).
   size_t OpenSteps() const;
+
+  // Every run's state, open steps included (codec, detectors/state_codec.h):
+  //   Header "FSRS" v1 | U64 runs | per run: String name, I32 world_size,
+  //   Bool several, I64 emitted, I64 steps, U64 ranks, per rank: I32 rank,
+  //   I64 last_step, I32 missed | U64 open steps, per step: I64 step,
+  //   I64 index, U64 reports, per report: I32 rank, U8 fields present
+  //   (bit 0 loss, 1 grad_norm, 2 lr), Double loss, grad_norm, lr.
+  void SaveState(codec::StateWriter& writer) const;
+  // Adds the runs of a SaveState blob for which keep(run) is true (the
+  // worker's shard), replacing this instance's state of those runs. On a
+  // malformed blob returns false (reader.error() says why) and adds nothing.
+  bool RestoreState(codec::StateReader& reader,
+                    const std::function<bool(std::string_view run)>& keep);
 
  private:
   struct OpenStep {

@@ -125,6 +125,9 @@ namespace {
 
 constexpr std::string_view kPoolStateMagic = "FSDP";
 constexpr uint32_t kPoolStateVersion = 1;
+// The worker's RankScalars, saved beside its detectors under a name no
+// detector has (a daemon that does not know it ignores it).
+constexpr std::string_view kRankScalarsEntry = "server.rank_scalars";
 
 }  // namespace
 
@@ -134,13 +137,17 @@ std::string WorkerPool::SaveDetectorState() const {
   writer.PutU32(static_cast<uint32_t>(workers_.size()));
   for (const auto& worker : workers_) {
     std::lock_guard<std::mutex> lock(worker->detectors_mu);
-    writer.PutU32(static_cast<uint32_t>(worker->detectors.size()));
+    writer.PutU32(static_cast<uint32_t>(worker->detectors.size() + 1));
     for (const auto& [info, detector] : worker->detectors) {
       codec::StateWriter state;
       detector->SaveState(state);
       writer.PutString(info->name);
       writer.PutBytes(state.data());
     }
+    codec::StateWriter open_steps;
+    worker->rank_scalars.SaveState(open_steps);
+    writer.PutString(kRankScalarsEntry);
+    writer.PutBytes(open_steps.data());
   }
   return writer.Take();
 }
@@ -177,6 +184,7 @@ bool WorkerPool::RestoreDetectorState(std::string_view bytes, std::string* error
     for (auto& worker : workers_) {
       std::lock_guard<std::mutex> lock(worker->detectors_mu);
       for (auto& entry : worker->detectors) reset(entry);
+      worker->rank_scalars.Clear();
     }
     if (error) *error = "detector checkpoint unreadable: " + reader.error();
     return false;
@@ -184,6 +192,31 @@ bool WorkerPool::RestoreDetectorState(std::string_view bytes, std::string* error
 
   std::map<std::string, std::string, std::less<>> refused;  // detector name -> why
   const size_t shards = workers_.size();
+  // The open steps of multi-rank runs: all of a run's scalars go to one worker.
+  std::string rank_scalars_error;
+  for (size_t w = 0; w < shards && rank_scalars_error.empty(); ++w) {
+    Worker& worker = *workers_[w];
+    std::lock_guard<std::mutex> lock(worker.detectors_mu);
+    worker.rank_scalars.Clear();
+    const auto it = blobs.find(kRankScalarsEntry);
+    if (it == blobs.end()) continue;  // a checkpoint from before they were saved
+    for (std::string_view state : it->second) {
+      codec::StateReader open_reader(state);
+      const auto in_shard = [w, shards](std::string_view run) {
+        return ShardOfSeries(run, detectors::kNoLayer, shards) == w;
+      };
+      if (!worker.rank_scalars.RestoreState(open_reader, in_shard) || !open_reader.ExpectEnd()) {
+        rank_scalars_error = open_reader.error();
+        break;
+      }
+    }
+  }
+  if (!rank_scalars_error.empty()) {
+    for (auto& worker : workers_) {
+      std::lock_guard<std::mutex> lock(worker->detectors_mu);
+      worker->rank_scalars.Clear();
+    }
+  }
   for (size_t w = 0; w < shards; ++w) {
     Worker& worker = *workers_[w];
     std::lock_guard<std::mutex> lock(worker.detectors_mu);
@@ -205,7 +238,7 @@ bool WorkerPool::RestoreDetectorState(std::string_view bytes, std::string* error
       }
     }
   }
-  if (refused.empty()) return true;
+  if (refused.empty() && rank_scalars_error.empty()) return true;
   // A refused detector starts empty everywhere, also in the workers that
   // restored it before another worker's blob of it failed.
   for (auto& worker : workers_) {
@@ -219,6 +252,10 @@ bool WorkerPool::RestoreDetectorState(std::string_view bytes, std::string* error
     for (const auto& [name, why] : refused) {
       if (!error->empty()) *error += "; ";
       *error += "detector " + name + " state refused (starts empty): " + why;
+    }
+    if (!rank_scalars_error.empty()) {
+      if (!error->empty()) *error += "; ";
+      *error += "open multi-rank steps refused (dropped): " + rank_scalars_error;
     }
   }
   return false;

@@ -146,7 +146,9 @@ class WorkerPool {
   //
   // Format (codec, detectors/state_codec.h), version 1:
   //   Header "FSDP" v1 | U32 workers | per worker: U32 detectors |
-  //   per detector: String registered name, Bytes Detector::SaveState blob.
+  //   per detector: String registered name, Bytes Detector::SaveState blob;
+  //   last, String "server.rank_scalars", Bytes RankScalars::SaveState blob
+  //   (the open steps of multi-rank runs; absent in older checkpoints).
   std::string SaveDetectorState() const;
 
   // Restores what SaveDetectorState wrote, from a pool of any size: every

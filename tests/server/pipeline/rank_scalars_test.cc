@@ -482,5 +482,113 @@ TEST(RankScalarsInWorkerPool, DetectorsSeeTheMeanAndSinksKeepEachRank) {
   EXPECT_EQ(olmo, 4);
 }
 
+TEST(RankScalars, ARestoredStateCompletesTheOpenStepsAsTheOriginalWould) {
+  // Cut an interleaved 3-rank stream anywhere (steps open at the cut), save,
+  // restore into a fresh instance and feed the rest to both: the same series,
+  // bit for bit. A second run rides along in the blob; keep() filters it.
+  std::mt19937 rng(11);
+  const std::vector<Sample> reports = Interleaved(3, 50, 8, rng, 3);
+  for (size_t cut : {size_t{1}, size_t{7}, size_t{40}, reports.size() / 2, reports.size() - 3}) {
+    RankScalars original(RankScalars::kDefaultWindow);
+    Feed(original, {reports.begin(), reports.begin() + cut});
+    original.Offer(Report("other", 0, 0, 1.0, {}, {}, 2));  // open: waits for rank 1
+    ASSERT_GT(original.OpenSteps(), 0u) << cut;
+    codec::StateWriter writer;
+    original.SaveState(writer);
+
+    RankScalars restored(RankScalars::kDefaultWindow);
+    codec::StateReader reader(writer.data());
+    ASSERT_TRUE(restored.RestoreState(reader, [](std::string_view run) { return run == "run"; }))
+        << reader.error();
+    EXPECT_TRUE(reader.ExpectEnd());
+    const std::vector<Sample> rest(reports.begin() + cut, reports.end());
+    std::vector<Emitted> want, got;
+    for (const Sample& s : Feed(original, rest)) want.push_back(Key(s));
+    for (const Sample& s : Feed(restored, rest)) got.push_back(Key(s));
+    EXPECT_EQ(got, want) << "cut after " << cut << " reports";
+    EXPECT_FALSE(want.empty());
+    EXPECT_EQ(restored.OpenSteps(), 0u);  // "other" was not kept
+    EXPECT_EQ(original.OpenSteps(), 1u);
+  }
+}
+
+TEST(RankScalars, AMalformedStateIsRefusedAndAddsNothing) {
+  RankScalars original;
+  Feed(original, {Report("run", 0, 0, 1.0, 2.0, 3.0, 2), Report("run", 0, 1, 1.5, {}, {}, 2)});
+  codec::StateWriter writer;
+  original.SaveState(writer);
+  const std::string blob = writer.data();
+  for (size_t len = 0; len < blob.size(); ++len) {
+    RankScalars restored;
+    codec::StateReader reader(std::string_view(blob).substr(0, len));
+    const bool ok = restored.RestoreState(reader, [](std::string_view) { return true; });
+    EXPECT_FALSE(ok && reader.ExpectEnd()) << "truncated to " << len;
+    if (!ok) {
+      EXPECT_EQ(restored.OpenSteps(), 0u) << len;
+    }
+  }
+  // Every single-byte flip is refused or restores a well-formed state (the
+  // checkpoint store's CRC catches flips; this is the decoder's own guard).
+  for (size_t i = 0; i < blob.size(); ++i) {
+    std::string flipped = blob;
+    flipped[i] = static_cast<char>(flipped[i] ^ 0x5a);
+    RankScalars restored;
+    codec::StateReader reader(flipped);
+    restored.RestoreState(reader, [](std::string_view) { return true; });
+    Feed(restored, {Report("run", 1, 0, 2.0, {}, {}, 2), Report("run", 1, 1, 2.5, {}, {}, 2)});
+  }
+}
+
+TEST(RankScalarsInWorkerPool, OpenStepsSurviveACheckpointIntoAPoolOfAnotherSize) {
+  // Rank 0 reported steps 0-3, rank 1 none yet; the daemon checkpoints and
+  // restarts (with another worker count); then rank 1 reports. The run's
+  // series is the mean of both ranks, as without the restart.
+  std::string checkpoint;
+  {
+    CollectingSink sink;
+    WorkerPool pool(3, detectors::DetectorOptions{}, sink, [](size_t) {});
+    std::vector<WorkItem> items;
+    for (int64_t step = 0; step < 4; ++step) {
+      WorkItem item;
+      item.sample = Report("ddp", 0, step, 2.0, {}, {}, 2);
+      items.push_back(std::move(item));
+    }
+    pool.Dispatch(std::move(items));
+    sink.WaitFor(4);
+    pool.DrainAndStop();
+    checkpoint = pool.SaveDetectorState();
+  }
+  CollectingSink sink;
+  WorkerPool pool(2, detectors::DetectorOptions{}, sink, [](size_t) {});
+  std::string error;
+  ASSERT_TRUE(pool.RestoreDetectorState(checkpoint, &error)) << error;
+  std::vector<WorkItem> items;
+  for (int64_t step = 0; step < 4; ++step) {
+    WorkItem item;
+    item.sample = Report("ddp", 1, step, 3.0, {}, {}, 2);
+    items.push_back(std::move(item));
+  }
+  pool.Dispatch(std::move(items));
+  sink.WaitFor(4);
+  pool.DrainAndStop();
+  std::map<int64_t, double> run_loss;
+  for (const auto& o : sink.obs()) {
+    if (o.run == "ddp" && o.signal == "loss" && o.head == -1) run_loss[o.step] = o.value;
+  }
+  EXPECT_EQ(run_loss, (std::map<int64_t, double>{{0, 2.5}, {1, 2.5}, {2, 2.5}, {3, 2.5}}));
+
+  // A checkpoint whose open steps are damaged: reported, and they are dropped
+  // (the detectors' own states are restored).
+  const size_t at = checkpoint.rfind("FSRS");
+  ASSERT_NE(at, std::string::npos);
+  std::string damaged = checkpoint;
+  damaged[at + 3] = 'X';  // its magic
+  WorkerPool other(2, detectors::DetectorOptions{}, sink, [](size_t) {});
+  EXPECT_FALSE(other.RestoreDetectorState(damaged, &error));
+  EXPECT_NE(error.find("open multi-rank steps refused"), std::string::npos) << error;
+  EXPECT_EQ(error.find("detector "), std::string::npos) << error;  // the detectors restored
+  other.DrainAndStop();
+}
+
 }  // namespace
 }  // namespace foreshock::server
