@@ -275,12 +275,19 @@ bool AlertHub::RestoreState(std::string_view bytes) {
   alerted_runs_ = std::move(runs);
   // The point counters are this process's (Prometheus counters restart at 0).
   exported_ = engine_.counters();
-  // Announce what is active again: the gauge, and Alertmanager (re-sent from now on).
+  // The gauge as the previous process left it: 1 for a firing alert, 0 for
+  // every other one it had exported (pending, resolved), so no series goes
+  // missing across a restart.
+  for (const std::string& run : alerted_runs_) {
+    for (const alerts::Alert& alert : engine_.AllAlerts(run)) {
+      metrics_.alert_active
+          .Add({{"alertname", alert.alertname}, {"run", alert.run}, {"layer", alert.layer},
+                {"severity", alert.severity}})
+          .Set(alert.state == alerts::AlertState::kFiring ? 1.0 : 0.0);
+    }
+  }
+  // Announce what fires again to Alertmanager (re-sent from now on).
   for (const alerts::Alert& alert : engine_.ActiveAlerts()) {
-    metrics_.alert_active
-        .Add({{"alertname", alert.alertname}, {"run", alert.run}, {"layer", alert.layer},
-              {"severity", alert.severity}})
-        .Set(alert.state == alerts::AlertState::kFiring ? 1.0 : 0.0);
     if (notifier_ && alert.state == alerts::AlertState::kFiring) {
       AlertmanagerAlert out;
       out.labels = alert.Labels();

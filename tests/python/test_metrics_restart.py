@@ -42,10 +42,11 @@ def scalars(step, loss):
     return record
 
 
-def send(endpoint, records):
-    hello = pb.Hello(run_id=RUN, job="restart",
+def send(endpoint, records, run=RUN, goodbye=False):
+    hello = pb.Hello(run_id=run, job="restart",
                      model=pb.ModelInfo(n_layers=2, n_heads=HEADS, head_dim=DIM))
-    requests = [pb.StreamRequest(hello=hello), pb.StreamRequest(batch=pb.Batch(seq=1, records=records))]
+    requests = [pb.StreamRequest(hello=hello), pb.StreamRequest(batch=pb.Batch(
+        seq=1, records=records, goodbye=pb.Goodbye() if goodbye else None))]
     with grpc.insecure_channel(endpoint) as channel:
         responses = list(ingest_pb2_grpc.IngestStub(channel).Stream(iter(requests), timeout=30))
     acks = [r.ack for r in responses if r.HasField("ack")]
@@ -108,5 +109,29 @@ def test_a_restored_run_keeps_its_gauges_and_firing_alerts(tmp_path):
         _, ok = daemon.wait_for(lambda s: prometheus.value(s, "foreshock_loss", run=RUN) == 3.5
                                 and prometheus.value(s, "foreshock_last_step", run=RUN) == 11)
         assert ok, daemon.log_tail()
+    finally:
+        daemon.stop()
+
+
+def test_a_resolved_alert_keeps_its_gauge_at_zero_after_a_restart(tmp_path):
+    # The gauge of an alert that resolved before the restart read 0; after it,
+    # it still reads 0 (not absent: a panel or rule on it sees no gap).
+    daemon = Daemon(foreshockd_binary(), str(tmp_path), [f"--data_dir={tmp_path / 'data'}"])
+    daemon.start()
+    try:
+        send(daemon.endpoint, [scalars(s, 2.0) for s in range(5)] + [scalars(5, float("nan"))],
+             run="ended")
+        _, ok = daemon.wait_for(lambda s: prometheus.value(
+            s, "foreshock_alert_active", alertname="ForeshockNonFinite", run="ended") == 1)
+        assert ok, daemon.log_tail()
+        send(daemon.endpoint, [scalars(6, 2.0)], run="ended", goodbye=True)  # the run ends
+        _, ok = daemon.wait_for(lambda s: prometheus.value(
+            s, "foreshock_alert_active", alertname="ForeshockNonFinite", run="ended") == 0)
+        assert ok, daemon.log_tail()
+        daemon.stop(signal.SIGTERM)
+        daemon.start()
+        samples = prometheus.parse(daemon.metrics_text())
+        assert prometheus.value(samples, "foreshock_alert_active", alertname="ForeshockNonFinite",
+                                run="ended") == 0, daemon.metrics_text()
     finally:
         daemon.stop()
