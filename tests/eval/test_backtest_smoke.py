@@ -93,4 +93,4 @@ def test_weight_side_streams_are_recorded_and_scored_apart(tmp_path):
                          capture_output=True, text=True, timeout=300)
     for run in json.loads(out.stdout)["runs"]:
         assert run["records"] > 0 and run["rejected"] == 0 and run["labels"]["source"] == "weights"
-    assert "weight-side increment" in (tmp_path / "wqk.md").read_text()
+    assert "weight-side increment, shipped configuration" in (tmp_path / "wqk.md").read_text()
