@@ -10,7 +10,7 @@
 namespace foreshock::alerts {
 namespace {
 
-constexpr size_t kFamilyCount = static_cast<size_t>(AlertFamily::kConsequence) + 1;
+constexpr size_t kFamilyCount = static_cast<size_t>(AlertFamily::kRoundingBias) + 1;
 
 std::string Num(double value) {
   if (std::isnan(value)) return "n/a";
@@ -389,7 +389,8 @@ bool AlertEngine::HeldForCorroboration(const RunState& run, const AlertRecord& r
 
 bool AlertEngine::Corroborates(AlertFamily family) {
   return family == AlertFamily::kCurvature || family == AlertFamily::kRouterCollapse ||
-         family == AlertFamily::kLearningRate || family == AlertFamily::kConsequence;
+         family == AlertFamily::kLearningRate || family == AlertFamily::kConsequence ||
+         family == AlertFamily::kRoundingBias;
 }
 
 void AlertEngine::ReleaseHeld(RunState& run, int64_t step, std::vector<AlertTransition>& out) {
@@ -464,6 +465,21 @@ void AlertEngine::OnFired(RunState& run, AlertRecord& fired, int64_t step,
     // The diagnosis was delivered as final; an earlier onset (layers arrive
     // out of order) still moves the rollback step.
     run.mechanism_onset = std::min(run.mechanism_onset, onset);
+    // A learning-rate surge or a measured rounding bias is a cause whenever it
+    // comes (a job input, a kernel's arithmetic): it completes the diagnosis.
+    const ProbableCause before = run.cause;
+    if (family == AlertFamily::kLearningRate) {
+      if (run.cause == ProbableCause::kUnknown) run.cause = ProbableCause::kLearningRateTooHigh;
+      if (run.cause == ProbableCause::kLowPrecisionAttention) run.cause = ProbableCause::kCombined;
+    } else if (family == AlertFamily::kRoundingBias) {
+      if (run.cause == ProbableCause::kUnknown) run.cause = ProbableCause::kLowPrecisionAttention;
+      if (run.cause == ProbableCause::kLearningRateTooHigh) run.cause = ProbableCause::kCombined;
+    }
+    if (run.cause != before) {
+      run.cause_evidence += internal::Cat(
+          "; then ", family == AlertFamily::kLearningRate ? "learning rate surge" : "attention rounding bias",
+          " from step ", onset);
+    }
   } else {
     DeriveCause(run);
   }
@@ -522,7 +538,15 @@ void AlertEngine::DeriveCause(RunState& run, int64_t fired_by) const {
   evidence.router_collapse = within(AlertFamily::kRouterCollapse, "router collapse");
   evidence.router_imbalance = within(AlertFamily::kRouterImbalance, "router load imbalance");
   evidence.curvature = within(AlertFamily::kCurvature, "curvature above the edge");
-  evidence.lr_rise = within(AlertFamily::kLearningRate, "learning rate surge");
+  // A learning-rate surge and a measured rounding bias count whenever they
+  // began in the episode: neither is a consequence of the instability.
+  auto any_time = [&](AlertFamily f, std::string_view what) {
+    const int64_t o = onset_of(static_cast<size_t>(f));
+    if (o >= 0) because.push_back(internal::Cat(what, " from step ", o));
+    return o >= 0;
+  };
+  evidence.lr_rise = any_time(AlertFamily::kLearningRate, "learning rate surge");
+  evidence.rounding_bias = any_time(AlertFamily::kRoundingBias, "attention rounding bias");
 
   // LR rise: the first LR, up to the end of the provisional period, of at
   // least lr_rise_factor x the median of the lagged baseline window (or the
@@ -850,8 +874,9 @@ void AlertEngine::SetLifecycleMark(std::string_view run, const LifecycleMark& ma
 // U64 x 4 counters: scored, stale, duplicate, nonfinite
 // U64     runs, then per run (by name):
 //   String name, I64 latest_step
-//   U32 family count (kFamilyCount, or one fewer: saved before the
-//     learning-rate family, which then reads as -1), I64 onset per family,
+//   U32 family count (kFamilyCount; one fewer: saved before the
+//     rounding-bias family; two fewer: before the learning-rate family too;
+//     a missing family reads as -1), I64 onset per family,
 //     I64 fired step per family (v2)
 //   U64 layers, each I32 layer, I64 highest step processed (v2)
 //   U8 cause, I64 mechanism_onset, Bool cause_settled, String cause_evidence
@@ -1040,16 +1065,20 @@ bool AlertEngine::RestoreState(std::string_view bytes, std::string* error) {
   auto read_run = [&](RunState& run) -> bool {
     uint32_t families = 0;
     if (!r.GetString(run.name) || !r.GetI64(run.latest_step) || !r.GetU32(families)) return false;
-    // States saved before the learning-rate family existed have one family
-    // fewer, in the same order with kLearningRate missing.
+    // Families were added over time: states saved before the rounding-bias
+    // family (the last) have one fewer, and those saved before the
+    // learning-rate family too lack that one, in the same order; a missing
+    // family reads as -1.
     constexpr size_t kLearningRateIndex = static_cast<size_t>(AlertFamily::kLearningRate);
-    if (families != kFamilyCount && families != kFamilyCount - 1) {
+    constexpr size_t kRoundingBiasIndex = static_cast<size_t>(AlertFamily::kRoundingBias);
+    if (families > kFamilyCount || families + 2 < kFamilyCount) {
       return r.Fail("alert family count differs");
     }
     auto read_families = [&](std::array<int64_t, kFamilyCount>& values) {
       values.fill(-1);
       for (size_t f = 0; f < kFamilyCount; ++f) {
-        if (families < kFamilyCount && f == kLearningRateIndex) continue;
+        if (families < kFamilyCount && f == kRoundingBiasIndex) continue;
+        if (families + 1 < kFamilyCount && f == kLearningRateIndex) continue;
         if (!r.GetI64(values[f])) return false;
       }
       return true;

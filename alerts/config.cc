@@ -79,6 +79,23 @@ AlertConfig DefaultAlertConfig() {
   add("attention_entropy", kAttentionEntropyCollapse, Direction::kDrop).min_relative_change = 0.40;
   config.signals.at("attention_entropy").enabled = false;
 
+  // The attention output against the client's fp32 reference (QKSample.
+  // output_check): round-to-nearest errs both ways and averages out, biased
+  // rounding does not. A direct measurement in units of the dtype's unit
+  // roundoff, so an absolute bound and no baseline: a quarter of the unit
+  // roundoff is far above round-to-nearest's mean error on any probe of a
+  // few hundred values (about 0.6/sqrt(values)), and below plain truncation's
+  // (about 0.5 to 1). Two of three probes, so one odd probe does not page.
+  {
+    ChangeDetectorOptions& o =
+        add("attention_output_bias", kAttentionRoundingBias, Direction::kRise);
+    o.change_detection = false;
+    o.bound = 0.25;
+    o.warmup = 0;
+    o.persist_m = 2;
+    o.persist_n = 3;
+  }
+
   // Router collapse (docs/DESIGN.md §1.2): entropy falls, flips surge, z-loss
   // grows, experts die.
   add("router_entropy", kRouterCollapse, Direction::kDrop).min_relative_change = 0.15;

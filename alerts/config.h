@@ -60,9 +60,10 @@ inline constexpr std::string_view kRouterCollapse = "ForeshockRouterCollapse";
 inline constexpr std::string_view kRouterImbalance = "ForeshockRouterImbalance";
 inline constexpr std::string_view kCurvatureAboveEdge = "ForeshockCurvatureAboveEdge";
 inline constexpr std::string_view kLearningRateSurge = "ForeshockLearningRateSurge";
+inline constexpr std::string_view kAttentionRoundingBias = "ForeshockAttentionRoundingBias";
 inline constexpr std::string_view kLossSpike = "ForeshockLossSpike";
 inline constexpr std::string_view kNonFinite = "ForeshockNonFinite";
-inline constexpr std::array<std::string_view, 9> kAlertNames = {
+inline constexpr std::array<std::string_view, 10> kAlertNames = {
     kQKIncrementCollapse,
     kAttentionLogitGrowth,
     kAttentionEntropyCollapse,
@@ -70,6 +71,7 @@ inline constexpr std::array<std::string_view, 9> kAlertNames = {
     kRouterImbalance,
     kCurvatureAboveEdge,
     kLearningRateSurge,
+    kAttentionRoundingBias,
     kLossSpike,
     kNonFinite,
 };

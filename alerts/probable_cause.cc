@@ -24,21 +24,23 @@ AlertFamily FamilyOfAlert(std::string_view alertname) {
   if (alertname == kRouterImbalance) return AlertFamily::kRouterImbalance;
   if (alertname == kCurvatureAboveEdge) return AlertFamily::kCurvature;
   if (alertname == kLearningRateSurge) return AlertFamily::kLearningRate;
+  if (alertname == kAttentionRoundingBias) return AlertFamily::kRoundingBias;
   return AlertFamily::kConsequence;
 }
 
 ProbableCause ClassifyProbableCause(const CauseEvidence& evidence) {
   const bool attention = evidence.qk_spectrum || evidence.attention_logits;
   const bool precision =
-      !evidence.precision_ruled_out &&
-      ((evidence.qk_spectrum && evidence.qk_before_learning_rate) ||
-       (evidence.attention_logits && evidence.attention_before_learning_rate));
+      evidence.rounding_bias ||
+      (!evidence.precision_ruled_out &&
+       ((evidence.qk_spectrum && evidence.qk_before_learning_rate) ||
+        (evidence.attention_logits && evidence.attention_before_learning_rate)));
   // With fp32 attention an attention instability is the update size's doing.
   const bool learning_rate = evidence.lr_rise || evidence.curvature || evidence.router_collapse ||
                              (evidence.precision_ruled_out && attention);
   if (precision && learning_rate) return ProbableCause::kCombined;
   if (learning_rate) return ProbableCause::kLearningRateTooHigh;
-  if (attention) return ProbableCause::kLowPrecisionAttention;
+  if (attention || precision) return ProbableCause::kLowPrecisionAttention;
   return ProbableCause::kUnknown;
 }
 

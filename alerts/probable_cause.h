@@ -17,9 +17,14 @@
 //                    counts as learning-rate evidence
 //   (loss spikes and non-finite values are consequences, not evidence)
 //
-// With  precision = qk spectrum or attention logits that began before any
-//                   learning-rate evidence (the LR had not yet risen, and
-//                   neither the curvature nor the router had alerted),
+//   rounding bias    ForeshockAttentionRoundingBias: the attention output is
+//                    biased against the client's fp32 reference (measured, so
+//                    it counts whatever the declared dtype and the order)
+//
+// With  precision = rounding bias, or qk spectrum or attention logits that
+//                   began before any learning-rate evidence (the LR had not
+//                   yet risen, and neither the curvature nor the router had
+//                   alerted),
 //       learning rate = LR rise or curvature or router collapse,
 //       attention = qk spectrum or attention logits,
 // first match wins:
@@ -28,6 +33,7 @@
 //   ----------+---------------+-----------++------------------------
 //   yes       | yes           |  (yes)    || combined
 //   no        | yes           |  any      || learning_rate_too_high
+//   yes       | no            |  any      || low_precision_attention
 //   -         | no            |  yes      || low_precision_attention
 //   -         | no            |  no       || unknown
 //
@@ -46,6 +52,11 @@
 // LR the run reports. Router load imbalance alone is no evidence either way:
 // an attention fault unbalanced the MoE load within a few samples, as the
 // hidden states feeding the router changed.
+// A learning-rate surge is a job input, never a consequence of instability:
+// one that fires while the episode is still active joins the diagnosis even
+// after the onset window and after the cause settled (a settled
+// low_precision_attention becomes combined), so a ramp that passes the
+// surge bound only after the precision fault was seen is still named.
 #pragma once
 
 #include <cstdint>
@@ -73,6 +84,9 @@ enum class AlertFamily : uint8_t {
   kCurvature,
   kLearningRate,  // ForeshockLearningRateSurge: the LR the run streams
   kConsequence,   // loss spikes, non-finite values
+  // ForeshockAttentionRoundingBias: the attention output measured against an
+  // fp32 reference (after kConsequence: checkpoints list families in this order).
+  kRoundingBias,
 };
 
 // The family of one of the docs/DESIGN.md §5.1 alert names (kConsequence for others).
@@ -85,6 +99,9 @@ struct CauseEvidence {
   bool router_imbalance = false;  // recorded for completeness; no rule depends on it
   bool curvature = false;
   bool lr_rise = false;
+  // The attention kernel's output is biased against its fp32 reference: a
+  // direct measurement of a precision fault, whatever else fired when.
+  bool rounding_bias = false;
   // The attention-logit evidence began before any learning-rate evidence.
   bool attention_before_learning_rate = false;
   // The QK-spectrum evidence began before any learning-rate evidence.

@@ -258,6 +258,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, q_dim + 2 * kv_dim, bias=False)  # [Q | K | V]
         self.proj = nn.Linear(q_dim, cfg.d_model, bias=False)
         self.qk_hook = None  # e.g. monitor.capture_qk
+        self.out_hook = None  # e.g. monitor.check_attention_output
         self.lowprec_strength = 0.0
         self.lowprec_on_probs = True
         self.lowprec_on_out = True
@@ -269,11 +270,14 @@ class CausalSelfAttention(nn.Module):
                    for z in self.qkv(x).split(self.split, dim=2))
         if self.qk_hook is not None:
             self.qk_hook(self.layer_idx, q, k)  # the capture point: Q, K as attention uses them
+        k_kv, v_kv = k, v  # one head per K/V group, as the monitor's reference takes them
         if self.n_kv_head != self.n_head:
             group = self.n_head // self.n_kv_head
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         y = causal_attention(q, k, v, self.lowprec_strength, self.lowprec_on_probs,
                              self.lowprec_on_out, self.precision)
+        if self.out_hook is not None:  # the output as this kernel computed it, [B, H, T, d]
+            self.out_hook(self.layer_idx, q, k_kv, v_kv, y)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -372,6 +376,12 @@ class TinyMoEGPT(nn.Module):
         """hook(layer, q, k) with q, k [B, H, T, d]; e.g. monitor.capture_qk. None removes it."""
         for block in self.blocks:
             block.attn.qk_hook = hook
+
+    def set_out_hook(self, hook):
+        """hook(layer, q, k, v, out): the attention inputs (K/V one head per group) and
+        its output [B, H, T, d]; e.g. monitor.check_attention_output. None removes it."""
+        for block in self.blocks:
+            block.attn.out_hook = hook
 
     def set_router_hook(self, hook):
         """hook(layer, logits [N, E], top_k); e.g. monitor.capture_router."""

@@ -99,6 +99,9 @@ def parse_args(argv=None):
                    help="close the monitor without ending the run (its alerts stay active, "
                         "e.g. for a dashboard to look at); by default the run ends at the end")
     p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--no-output-check", action="store_true",
+                   help="do not check the attention output against an fp32 reference on "
+                        "the probe (Monitor.check_attention_output)")
     p.add_argument("--weight-qk", action="store_true",
                    help="evaluation: also stream the weight-side QK factors (W_Q^h and W_K^h of "
                         "every layer, per head) as a second run RUN_ID-wqk, probed at --every, "
@@ -406,6 +409,9 @@ def run(args, tap=None, out=print):
         # The explicit one-line capture API (same Q/K as discovery finds here: no rotary).
         model.set_qk_hook(monitor.capture_qk)
         model.set_router_hook(monitor.capture_router)
+        if not args.no_output_check:
+            # The attention output against the monitor's fp32 reference (rounding bias).
+            model.set_out_hook(monitor.check_attention_output)
         if not args.no_alerts:
             # Runs on the client's watcher thread; a real job would set a flag
             # here and checkpoint, stop or lower the LR from the training loop.

@@ -48,6 +48,8 @@ enum QKSignal : size_t {
   kProbeHeads = kHeadSignalCount,
   kProbeTokens,
   kAttentionComputeBits,
+  kAttentionOutputBias,
+  kAttentionOutputError,
   kQKSignalCount,
 };
 
@@ -93,7 +95,55 @@ constexpr std::array<SignalSpec, kQKSignalCount> kQKSignals = {{
      "client reports it (32: fp32; 16: bf16 or fp16); absent when the client does not say. "
      "fp32 attention rules out a low-precision-attention fault.",
      SignalScope::kLayer},
+    {"attention_output_bias",
+     "Rounding bias of the layer's attention output on the probe against the client's fp32 "
+     "reference O_ref: |mean((O - O_ref) sign(O_ref))| less 4 standard errors (rms error / "
+     "sqrt(values)), floored at 0, over mean|O_ref|, in units of the unit roundoff of the "
+     "attention compute dtype (bf16 2^-8, fp16 2^-11, fp32 2^-24). Round-to-nearest kernels "
+     "read 0 or nearly; plain truncation about 0.5 to 1.5. Present when the client checks the "
+     "output (QKSample.output_check) and says the dtype.",
+     SignalScope::kLayer},
+    {"attention_output_error",
+     "Root-mean-square error of the layer's attention output on the probe against the client's "
+     "fp32 reference, over mean|O_ref|, in units of the attention compute dtype's unit roundoff "
+     "(round-to-nearest: about 0.3 to 1). Present with attention_output_bias.",
+     SignalScope::kLayer},
 }};
+
+// attention_output_bias is the mean signed error less this many standard errors.
+constexpr double kBiasStandardErrors = 4.0;
+
+// Unit roundoff (half an ulp at 1) of a compute dtype: 2^-(mantissa bits + 1).
+double UnitRoundoff(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16: return 0x1p-8;
+    case DType::kFloat16: return 0x1p-11;
+    case DType::kFloat32: break;
+  }
+  return 0x1p-24;
+}
+
+// The output-check signals, when the sample has a check and says its dtype.
+// Non-finite figures mean the kernel's output held NaN/Inf: reported as such.
+void EmitOutputCheck(const QKSample& qk, Emitter& emitter) {
+  if (!qk.output_check || !qk.attention_dtype) return;
+  const AttentionOutputCheck& c = *qk.output_check;
+  if (!std::isfinite(c.mean_signed_error) || !std::isfinite(c.rms_error) ||
+      !std::isfinite(c.mean_abs_reference)) {
+    emitter.NonFinite(SampleKind::kQK, 1);
+    return;
+  }
+  if (c.mean_abs_reference <= 0) return;  // an all-zero output has no scale to err against
+  const double unit = c.mean_abs_reference * UnitRoundoff(*qk.attention_dtype);
+  // A lower confidence bound on the bias: round-to-nearest's mean error on a
+  // small probe (a few hundred values) can reach a fifth of a unit roundoff
+  // by chance; biased rounding's mean is most of its rms, on any probe.
+  const double standard_error = c.rms_error / std::sqrt(static_cast<double>(c.elements));
+  const double bias = std::max(0.0, std::abs(c.mean_signed_error) - kBiasStandardErrors * standard_error);
+  emitter.Emit(Observation{kQKSignals[kAttentionOutputBias].name, qk.layer, kAllHeads, bias / unit});
+  emitter.Emit(Observation{kQKSignals[kAttentionOutputError].name, qk.layer, kAllHeads,
+                           c.rms_error / unit});
+}
 
 // The per-layer value of a signal from its per-head values (never empty).
 double Aggregate(HeadAggregation aggregation, const std::vector<double>& values) {
@@ -208,6 +258,7 @@ void QKDetector::Process(const Sample& sample, Emitter& emitter) {
     emitter.NonFinite(SampleKind::kQK, non_finite);
     return;
   }
+  EmitOutputCheck(qk, emitter);
 
   const int64_t rows = qk.q.shape[0];
   const int64_t tokens = qk.q.shape[1];

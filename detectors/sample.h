@@ -40,6 +40,15 @@ struct ScalarsSample {
   double lr = 0;
 };
 
+// The model's attention output O against the client's fp32 reference O_ref
+// on the probe (QKSample.output_check on the wire).
+struct AttentionOutputCheck {
+  double mean_signed_error = 0;   // mean of (O - O_ref) * sign(O_ref)
+  double rms_error = 0;           // sqrt(mean((O - O_ref)^2))
+  double mean_abs_reference = 0;  // mean |O_ref|
+  int64_t elements = 0;
+};
+
 struct QKSample {
   int layer = 0;
   std::string probe_id;
@@ -56,6 +65,7 @@ struct QKSample {
   // The dtype the model computes this layer's attention in, when the client
   // says (not the wire dtype of q and k).
   std::optional<DType> attention_dtype;
+  std::optional<AttentionOutputCheck> output_check;
 };
 
 struct RouterSample {

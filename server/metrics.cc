@@ -25,6 +25,7 @@ constexpr std::string_view kRejectionReasons[] = {
     reason::kLayerOutOfRange,
     reason::kHeadsMismatch,
     reason::kBadSeqLen,
+    reason::kBadOutputCheck,
     reason::kBadTopK,
     reason::kExpertsMismatch,
     reason::kNotMoeLayer,

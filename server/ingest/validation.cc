@@ -192,6 +192,27 @@ std::optional<Rejection> ValidateQK(v1::QKSample& qk, const StreamContext& conte
                                                         " is not a known DType"));
     }
   }
+  std::optional<detectors::AttentionOutputCheck> output_check;
+  if (qk.has_output_check()) {
+    const v1::AttentionOutputCheck& c = qk.output_check();
+    // Non-finite figures pass (the kernel's output held NaN/Inf: a signal the
+    // detector reports); finite ones must be consistent. |mean(e * s)| <=
+    // mean|e| <= rms(e) for any errors e and signs s, up to rounding.
+    const bool finite = std::isfinite(c.mean_signed_error()) && std::isfinite(c.rms_error()) &&
+                        std::isfinite(c.mean_abs_reference());
+    if (c.elements() <= 0 ||
+        (finite && (c.rms_error() < 0 || c.mean_abs_reference() < 0 ||
+                    std::abs(c.mean_signed_error()) > c.rms_error() * (1 + 1e-6) + 1e-300))) {
+      return Reject(reason::kBadOutputCheck,
+                    absl::StrCat("output_check: elements ", c.elements(), ", mean_signed_error ",
+                                 c.mean_signed_error(), ", rms_error ", c.rms_error(),
+                                 ", mean_abs_reference ", c.mean_abs_reference(),
+                                 "; needs elements > 0, rms_error and mean_abs_reference >= 0, "
+                                 "|mean_signed_error| <= rms_error"));
+    }
+    output_check = detectors::AttentionOutputCheck{c.mean_signed_error(), c.rms_error(),
+                                                   c.mean_abs_reference(), c.elements()};
+  }
 
   detectors::QKSample sample;
   sample.layer = qk.layer();
@@ -202,6 +223,7 @@ std::optional<Rejection> ValidateQK(v1::QKSample& qk, const StreamContext& conte
   sample.k = TakeTensor(*qk.mutable_k());
   sample.kv_head_of = std::move(kv_head_of);
   sample.attention_dtype = attention_dtype;
+  sample.output_check = output_check;
   // The names are dropped only when they say what no names say: every head
   // of the model, in order. Heads 0..n-1 of a larger model are a subset (a
   // rotation window), and a sample without names holds every head: the

@@ -95,6 +95,9 @@ inline constexpr char kShapeOverLimit[] = "shape_over_limit";
 inline constexpr char kLayerOutOfRange[] = "layer_out_of_range";
 inline constexpr char kHeadsMismatch[] = "heads_mismatch";
 inline constexpr char kBadSeqLen[] = "bad_seq_len";
+// QKSample.output_check with no elements, or a negative or inconsistent
+// (|mean signed error| above the rms error) figure.
+inline constexpr char kBadOutputCheck[] = "bad_output_check";
 inline constexpr char kBadTopK[] = "bad_top_k";
 inline constexpr char kExpertsMismatch[] = "experts_mismatch";
 inline constexpr char kNotMoeLayer[] = "not_moe_layer";

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <optional>
@@ -536,6 +537,137 @@ void StreamLearningRate(EngineDriver& driver, std::string_view run, int64_t from
 
 double Ramp(int64_t step) {  // 1e-3, then geometric to 20x over steps 900..1100
   return step < 900 ? 1e-3 : 1e-3 * std::pow(20.0, std::min<double>(step - 900, 200) / 200.0);
+}
+
+// The attention output's rounding bias (attention_output_bias, in unit
+// roundoffs): an absolute bound, 2 of 3 probes, no warm-up.
+TEST(AlertEngineTest, ARoundingBiasFiresOnItsBoundAndIsAPrecisionFault) {
+  EngineDriver driver(DefaultAlertConfig());
+  // Round-to-nearest noise, and one odd probe above the bound: silent.
+  driver.Point("r1", 0, "attention_output_bias", 2, 0.02);
+  driver.Point("r1", 10, "attention_output_bias", 2, 0.4);
+  driver.Point("r1", 20, "attention_output_bias", 2, 0.03);
+  driver.Point("r1", 30, "attention_output_bias", 2, 0.01);
+  auto fired_any = [&] {
+    return std::any_of(driver.transitions.begin(), driver.transitions.end(),
+                       [](const AlertTransition& t) { return t.to == AlertState::kFiring; });
+  };
+  EXPECT_FALSE(fired_any());  // pending at most
+  // Truncation: fires on the second probe above the bound.
+  driver.Point("r1", 40, "attention_output_bias", 2, 0.9);
+  EXPECT_FALSE(fired_any());
+  driver.Point("r1", 50, "attention_output_bias", 2, 0.8);
+  const auto fired = driver.StateChanges(kAttentionRoundingBias, "2");
+  ASSERT_FALSE(fired.empty());
+  EXPECT_EQ(fired.back().to, AlertState::kFiring);
+  EXPECT_EQ(fired.back().alert.probable_cause, "low_precision_attention");
+  EXPECT_NE(fired.back().alert.probable_cause_evidence.find("attention rounding bias from step 40"),
+            std::string::npos)
+      << fired.back().alert.probable_cause_evidence;
+}
+
+// A precision fault seen first, then the learning rate surging long after the
+// cause settled (a ramp that passes its bound late): combined.
+TEST(AlertEngineTest, ALearningRateSurgeAfterASettledPrecisionCauseMakesItCombined) {
+  EngineDriver driver(DefaultAlertConfig());
+  for (int64_t step = 0; step < 1000; step += 10) driver.Point("r1", step, "attention_output_bias", 2, 0.01);
+  for (int64_t step = 0; step < 1000; step += 10) driver.Point("r1", step, "lr_over_held_max", kNoLayer, 1.0);
+  for (int64_t step = 1000; step < 1300; step += 10) {
+    driver.Point("r1", step, "attention_output_bias", 2, 20.0);
+    driver.Point("r1", step, "lr_over_held_max", kNoLayer, step < 1250 ? 1.0 + (step - 1000) / 200.0 : 3.5);
+    if (step == 1200) {
+      ASSERT_EQ(driver.engine.ActiveAlerts().size(), 1u);
+      const Alert settled = driver.engine.ActiveAlerts()[0];
+      EXPECT_EQ(settled.probable_cause, "low_precision_attention");
+      EXPECT_EQ(Annotation(settled, "probable_cause_status"), "settled");
+    }
+  }
+  const std::vector<Alert> active = driver.engine.ActiveAlerts();
+  ASSERT_EQ(active.size(), 2u);
+  for (const Alert& alert : active) {
+    EXPECT_EQ(alert.probable_cause, "combined") << alert.alertname;
+    EXPECT_EQ(Annotation(alert, "probable_cause_status"), "settled") << alert.alertname;
+    EXPECT_NE(alert.probable_cause_evidence.find("then learning rate surge from step 1250"),
+              std::string::npos)
+        << alert.probable_cause_evidence;
+    EXPECT_NE(alert.suggested_action.find("Lower the learning rate"), std::string::npos);
+    EXPECT_NE(alert.suggested_action.find("before step 1000"), std::string::npos);
+  }
+  // The rounding-bias alert was re-sent with the new cause.
+  const auto bias = driver.Transitions(kAttentionRoundingBias, "2");
+  ASSERT_FALSE(bias.empty());
+  EXPECT_EQ(bias.back().alert.probable_cause, "combined");
+}
+
+// The other order: a learning-rate surge, then the rounding bias measured
+// after that cause settled.
+TEST(AlertEngineTest, ARoundingBiasAfterASettledLearningRateCauseMakesItCombined) {
+  EngineDriver driver(DefaultAlertConfig());
+  for (int64_t step = 900; step < 1400; step += 10) {
+    driver.Point("r1", step, "lr_over_held_max", kNoLayer, step < 1000 ? 1.0 : 4.0);
+    driver.Point("r1", step, "attention_output_bias", 2, step < 1300 ? 0.01 : 3.0);
+    if (step == 1250) {
+      EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kLearningRateTooHigh);
+    }
+  }
+  EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kCombined);
+  for (const Alert& alert : driver.engine.ActiveAlerts()) {
+    EXPECT_EQ(alert.probable_cause, "combined") << alert.alertname;
+    EXPECT_NE(alert.probable_cause_evidence.find("then attention rounding bias from step 1300"),
+              std::string::npos)
+        << alert.probable_cause_evidence;
+  }
+}
+
+// Checkpoints written before the rounding-bias family (7 families), and before
+// the learning-rate family too (6), still restore: the missing families read
+// as never fired.
+TEST(AlertEngineTest, RestoresCheckpointsSavedWithFewerAlertFamilies) {
+  EngineDriver driver(DefaultAlertConfig());
+  driver.Fault("rold", "qk_increment_entropy", 3, 1000, 0.8, 0.4);
+  ASSERT_EQ(driver.engine.RunProbableCause("rold"), ProbableCause::kLowPrecisionAttention);
+  const std::string state = driver.engine.SaveState();
+  // After the run's name: I64 latest_step, U32 family count, then the onsets
+  // and the fired steps, an I64 per family each.
+  const std::string name = std::string("\x04\0\0\0\0\0\0\0", 8) + "rold";
+  const size_t at = state.find(name);
+  ASSERT_NE(at, std::string::npos);
+  const size_t count_at = at + name.size() + 8;
+  uint32_t families = 0;
+  std::memcpy(&families, state.data() + count_at, 4);
+  ASSERT_EQ(families, 8u);
+  // Drops families `dropped` (indices, ascending) from both arrays.
+  auto older = [&](std::vector<size_t> dropped) {
+    const size_t arrays_at = count_at + 4;
+    std::string out = state.substr(0, count_at);
+    const uint32_t fewer = families - static_cast<uint32_t>(dropped.size());
+    out.append(reinterpret_cast<const char*>(&fewer), 4);
+    for (size_t array = 0; array < 2; ++array) {
+      for (size_t f = 0; f < families; ++f) {
+        if (std::find(dropped.begin(), dropped.end(), f) != dropped.end()) continue;
+        out.append(state, arrays_at + (array * families + f) * 8, 8);
+      }
+    }
+    out.append(state, arrays_at + 2 * families * 8, std::string::npos);
+    return out;
+  };
+  const size_t learning_rate = static_cast<size_t>(AlertFamily::kLearningRate);
+  const size_t rounding_bias = static_cast<size_t>(AlertFamily::kRoundingBias);
+  for (const std::vector<size_t>& dropped :
+       {std::vector<size_t>{rounding_bias}, std::vector<size_t>{learning_rate, rounding_bias}}) {
+    AlertEngine restored(DefaultAlertConfig());
+    std::string error;
+    ASSERT_TRUE(restored.RestoreState(older(dropped), &error)) << error;
+    EXPECT_EQ(restored.SaveState(), state) << dropped.size() << " families dropped";
+  }
+  // One more family than this engine knows: refused, not misread.
+  AlertEngine restored(DefaultAlertConfig());
+  std::string bigger = state;
+  const uint32_t more = families + 1;
+  std::memcpy(bigger.data() + count_at, &more, 4);
+  std::string error;
+  EXPECT_FALSE(restored.RestoreState(bigger, &error));
+  EXPECT_NE(error.find("alert family count"), std::string::npos) << error;
 }
 
 TEST(AlertEngineTest, ARisingLearningRateMakesLogitGrowthALearningRateCause) {

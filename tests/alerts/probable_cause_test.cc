@@ -90,6 +90,24 @@ INSTANTIATE_TEST_SUITE_P(
       return name.empty() ? std::string("none") : name;
     });
 
+// A measured rounding bias is a precision fault whatever else fired and when,
+// and whatever dtype the client declared.
+TEST(ProbableCauseTest, ARoundingBiasIsPrecisionEvidenceInAnyOrder) {
+  CauseEvidence bias;
+  bias.rounding_bias = true;
+  EXPECT_EQ(ClassifyProbableCause(bias), ProbableCause::kLowPrecisionAttention);
+  CauseEvidence declared_fp32 = bias;
+  declared_fp32.precision_ruled_out = true;
+  EXPECT_EQ(ClassifyProbableCause(declared_fp32), ProbableCause::kLowPrecisionAttention);
+  CauseEvidence with_lr = bias;
+  with_lr.lr_rise = true;
+  with_lr.qk_spectrum = true;  // the QK collapse came after the LR rose: not evidence itself
+  EXPECT_EQ(ClassifyProbableCause(with_lr), ProbableCause::kCombined);
+  CauseEvidence with_curvature = bias;
+  with_curvature.curvature = true;
+  EXPECT_EQ(ClassifyProbableCause(with_curvature), ProbableCause::kCombined);
+}
+
 TEST(ProbableCauseTest, AnnotationValuesAreTheDesignNames) {
   EXPECT_EQ(ProbableCauseName(ProbableCause::kLowPrecisionAttention), "low_precision_attention");
   EXPECT_EQ(ProbableCauseName(ProbableCause::kLearningRateTooHigh), "learning_rate_too_high");
@@ -105,6 +123,7 @@ TEST(ProbableCauseTest, EveryAlertNameHasItsFamily) {
   EXPECT_EQ(FamilyOfAlert(kRouterImbalance), AlertFamily::kRouterImbalance);
   EXPECT_EQ(FamilyOfAlert(kCurvatureAboveEdge), AlertFamily::kCurvature);
   EXPECT_EQ(FamilyOfAlert(kLearningRateSurge), AlertFamily::kLearningRate);
+  EXPECT_EQ(FamilyOfAlert(kAttentionRoundingBias), AlertFamily::kRoundingBias);
   EXPECT_EQ(FamilyOfAlert(kLossSpike), AlertFamily::kConsequence);
   EXPECT_EQ(FamilyOfAlert(kNonFinite), AlertFamily::kConsequence);
 }

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -148,14 +149,16 @@ TEST(QKDetector, IsRegisteredWithItsSignals) {
       {"qk_increment_top1_share", HeadAggregation::kMax}, {"qk_second_order_ratio", HeadAggregation::kMax},
       {"qk_increment_top1_overlap", HeadAggregation::kMin}, {"attention_entropy", HeadAggregation::kMin},
       {"attention_max_logit", HeadAggregation::kMax}, {"qk_probe_heads", HeadAggregation::kNone},
-      {"qk_probe_tokens", HeadAggregation::kNone}, {"attention_compute_bits", HeadAggregation::kNone}};
+      {"qk_probe_tokens", HeadAggregation::kNone}, {"attention_compute_bits", HeadAggregation::kNone},
+      {"attention_output_bias", HeadAggregation::kNone}, {"attention_output_error", HeadAggregation::kNone}};
   ASSERT_EQ(qk->signals.size(), expected.size());
   for (const SignalSpec& spec : qk->signals) {
     SCOPED_TRACE(std::string(spec.name));
     ASSERT_TRUE(expected.count(std::string(spec.name)));
     EXPECT_EQ(spec.aggregation, expected.at(std::string(spec.name)));
     const bool per_layer = std::string_view(spec.name).starts_with("qk_probe_") ||
-                           spec.name == "attention_compute_bits";
+                           spec.name == "attention_compute_bits" ||
+                           std::string_view(spec.name).starts_with("attention_output_");
     EXPECT_EQ(spec.scope, per_layer ? SignalScope::kLayer : SignalScope::kLayerHead);
     EXPECT_FALSE(spec.help.empty());
     EXPECT_EQ(spec.help.find('\n'), std::string_view::npos);
@@ -209,6 +212,67 @@ TEST(QKDetector, ReportsTheAttentionComputeWidthOnlyWhenTheClientSaysIt) {
     ASSERT_EQ(it != by_signal.end(), bits.has_value());
     if (bits) EXPECT_EQ(it->second, (std::map<int, double>{{kAllHeads, *bits}}));
   }
+}
+
+// The output check in units of the attention dtype's unit roundoff:
+// (|mean signed error| - 4 rms / sqrt(N))+ / (mean |O_ref| * u) and
+// rms / (mean |O_ref| * u).
+TEST(QKDetector, ScalesTheOutputCheckByTheAttentionDtypesUnitRoundoff) {
+  std::mt19937 rng(6);
+  const Heads q = RandomHeads(2, 8, 4, rng), k = RandomHeads(2, 8, 4, rng);
+  std::unique_ptr<Detector> detector = MakeDetector("qk");
+  struct Case {
+    std::optional<DType> dtype;
+    double unit;  // 0: no output signals expected
+  };
+  const AttentionOutputCheck check{-0.003, 0.004, 0.5, 64};
+  for (const Case& c : {Case{std::nullopt, 0}, Case{DType::kBFloat16, 0x1p-8},
+                        Case{DType::kFloat16, 0x1p-11}, Case{DType::kFloat32, 0x1p-24}}) {
+    Sample sample = MakeSample("run", 3, "p", q, k);
+    std::get<QKSample>(sample.payload).attention_dtype = c.dtype;
+    std::get<QKSample>(sample.payload).output_check = check;
+    RecordingEmitter emitter;
+    detector->Process(sample, emitter);
+    EXPECT_EQ(emitter.non_finite, 0);
+    const auto by_signal = emitter.BySignal();
+    ASSERT_EQ(by_signal.count("attention_output_bias"), c.unit > 0 ? 1u : 0u);
+    ASSERT_EQ(by_signal.count("attention_output_error"), c.unit > 0 ? 1u : 0u);
+    if (c.unit == 0) continue;
+    // 0.003 - 4 * 0.004 / sqrt(64) = 0.001
+    EXPECT_DOUBLE_EQ(by_signal.at("attention_output_bias").at(kAllHeads), 0.001 / (0.5 * c.unit));
+    EXPECT_DOUBLE_EQ(by_signal.at("attention_output_error").at(kAllHeads), 0.004 / (0.5 * c.unit));
+  }
+  // A mean within 4 standard errors of 0 reads 0: round-to-nearest noise.
+  {
+    Sample sample = MakeSample("run", 3, "p", q, k);
+    std::get<QKSample>(sample.payload).attention_dtype = DType::kBFloat16;
+    std::get<QKSample>(sample.payload).output_check = AttentionOutputCheck{0.0019, 0.004, 0.5, 64};
+    RecordingEmitter emitter;
+    detector->Process(sample, emitter);
+    EXPECT_EQ(emitter.BySignal().at("attention_output_bias").at(kAllHeads), 0.0);
+  }
+  // Without a check: no output signals; an all-zero reference has no scale.
+  for (const std::optional<AttentionOutputCheck>& absent :
+       {std::optional<AttentionOutputCheck>(), std::optional(AttentionOutputCheck{0, 0, 0, 64})}) {
+    Sample sample = MakeSample("run", 3, "p", q, k);
+    std::get<QKSample>(sample.payload).attention_dtype = DType::kBFloat16;
+    std::get<QKSample>(sample.payload).output_check = absent;
+    RecordingEmitter emitter;
+    detector->Process(sample, emitter);
+    EXPECT_EQ(emitter.BySignal().count("attention_output_bias"), 0u);
+  }
+  // A kernel output with NaN/Inf: reported as non-finite, no output signals,
+  // and the sample's attention signals still computed.
+  Sample sample = MakeSample("run", 3, "p", q, k);
+  std::get<QKSample>(sample.payload).attention_dtype = DType::kBFloat16;
+  std::get<QKSample>(sample.payload).output_check =
+      AttentionOutputCheck{std::numeric_limits<double>::quiet_NaN(), 1, 1, 64};
+  RecordingEmitter emitter;
+  detector->Process(sample, emitter);
+  EXPECT_EQ(emitter.non_finite, 1);
+  const auto by_signal = emitter.BySignal();
+  EXPECT_EQ(by_signal.count("attention_output_bias"), 0u);
+  EXPECT_EQ(by_signal.count("attention_entropy"), 1u);
 }
 
 TEST_F(QKDetectorSeries, FirstSampleEmitsOnlyAttentionSignals) {

@@ -25,6 +25,8 @@ import threading
 
 import torch
 
+from . import output_check
+
 from foreshock.v1 import ingest_pb2 as pb
 
 log = logging.getLogger("foreshock")
@@ -372,7 +374,9 @@ def router_logits(out, n_experts):
 # -- wrapping transformers' attention functions during a probe ---------------------
 
 _tap_lock = threading.Lock()
-_taps = {}      # id(attention module) -> callback(module, query, key, kwargs)
+# id(attention module) -> (callback(module, query, key, kwargs),
+#                          on_output(module, fn, args, kwargs, result) or None)
+_taps = {}
 _patches = {}   # (id(globals), name) -> [globals, original, users]
 _wrapped = {}   # attention function -> its wrapper
 
@@ -385,12 +389,17 @@ def _wrap_attention_fn(fn):
     if wrapper is None:
         @functools.wraps(fn)
         def wrapper(module, *args, **kwargs):
-            callback = _taps.get(id(module))
-            if callback is not None:
-                query = args[0] if args else kwargs.get("query")
-                key = args[1] if len(args) > 1 else kwargs.get("key")
-                callback(module, query, key, kwargs)
-            return fn(module, *args, **kwargs)
+            tap = _taps.get(id(module))
+            if tap is None:
+                return fn(module, *args, **kwargs)
+            callback, on_output = tap
+            query = args[0] if args else kwargs.get("query")
+            key = args[1] if len(args) > 1 else kwargs.get("key")
+            callback(module, query, key, kwargs)
+            result = fn(module, *args, **kwargs)
+            if on_output is not None:
+                on_output(module, fn, args, kwargs, result)
+            return result
 
         wrapper._foreshock_original = fn
         _wrapped[fn] = wrapper
@@ -431,11 +440,11 @@ class _InterfaceTap:
     file (and every thread) while any tap is on; the wrappers pass calls of
     other modules straight through."""
 
-    def __init__(self, site, callback):
+    def __init__(self, site, callback, on_output=None):
         self._module_id = id(site.module)
         self._keys = []
         with _tap_lock:
-            _taps[self._module_id] = callback
+            _taps[self._module_id] = (callback, on_output)
             for globs, name in site.interface_globals:
                 key = (id(globs), name)
                 entry = _patches.get(key)
@@ -467,7 +476,7 @@ class ProbeCollector:
     forward, e.g. shared weights, is sampled at its first call).
     """
 
-    def __init__(self, reduce=None):
+    def __init__(self, reduce=None, check_outputs=False):
         # layer -> (q [H, N, d], k [Hkv, N, d], seq_len, sampled): sampled is
         # what `reduce` returned beside the tensors, None when it kept them whole.
         self.explicit_qk = {}
@@ -480,6 +489,11 @@ class ProbeCollector:
         # sampling, applied as each layer is captured, so that a large model's
         # probe never holds every layer's whole Q/K at once (foreshock.sampling).
         self.reduce = reduce
+        # layer -> QKSample.output_check fields (foreshock.output_check): from
+        # Monitor.check_attention_output, or, with check_outputs, from the
+        # attention function called again in fp32 (interface sites).
+        self.output_checks = {}
+        self.check_outputs = check_outputs
 
     def add_qk(self, store, layer, q, k, seq_len):
         if layer in store:
@@ -497,6 +511,10 @@ class ProbeCollector:
         if self.reduce is not None:
             q, k, seq_len, sampled = self.reduce(q, k, seq_len)
         store[layer] = (q, k, seq_len, sampled)
+
+    def add_output_check(self, layer, stats):
+        if stats is not None and layer not in self.output_checks:
+            self.output_checks[layer] = stats
 
     def add_router(self, store, layer, logits, top_k):
         if layer not in store:
@@ -566,7 +584,9 @@ class ProbeCollector:
             if site.kind != INTERFACE:
                 self._attach_projection(site, site.kind, self.discovered_qk, handles)
                 continue
-            handles.append(_InterfaceTap(site, functools.partial(self._tapped, site)))
+            handles.append(_InterfaceTap(
+                site, functools.partial(self._tapped, site),
+                functools.partial(self._check_output, site) if self.check_outputs else None))
             if not site.verified and site.fallback_kind:
                 # Until the module is seen calling the interface, also sample its
                 # projections, in case it bypasses the interface (GPT-2's eager
@@ -593,6 +613,29 @@ class ProbeCollector:
         except Exception as e:  # noqa: BLE001 - never break the user's forward
             _warn_once(site, "error", "foreshock: sampling Q/K of %s failed (%s); not sampled: %s",
                        site.name, e, CAPTURE_QK_HINT)
+
+    def _check_output(self, site, _module, fn, args, kwargs, result):
+        """The attention function's output against the same function on fp32 inputs:
+        the model's own mask and scaling, only the precision differs. Low-precision
+        inputs only (fp32 attention has nothing to compare with itself)."""
+        if site.layer in self.output_checks:
+            return
+        query = args[0] if args else kwargs.get("query")
+        if not isinstance(query, torch.Tensor) or query.dtype not in (torch.bfloat16,
+                                                                     torch.float16):
+            return
+        try:
+            out = result[0] if isinstance(result, (tuple, list)) else result
+            with torch.no_grad():
+                ref = fn(_module, *[output_check.upcast(a) for a in args],
+                         **{name: output_check.upcast(a) for name, a in kwargs.items()})
+            ref = ref[0] if isinstance(ref, (tuple, list)) else ref
+            self.add_output_check(site.layer, output_check.compare(out, ref))
+        except Exception as e:  # noqa: BLE001 - e.g. a flash kernel without fp32 support
+            _warn_once(site, "output_check", "foreshock: %s (%s): its attention function "
+                       "does not run on fp32 inputs (%s); its output is not checked against "
+                       "an fp32 reference (attention_output_bias)", site.name,
+                       type(site.module).__name__, e)
 
     def finish(self):
         """After a successful probe forward: an attention_interface site that did not

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from foreshock import capture, distributed, encoding, sampling, sharding
+from foreshock import capture, distributed, encoding, output_check, sampling, sharding
 from foreshock.alerts import AlertWatcher
 from foreshock.security import Security
 from foreshock.sender import RecordQueue, Sender
@@ -84,6 +84,11 @@ class Monitor:
         Set it when a kernel computes attention in another precision than
         its inputs. fp32 attention rules out a precision fault in the
         daemon's probable cause.
+      output_check: on the probe, compare each discovered bf16/fp16 attention's
+        output with the same attention function run on fp32 inputs, and send
+        the rounding error's means (QKSample.output_check; the daemon's
+        attention_output_bias). Costs one fp32 attention per layer per probe.
+        Models that call capture_qk can check with check_attention_output().
       discover: attach discovery hooks for Q/K (ignored once capture_qk is used).
       discover_routers: attach discovery hooks for MoE routers (on by default).
       router_dtype: wire dtype of router logits (fp32 by default: they are
@@ -105,7 +110,7 @@ class Monitor:
                  backoff_initial_s=0.1, backoff_max_s=5.0, channel_options=(), curvature=None,
                  probe_all_ranks=False, endpoints=None, token=None, tls_ca=None, tls_cert=None,
                  tls_key=None, broadcast_kv=False, probe_heads=None, probe_tokens=None,
-                 max_probe_bytes=48 << 20, attention_dtype=None):
+                 max_probe_bytes=48 << 20, attention_dtype=None, output_check=True):
         if run_id is None or job is None:
             raise TypeError("Monitor() needs run_id and job")
         if (endpoint is None) == (endpoints is None):
@@ -128,6 +133,8 @@ class Monitor:
             else encoding.check_dtype(attention_dtype)
         self.probe_id = probe_id
         self.causal = causal
+        self.output_check = bool(output_check)
+        self._output_check_warned = False
         self.broadcast_kv = broadcast_kv
         self.probe_heads = sampling.check(probe_heads, "probe_heads")
         self.probe_tokens = sampling.check(probe_tokens, "probe_tokens")
@@ -250,7 +257,8 @@ class Monitor:
         if self.model is None or self.probe_batch is None:
             raise ValueError("probe() needs the monitor's model and probe_batch")
         start = time.perf_counter()
-        collector = capture.ProbeCollector(reduce=self._capture_reducer())
+        collector = capture.ProbeCollector(reduce=self._capture_reducer(),
+                                           check_outputs=self.output_check)
         handles = collector.attach(
             [] if self._explicit_qk else self.attention_sites,
             [] if self._explicit_router else self.router_sites)
@@ -285,6 +293,9 @@ class Monitor:
                 q=encoding.encode_tensor(q, self.dtype), k=encoding.encode_tensor(k, self.dtype),
                 kv_head_of=kv_head_of, heads=heads,
                 attention_dtype=encoding.wire_dtype(self.attention_dtype or q.dtype)))
+            check = collector.output_checks.get(layer)
+            if check is not None:
+                record.qk.output_check.CopyFrom(pb.AttentionOutputCheck(**check))
             self._emit(record)
         for layer in sorted(routers):
             logits, top_k = routers[layer]
@@ -413,6 +424,27 @@ class Monitor:
         q, seq_len = capture.heads_tokens_from_bhtd(q)
         k, _ = capture.heads_tokens_from_bhtd(k)
         collector.add_qk(collector.explicit_qk, layer, q, k, seq_len)
+
+    def check_attention_output(self, layer, q, k, v, out, scale=None, causal=None):
+        """Hands the monitor this layer's attention output to check against an fp32
+        reference: out = the model's softmax(q k^T * scale) v (q, out [B, H, T, d];
+        k, v [B, Hkv, T, d]; scale default 1/sqrt(d); causal default the
+        monitor's). Call it from the attention forward next to capture_qk, for
+        plain softmax attention only: another mask or logit transform makes the
+        reference differ. Outside a probe forward it returns at once."""
+        collector = self._collector
+        if collector is None or layer in collector.output_checks:
+            return
+        try:
+            stats = output_check.check(q, k, v, out, scale=scale,
+                                       causal=self.causal if causal is None else causal)
+        except Exception as e:  # noqa: BLE001 - never break the user's forward
+            if not self._output_check_warned:
+                self._output_check_warned = True
+                log.warning("foreshock: check_attention_output(layer %s) failed (%s); "
+                            "not checked", layer, e)
+            return
+        collector.add_output_check(layer, stats)
 
     def capture_router(self, layer, logits, top_k):
         """Hands the monitor this MoE layer's router logits ([..., experts], before

@@ -20,6 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers  # noqa: E402  (the PyPI venv pins it: a missing one is a failure)
 from conftest import free_port  # noqa: E402
 from foreshock import Monitor, ModelInfo, encoding, prometheus  # noqa: E402
+from foreshock.v1 import ingest_pb2 as pb  # noqa: E402
 
 VOCAB, BATCH, SEQ = 64, 2, 12
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -373,3 +374,85 @@ def test_every_layer_reaches_the_daemon(family, foreshockd):
     assert bool(moe_layers) == bool(router_class)
     samples, _ = foreshockd.wait_for(lambda s: not problems(s), timeout_s=30)
     assert not problems(samples), "\n".join(problems(samples)) + "\n" + foreshockd.log_tail()
+
+
+# -- the attention output against its fp32 self (QKSample.output_check) -------------
+
+def output_bias_ulps(check, unit=2.0 ** -8):
+    """The daemon's attention_output_bias (detectors/qk_detector.cc) in bf16 unit roundoffs."""
+    standard_error = check.rms_error / check.elements ** 0.5
+    return max(0.0, abs(check.mean_signed_error) - 4 * standard_error) / check.mean_abs_reference / unit
+
+
+def probe_checks(model, probe, **kwargs):
+    monitor, records = make_monitor(model, probe, **kwargs)
+    try:
+        monitor.probe(0)
+    finally:
+        monitor.close(timeout=0)
+    return payloads(records, "qk")
+
+
+@pytest.mark.parametrize("attn", ATTN)
+@pytest.mark.parametrize("family", ["llama", "gpt2_inverse_layer_scale", "granitemoe"])
+def test_bf16_attention_is_checked_against_the_same_function_in_fp32(family, attn):
+    """A bf16 model: every layer's output is compared with its attention function
+    run again on fp32 inputs (the model's own mask and scale). Round-to-nearest
+    bf16 errs (rms about a unit roundoff) without bias."""
+    model, probe = build(family, attn).to(torch.bfloat16), probe_batch()
+    qk = probe_checks(model, probe)
+    assert sorted(qk) == list(range(model.config.num_hidden_layers))
+    for layer, sample in qk.items():
+        assert sample.attention_dtype == pb.BFLOAT16
+        assert sample.HasField("output_check"), layer
+        c = sample.output_check
+        assert c.elements == BATCH * SEQ * 32  # heads x head_dim = hidden size
+        rms_ulps = c.rms_error / c.mean_abs_reference / 2.0 ** -8
+        assert 0.05 < rms_ulps < 5, (layer, rms_ulps)  # a real comparison, not itself
+        assert output_bias_ulps(c) < 0.25, (layer, c)
+    # fp32 attention has nothing to compare with itself; the check can be turned off.
+    assert not any(s.HasField("output_check") for s in probe_checks(build(family, attn), probe).values())
+    assert not any(s.HasField("output_check")
+                   for s in probe_checks(model, probe, output_check=False).values())
+
+
+def _register_attention(name, fn):
+    from transformers import AttentionInterface
+    AttentionInterface.register(name, fn)
+
+
+def test_a_truncating_bf16_kernel_reads_as_rounding_bias(caplog):
+    """An attention function that truncates its bf16 output toward zero (a
+    biased kernel) is seen; one that refuses fp32 inputs is skipped with one
+    warning, and the probe goes on."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def truncating(module, query, key, value, attention_mask, **kwargs):
+        out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        if out.dtype == torch.bfloat16:  # exact bf16 -> float32 -> drop the low bits
+            bits = out.float().view(torch.int32) & -65536
+            out = (bits.view(torch.float32) * (1 - 2.0 ** -7)).to(torch.bfloat16)
+        return out, weights
+
+    def bf16_only(module, query, key, value, attention_mask, **kwargs):
+        if query.dtype != torch.bfloat16:
+            raise RuntimeError("this kernel supports bf16 only")
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    _register_attention("foreshock_test_truncating", truncating)
+    _register_attention("foreshock_test_bf16_only", bf16_only)
+    probe = probe_batch()
+    model = build("llama", "sdpa").to(torch.bfloat16)
+    model.set_attn_implementation("foreshock_test_truncating")
+    qk = probe_checks(model, probe)
+    assert len(qk) == 2
+    for layer, sample in qk.items():
+        assert output_bias_ulps(sample.output_check) > 0.25, (layer, sample.output_check)
+
+    caplog.set_level(logging.INFO, logger="foreshock")
+    model.set_attn_implementation("foreshock_test_bf16_only")
+    qk = probe_checks(model, probe)
+    assert sorted(qk) == [0, 1]  # Q/K still sampled
+    assert not any(s.HasField("output_check") for s in qk.values())
+    warnings = [w for w in capture_warnings(caplog) if "fp32 reference" in w]
+    assert len(warnings) == 2 and "bf16 only" in warnings[0], warnings  # once per layer

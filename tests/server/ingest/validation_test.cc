@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include <string>
 
 namespace foreshock::server {
@@ -190,6 +192,47 @@ TEST_F(ValidationTest, AttentionDtypeIsOptionalAndMustBeKnown) {
   ASSERT_TRUE(rejection);
   EXPECT_EQ(rejection->code, reason::kUnknownDType);
   EXPECT_NE(rejection->detail.find("attention_dtype 42"), std::string::npos) << rejection->detail;
+}
+
+TEST_F(ValidationTest, OutputCheckIsOptionalAndMustBeConsistent) {
+  auto with_check = [&](double mean_signed, double rms, double mean_abs, int64_t elements) {
+    v1::Record record = QK({2, 16, 8}, {2, 16, 8});
+    v1::AttentionOutputCheck* check = record.mutable_qk()->mutable_output_check();
+    check->set_mean_signed_error(mean_signed);
+    check->set_rms_error(rms);
+    check->set_mean_abs_reference(mean_abs);
+    check->set_elements(elements);
+    return record;
+  };
+  {
+    v1::Record record = QK({2, 16, 8}, {2, 16, 8});
+    detectors::Sample sample;
+    ASSERT_FALSE(ValidateRecord(record, context_, limits_, sample).has_value());
+    EXPECT_FALSE(std::get<detectors::QKSample>(sample.payload).output_check.has_value());
+  }
+  {
+    v1::Record record = with_check(-0.002, 0.003, 0.5, 256);
+    detectors::Sample sample;
+    ASSERT_FALSE(ValidateRecord(record, context_, limits_, sample).has_value());
+    const auto& check = std::get<detectors::QKSample>(sample.payload).output_check;
+    ASSERT_TRUE(check.has_value());
+    EXPECT_EQ(check->mean_signed_error, -0.002);
+    EXPECT_EQ(check->rms_error, 0.003);
+    EXPECT_EQ(check->mean_abs_reference, 0.5);
+    EXPECT_EQ(check->elements, 256);
+  }
+  // Every error the same (|mean| == rms), and a NaN (the kernel's output held
+  // one: the detector reports it), pass.
+  EXPECT_FALSE(Validate(with_check(0.003, 0.003, 0.5, 256)).has_value());
+  EXPECT_FALSE(Validate(with_check(std::nan(""), 0.003, 0.5, 256)).has_value());
+  for (const v1::Record& bad : {with_check(0, 0, 0.5, 0), with_check(0, 0, 0.5, -3),
+                                with_check(0, -1e-3, 0.5, 256), with_check(0, 0, -0.5, 256),
+                                with_check(0.004, 0.003, 0.5, 256)}) {
+    const auto rejection = Validate(bad);
+    ASSERT_TRUE(rejection) << bad.ShortDebugString();
+    EXPECT_EQ(rejection->code, reason::kBadOutputCheck);
+    EXPECT_NE(rejection->detail.find("output_check"), std::string::npos) << rejection->detail;
+  }
 }
 
 TEST_F(ValidationTest, RejectsShapesOverLimits) {
