@@ -36,6 +36,9 @@ std::string Summary(std::string_view alertname, const std::string& run, int laye
   if (alertname == kRouterImbalance) what = "MoE router load imbalance";
   if (alertname == kCurvatureAboveEdge) what = "Curvature above the edge of stability";
   if (alertname == kLearningRateSurge) what = "Learning rate above any the run trained at";
+  if (alertname == kAttentionRoundingBias) {
+    what = "Biased rounding in the attention kernel (output off its fp32 reference)";
+  }
   if (alertname == kLossSpike) what = "Loss spike";
   if (alertname == kNonFinite) what = "Non-finite values";
   return internal::Cat(what, " in ", where);

@@ -561,6 +561,9 @@ TEST(AlertEngineTest, ARoundingBiasFiresOnItsBoundAndIsAPrecisionFault) {
   ASSERT_FALSE(fired.empty());
   EXPECT_EQ(fired.back().to, AlertState::kFiring);
   EXPECT_EQ(fired.back().alert.probable_cause, "low_precision_attention");
+  EXPECT_EQ(Annotation(fired.back().alert, "summary"),
+            "Biased rounding in the attention kernel (output off its fp32 reference) in layer 2 "
+            "of run r1");
   EXPECT_NE(fired.back().alert.probable_cause_evidence.find("attention rounding bias from step 40"),
             std::string::npos)
       << fired.back().alert.probable_cause_evidence;
