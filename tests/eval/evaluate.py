@@ -312,7 +312,8 @@ FAMILIES = {
     "ForeshockQKIncrementCollapse": "QK spectrum", "ForeshockAttentionLogitGrowth": "attention logits",
     "ForeshockAttentionEntropyCollapse": "attention logits", "ForeshockRouterCollapse": "router collapse",
     "ForeshockRouterImbalance": "router imbalance", "ForeshockCurvatureAboveEdge": "curvature",
-    "ForeshockLearningRateSurge": "learning rate", "ForeshockLossSpike": "loss spike",
+    "ForeshockLearningRateSurge": "learning rate", "ForeshockAttentionRoundingBias": "rounding bias",
+    "ForeshockLossSpike": "loss spike",
     "ForeshockNonFinite": "non-finite",
 }
 
