@@ -552,8 +552,10 @@ void AlertEngine::DeriveCause(RunState& run, int64_t fired_by) const {
   evidence.rounding_bias = any_time(AlertFamily::kRoundingBias, "attention rounding bias");
 
   // LR rise: the first LR, up to the end of the provisional period, of at
-  // least lr_rise_factor x the median of the lagged baseline window (or the
-  // earliest value of a young run).
+  // least lr_rise_factor x the highest LR of the lagged baseline window (or
+  // the earliest value of a young run). The highest, not the median: a
+  // warm-up still climbing in the window has a low median, and the peak it
+  // reached is no rise.
   const int64_t lr_window_end = mechanism_onset + cfg.settle_steps;
   const int64_t baseline_from = mechanism_onset - cfg.lr_baseline_steps;
   const int64_t baseline_to = mechanism_onset - cfg.lr_baseline_gap_steps;
@@ -567,8 +569,7 @@ void AlertEngine::DeriveCause(RunState& run, int64_t fired_by) const {
   int64_t lr_rise_step = -1;
   if (evidence.lr_rise) lr_rise_step = onset_of(static_cast<size_t>(AlertFamily::kLearningRate));
   if (!baseline.empty() && !evidence.lr_rise) {
-    std::nth_element(baseline.begin(), baseline.begin() + baseline.size() / 2, baseline.end());
-    const double reference = baseline[baseline.size() / 2];
+    const double reference = *std::max_element(baseline.begin(), baseline.end());
     for (const auto& [lr_step, lr] : run.learning_rate) {
       if (lr_step > lr_window_end) break;
       if (reference > 0 && lr_step >= baseline_to && lr >= cfg.lr_rise_factor * reference) {

@@ -109,10 +109,11 @@ struct ProbableCauseConfig {
   // plus the time an alert needs to confirm (persist_n samples).
   int64_t settle_steps = 100;
   // LR-rise evidence: the run streamed, up to onset + settle_steps, a
-  // learning rate of at least lr_rise_factor x the median of its values in
+  // learning rate of at least lr_rise_factor x the highest of its values in
   // the lagged window [onset - lr_baseline_steps, onset - lr_baseline_gap_steps)
-  // (or of its earliest value, when the run is younger). A schedule that
-  // decays the LR, or a warm-up that ended before that window, never counts.
+  // (or its earliest value, when the run is younger). A schedule that decays
+  // the LR, a warm restart to an earlier peak, or a warm-up that reached its
+  // peak in or before that window, never counts.
   double lr_rise_factor = 3.0;
   int64_t lr_baseline_steps = 1000;
   int64_t lr_baseline_gap_steps = 100;

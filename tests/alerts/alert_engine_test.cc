@@ -690,6 +690,26 @@ TEST(AlertEngineTest, ARisingLearningRateMakesLogitGrowthALearningRateCause) {
       << provisional.probable_cause_evidence;
 }
 
+// A fault near the end of a long warm-up: the lagged window [onset - 1000,
+// onset - 100) holds the warm-up's climb, a quarter of the peak at its median
+// and half at its highest; the warm-up then reaches 4x that median but only
+// 2x that highest value, and never goes above its peak: no LR rise.
+TEST(AlertEngineTest, AWarmUpReachingItsPeakIsNoLearningRateRise) {
+  EngineDriver driver;
+  // Linear warm-up to 1e-3 over 300 steps, then flat; logits grow from 250.
+  StreamLearningRate(driver, "r1", 0, 399, [](int64_t step) {
+    return 1e-3 * std::min<double>(1.0, (step + 1) / 300.0);
+  });
+  driver.Fault("r1", "attention_max_logit", 1, 250, 10, 20, 10, 20);
+  driver.Point("r1", 350, "attention_max_logit", 1, 20);  // layer 1 reaches onset + 100
+  ASSERT_FALSE(driver.engine.ActiveAlerts().empty());
+  EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kLowPrecisionAttention)
+      << driver.engine.ActiveAlerts()[0].probable_cause_evidence;
+  EXPECT_EQ(driver.engine.ActiveAlerts()[0].probable_cause_evidence.find("learning rate up"),
+            std::string::npos)
+      << driver.engine.ActiveAlerts()[0].probable_cause_evidence;
+}
+
 TEST(AlertEngineTest, LogitGrowthBeforeTheLRRiseIsAPrecisionFaultToo) {
   EngineDriver driver;
   // The logits grow from step 900, before the LR passes 3x at 974.
