@@ -25,9 +25,9 @@ VARIANTS = {
         "alerts:\n  signals:\n    lr_over_held_max:\n      enabled: false\n",
     "without the fp32 hold":
         "alerts:\n  probable_cause:\n    fp32_attention_needs_corroboration: false\n",
-    "LR surge bound 2 instead of 3":
+    "LR surge bound 2 instead of 3 (the calibration's choice)":
         "alerts:\n  signals:\n    lr_over_held_max:\n      bound: 2.0\n",
-    "`qk.trend` false (the calibration's choice)":
+    "`qk.trend` false":
         "alerts:\n  signals:\n    qk_increment_entropy:\n      trend: false\n"
         "    qk_increment_top1_share:\n      trend: false\n",
 }
