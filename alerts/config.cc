@@ -82,10 +82,10 @@ AlertConfig DefaultAlertConfig() {
   // The attention output against the client's fp32 reference (QKSample.
   // output_check): round-to-nearest errs both ways and averages out, biased
   // rounding does not. A direct measurement in units of the dtype's unit
-  // roundoff, so an absolute bound and no baseline: a quarter of the unit
-  // roundoff is far above round-to-nearest's mean error on any probe of a
-  // few hundred values (about 0.6/sqrt(values)), and below plain truncation's
-  // (about 0.5 to 1). Two of three probes, so one odd probe does not page.
+  // roundoff (a lower confidence bound: the detector subtracts 4 standard
+  // errors), so an absolute bound and no baseline: round-to-nearest reads 0
+  // or nearly, plain truncation about 0.5 to 1.5. Two of three probes, so one
+  // odd probe does not page.
   {
     ChangeDetectorOptions& o =
         add("attention_output_bias", kAttentionRoundingBias, Direction::kRise);

@@ -202,7 +202,7 @@ std::optional<Rejection> ValidateQK(v1::QKSample& qk, const StreamContext& conte
                         std::isfinite(c.mean_abs_reference());
     if (c.elements() <= 0 ||
         (finite && (c.rms_error() < 0 || c.mean_abs_reference() < 0 ||
-                    std::abs(c.mean_signed_error()) > c.rms_error() * (1 + 1e-6) + 1e-300))) {
+                    std::abs(c.mean_signed_error()) > c.rms_error() * (1 + 1e-6)))) {
       return Reject(reason::kBadOutputCheck,
                     absl::StrCat("output_check: elements ", c.elements(), ", mean_signed_error ",
                                  c.mean_signed_error(), ", rms_error ", c.rms_error(),

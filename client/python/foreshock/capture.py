@@ -25,8 +25,7 @@ import threading
 
 import torch
 
-from . import output_check
-
+from foreshock import output_check
 from foreshock.v1 import ingest_pb2 as pb
 
 log = logging.getLogger("foreshock")
@@ -614,7 +613,7 @@ class ProbeCollector:
             _warn_once(site, "error", "foreshock: sampling Q/K of %s failed (%s); not sampled: %s",
                        site.name, e, CAPTURE_QK_HINT)
 
-    def _check_output(self, site, _module, fn, args, kwargs, result):
+    def _check_output(self, site, module, fn, args, kwargs, result):
         """The attention function's output against the same function on fp32 inputs:
         the model's own mask and scaling, only the precision differs. Low-precision
         inputs only (fp32 attention has nothing to compare with itself)."""
@@ -627,7 +626,7 @@ class ProbeCollector:
         try:
             out = result[0] if isinstance(result, (tuple, list)) else result
             with torch.no_grad():
-                ref = fn(_module, *[output_check.upcast(a) for a in args],
+                ref = fn(module, *[output_check.upcast(a) for a in args],
                          **{name: output_check.upcast(a) for name, a in kwargs.items()})
             ref = ref[0] if isinstance(ref, (tuple, list)) else ref
             self.add_output_check(site.layer, output_check.compare(out, ref))
