@@ -116,7 +116,7 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
   if (init_status_.ok()) RestoreFromStore();
   // Recovered runs count toward --max_runs; --max_step_jump counts from their last step.
   for (const RunTracker::RunSummary& run : runs_->Runs()) {
-    ingest_->NoteKnownRun(run.run, run.last_step);
+    ingest_->NoteKnownRun(run.run, run.last_step, run.job);
   }
   if (init_status_.ok()) delivery_->Restore();
   alerts_->SetEventLog([store = store_.get()](const foreshock::v1::AlertEvent& event) {

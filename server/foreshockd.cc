@@ -82,9 +82,40 @@ ABSL_FLAG(int64_t, max_streams, 1024,
 ABSL_FLAG(int64_t, max_runs, 1000,
           "Distinct runs (Hello run_id) the daemon serves, counting those recovered from "
           "--data_dir. A Hello for a new run beyond it ends its stream with "
-          "RESOURCE_EXHAUSTED (reason too_many_runs, counted); Hellos for known runs are "
-          "always admitted. A run with no open stream for 24 hours stops counting, so a "
-          "long-lived daemon keeps admitting new runs as old ones finish. 0: no limit.");
+          "RESOURCE_EXHAUSTED (reason too_many_runs, counted, retry-after-ms); Hellos for "
+          "runs that still count are always admitted. A run with no open stream stops "
+          "counting after --empty_run_release_s if it never stored a sample, else after 24 "
+          "hours, so a long-lived daemon keeps admitting new runs as old ones finish. Shared "
+          "per tenant: see --max_runs_per_tenant. 0: no limit.");
+ABSL_FLAG(int64_t, max_runs_per_tenant, -1,
+          "Runs one tenant may have counting toward --max_runs at once, so that no tenant can "
+          "make another's new run fail. With --token_file a tenant is a token; without it, the "
+          "Hello's job (runs recovered from --data_dir count for their job; with tokens, in "
+          "the total only). A new run beyond it ends its stream with RESOURCE_EXHAUSTED "
+          "(\"too_many_runs_for_tenant: ...\", retry-after-ms), counted in "
+          "foreshock_ingest_rejected_total{reason=\"too_many_runs_for_tenant\"}. -1: a quarter "
+          "of --max_runs, at least 1 (250 with the default --max_runs). 0: no per-tenant limit.");
+ABSL_FLAG(int64_t, empty_run_release_s, 120,
+          "A run that has stored no sample and has no stream open stops counting toward "
+          "--max_runs and its tenant's share after this many seconds, so that Hellos that "
+          "send nothing cannot hold run slots. Runs with samples stop counting after 24 hours "
+          "without a stream.");
+ABSL_FLAG(int64_t, max_ranks_per_run, 65536,
+          "Ranks one run may have. A Hello whose world_size label is above it is refused "
+          "(INVALID_ARGUMENT world_size_over_limit), and a Hello's rank must be in "
+          "[0, world_size), or [0, this) without the label (INVALID_ARGUMENT bad_rank); both "
+          "counted in foreshock_ingest_rejected_total. A run ends once world_size ranks said "
+          "goodbye, so this also bounds how long one Hello can keep a run open. 0: only the "
+          "label's own range (at most 2^20).");
+ABSL_FLAG(int64_t, rank_takeover_grace_ms, 60000,
+          "A rank of a run belongs to the live ingest stream that holds it. A Hello for it from "
+          "another sender (another Hello.sender_id, or another token) is refused with "
+          "ALREADY_EXISTS (\"rank_in_use: ...\", retry-after-ms, counted in "
+          "foreshock_ingest_rejected_total{reason=\"rank_in_use\"}) while the holder's stream "
+          "is open and has been active (a message, an Ack, a batch in process) within this many "
+          "milliseconds; past it the holder counts as gone (a host that vanished without closing "
+          "its connection) and the new sender takes the rank over. The holder's own reconnect "
+          "(same sender_id) always takes its rank over. Clients retry after the hint.");
 ABSL_FLAG(int64_t, max_series_per_run, 100000,
           "Distinct (signal, layer, head) series one run may create, the cardinality guard "
           "for Prometheus, the store and the alert engine. Observations that would open a "
@@ -258,6 +289,13 @@ int main(int argc, char** argv) {
   options.limits.max_streams_per_tenant =
       std::max<int64_t>(-1, absl::GetFlag(FLAGS_max_streams_per_tenant));
   options.limits.max_step_jump = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_step_jump));
+  options.limits.max_runs_per_tenant =
+      std::max<int64_t>(-1, absl::GetFlag(FLAGS_max_runs_per_tenant));
+  options.limits.empty_run_release =
+      std::chrono::seconds(std::max<int64_t>(0, absl::GetFlag(FLAGS_empty_run_release_s)));
+  options.limits.max_ranks_per_run = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_ranks_per_run));
+  options.limits.rank_takeover_grace =
+      std::chrono::milliseconds(std::max<int64_t>(0, absl::GetFlag(FLAGS_rank_takeover_grace_ms)));
   options.max_series_per_run = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_series_per_run));
   options.max_queue_bytes = static_cast<size_t>(std::max<int64_t>(1, absl::GetFlag(FLAGS_max_queue_mb))) << 20;
   if (const int64_t mb = absl::GetFlag(FLAGS_max_memory_mb); mb >= 0) {

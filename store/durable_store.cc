@@ -331,10 +331,37 @@ void DurableSeriesStore::RecoverSegmentLocked(uint64_t sequence, const std::stri
     ++next_local_id;
     return true;
   };
+  // The points a damaged region held: its records' frames are still walked
+  // (a flipped byte in a record's contents leaves its length, type and point
+  // count readable), so that the report says what was lost, not "at least 0".
+  // False when a frame in the region is unreadable: the count is a floor then.
+  uint64_t damaged_points = 0;  // counted in damaged points records
+  bool damage_uncounted = false;
+  auto count_damaged_points = [&](size_t begin, size_t end) {
+    while (begin < end) {
+      if (end - begin < kRecordHeaderBytes) return false;
+      const uint64_t length = DecodeFixed32(bytes.data() + begin + 4);
+      if (length > end - begin - kRecordHeaderBytes) return false;
+      const auto type = static_cast<uint8_t>(bytes[begin + 8]);
+      if (type == static_cast<uint8_t>(RecordType::kPoints)) {
+        std::string_view payload(bytes.data() + begin + kRecordHeaderBytes, length);
+        uint64_t count = 0;
+        // Every point takes at least four bits (point_codec.cc).
+        if (!GetVarint64(&payload, &count) || count > 2 * length) return false;
+        damaged_points += count;
+      } else if (type < static_cast<uint8_t>(RecordType::kSegmentHeader) ||
+                 type > static_cast<uint8_t>(RecordType::kCommit)) {
+        return false;
+      }
+      begin += kRecordHeaderBytes + length;
+    }
+    return true;
+  };
   for (size_t i = 0; i < records.size(); ++i) {
     const Found& f = records[i];
     if (f.after_damage) {
       if (!only_a_known_definition(f.damage_begin, f.offset)) {
+        if (!count_damaged_points(f.damage_begin, f.offset)) damage_uncounted = true;
         block_ok = false;
       } else if (block_ok) {
         segment.blocks.back().skips_damage = true;
@@ -433,12 +460,17 @@ void DurableSeriesStore::RecoverSegmentLocked(uint64_t sequence, const std::stri
   segment.valid_bytes = valid_end;
 
   const uint64_t read = segment.end_ordinal - segment.first_ordinal - orphan_points;
-  uint64_t lost = skipped_points + orphan_points;
-  bool lost_exact = false;
+  uint64_t lost = skipped_points + orphan_points + damaged_points;
+  // Without an end record (the newest segment after a crash) the loss is
+  // what the damaged records' frames say they held, unless a frame was
+  // unreadable too: then it is a floor, and the bytes say how much more.
+  std::string how_counted = damaged_points > 0 ? " (counted from the damaged records' frames)" : "";
+  bool lost_exact = !damage_uncounted;
   if (end_count && *end_count >= read) {
     // The end record counts every point written: the loss is known exactly.
     lost = *end_count - read;
     lost_exact = true;
+    how_counted.clear();
   }
   const bool damaged = damaged_regions > 0 || bad_records > 0 || lost > 0 || !have_header;
   std::string summary;
@@ -452,8 +484,12 @@ void DurableSeriesStore::RecoverSegmentLocked(uint64_t sequence, const std::stri
                    ? " (first at offset " + std::to_string(first_damage) + ")"
                    : std::string()) +
               ", " + std::to_string(damaged_bytes) + " bytes skipped, " +
-              (lost_exact ? "" : "at least ") + std::to_string(lost) + " point(s) lost, " +
-              std::to_string(read) + " read";
+              (lost_exact ? "" : "at least ") + std::to_string(lost) + " point(s) lost" +
+              how_counted +
+              (lost_exact ? std::string()
+                          : " (a damaged record's frame is unreadable: its points cannot be "
+                            "counted)") +
+              ", " + std::to_string(read) + " read";
     if (!have_header) summary += "; no valid segment header";
   }
 

@@ -26,6 +26,9 @@ namespace {
 // would end such a stream itself). Counted like the codes in validation.h.
 constexpr char kMalformedRequest[] = "malformed_request";
 
+// The tenant whose share of --max_runs a run counts in, without --token_file.
+std::string RunTenantOfJob(const std::string& job) { return absl::StrCat("job '", job, "'"); }
+
 int64_t NowUnixMicros() {
   return std::chrono::duration_cast<std::chrono::microseconds>(
              std::chrono::system_clock::now().time_since_epoch())
@@ -194,10 +197,33 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   void OnCancel() override {}
 
+  // Rank ownership (IngestService::ClaimRank, with the service's ranks_mu_
+  // held, so this stream is not deleted meanwhile): when this stream was last
+  // active (now while a batch of it is parked or in process); nullopt when
+  // it is ending, so that it no longer holds its rank.
+  std::optional<std::chrono::steady_clock::time_point> ActiveAt(
+      std::chrono::steady_clock::time_point now) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_ || finish_status_ || revoked_) return std::nullopt;
+    if (parked_ || !unacked_.empty()) return now;
+    return last_activity_;
+  }
+
+  // Another stream took this one's rank over: its goodbye no longer counts
+  // and its next batch ends it. Returns its sender for the lifecycle's
+  // stream close when that is still to be reported.
+  std::optional<IngestService::RevokedSender> Revoke() {
+    revoked_ = true;
+    if (!lifecycle_open_.exchange(false)) return std::nullopt;
+    return IngestService::RevokedSender{context_->run_id, context_->rank, lifecycle_sender_};
+  }
+
   void OnDone() override {
     service_.StreamDone(this);
     if (recording_) service_.recorder_->Close(session_);
-    if (lifecycle_registered_) {
+    // The rank first: once it is released no other stream can revoke this one.
+    if (holds_rank_) service_.ReleaseRank(this, context_->run_id, context_->rank);
+    if (lifecycle_open_.exchange(false)) {
       service_.lifecycle_->OnStreamClosed(context_->run_id, context_->rank, lifecycle_sender_);
     }
     if (context_) service_.ReleaseRun(context_->run_id);
@@ -259,20 +285,50 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       }
       tenant_ = std::move(tenant);
     }
-    if (!service_.AdmitRun(request_.hello().run_id())) {
-      RefuseStream(reason::kTooManyRuns,
-                   absl::StrCat("the daemon already serves ", service_.limits_.max_runs,
-                                " runs (--max_runs); run '", request_.hello().run_id(),
-                                "' is refused"));
+    // --max_runs, shared per tenant: the token, or without tokens the job.
+    const std::string run_tenant = service_.authorizer_ != nullptr
+                                       ? absl::StrCat("token ", access_.name())
+                                       : RunTenantOfJob(request_.hello().job());
+    if (auto refused = service_.AdmitRun(request_.hello().run_id(), run_tenant)) {
+      call_->AddTrailingMetadata("retry-after-ms", std::to_string(IngestService::kRetryAfterMs));
+      RefuseStream(refused->code,
+                   absl::StrCat(refused->detail, "; retry after ", IngestService::kRetryAfterMs,
+                                " ms (trailing metadata retry-after-ms)"));
       return;
     }
     const v1::Hello& hello = request_.hello();
-    context_.emplace();
+    context_.emplace();  // from here on, OnDone releases the run
     context_->run_id = hello.run_id();
     context_->job = hello.job();
     context_->rank = hello.rank();
     context_->world_size = WorldSizeOf(hello);
     context_->model = hello.model();
+    // Rank ownership: a rank belongs to the live stream that holds it.
+    lifecycle_sender_ = hello.first_seq() > 0 ? hello.sender_id() : 0;
+    std::vector<IngestService::RevokedSender> revoked;
+    if (auto in_use = service_.ClaimRank(this, context_->run_id, context_->rank,
+                                         lifecycle_sender_, access_.name(), revoked)) {
+      call_->AddTrailingMetadata("retry-after-ms", std::to_string(IngestService::kRetryAfterMs));
+      service_.metrics_.CountRejection(reason::kRankInUse);
+      service_.LogRefusal(reason::kRankInUse, *in_use);
+      std::lock_guard<std::mutex> lock(mu_);
+      reads_done_ = true;
+      finish_status_ = grpc::Status(
+          grpc::StatusCode::ALREADY_EXISTS,
+          absl::StrCat(reason::kRankInUse, ": ", *in_use, "; retry after ",
+                       IngestService::kRetryAfterMs, " ms (trailing metadata retry-after-ms)"));
+      MaybeFinishLocked();
+      return;
+    }
+    holds_rank_ = true;
+    if (service_.lifecycle_ != nullptr) {
+      for (const IngestService::RevokedSender& gone : revoked) {
+        spdlog::info("run {} rank {}: a stream of sender {} no longer holds the rank (its own "
+                     "reconnect, or idle past --rank_takeover_grace_ms)",
+                     gone.run, gone.rank, gone.sender);
+        service_.lifecycle_->OnStreamClosed(gone.run, gone.rank, gone.sender);
+      }
+    }
     service_.on_hello_(hello);
     // Hello.first_seq: seqs are per sender and resends are deduplicated.
     dedup_ = service_.delivery_ != nullptr && hello.first_seq() > 0;
@@ -283,10 +339,14 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     if (service_.lifecycle_ != nullptr) {
       // Before the HelloAck: a restart has closed the old attempt's alerts
       // by the time the client learns it is connected.
-      lifecycle_sender_ = hello.first_seq() > 0 ? hello.sender_id() : 0;
       service_.lifecycle_->OnHello(context_->run_id, context_->rank, lifecycle_sender_,
                                    context_->world_size);
       lifecycle_registered_ = true;
+      lifecycle_open_ = true;
+      // Taken over meanwhile: the stream close is this thread's to report.
+      if (revoked_ && lifecycle_open_.exchange(false)) {
+        service_.lifecycle_->OnStreamClosed(context_->run_id, context_->rank, lifecycle_sender_);
+      }
     }
     spdlog::info("stream {} opened: run={} job={} rank={}", session_, context_->run_id,
                  context_->job, context_->rank);
@@ -300,6 +360,24 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void HandleBatch() {
     if (!context_) {
       FailStream(reason::kBatchBeforeHello, "the first message of a stream must be a Hello");
+      return;
+    }
+    if (revoked_) {
+      // Its rank changed hands: not processed, not acked (a reconnect of the
+      // same sender resends it; anyone else is refused at its Hello).
+      request_.Clear();
+      service_.metrics_.CountRejection(reason::kRankInUse);
+      const std::string detail = absl::StrCat(
+          "rank ", context_->rank, " of run '", context_->run_id,
+          "' was taken over by a newer stream (this sender's reconnect, or another sender after "
+          "this stream was idle for --rank_takeover_grace_ms); this stream ends");
+      service_.LogRefusal(reason::kRankInUse, detail);
+      call_->AddTrailingMetadata("retry-after-ms", std::to_string(IngestService::kRetryAfterMs));
+      std::lock_guard<std::mutex> lock(mu_);
+      reads_done_ = true;
+      finish_status_ = grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                                    absl::StrCat(reason::kRankInUse, ": ", detail));
+      MaybeFinishLocked();
       return;
     }
     if (service_.memory_ != nullptr && service_.memory_->over_limit()) {
@@ -609,7 +687,11 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
             full ? grpc::StatusCode::RESOURCE_EXHAUSTED : grpc::StatusCode::UNAVAILABLE,
             absl::StrCat(code, ": ", detail));
       }
-      if (!store_refused_ && front.goodbye && lifecycle_registered_) {
+      if (!store_refused_ && front.goodbye && lifecycle_registered_ && revoked_) {
+        spdlog::warn("run {} rank {}: a goodbye from sender {}, which no longer holds the rank, "
+                     "does not count",
+                     context_->run_id, context_->rank, lifecycle_sender_);
+      } else if (!store_refused_ && front.goodbye && lifecycle_registered_) {
         // Everything this sender sent before is processed: its goodbye
         // counts now, before the Ack tells the client so.
         service_.lifecycle_->OnGoodbye(context_->run_id, context_->rank, lifecycle_sender_);
@@ -715,6 +797,11 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool drop_logged_ = false;  // a dropped recording frame was logged
   std::optional<StreamContext> context_;
   bool lifecycle_registered_ = false;  // the Hello went to the service's RunLifecycle
+  // Its stream close is still to be reported to the lifecycle (by OnDone, or
+  // by the stream that takes its rank over).
+  std::atomic<bool> lifecycle_open_{false};
+  bool holds_rank_ = false;            // ClaimRank gave it its rank; OnDone releases it
+  std::atomic<bool> revoked_{false};   // its rank was taken over
   uint64_t lifecycle_sender_ = 0;      // Hello.sender_id (0 without first_seq)
   bool batch_goodbye_ = false;         // the batch in progress carries Batch.goodbye
   std::unordered_set<std::string> admitted_probe_ids_;  // --max_probe_ids_per_run
@@ -774,7 +861,8 @@ IngestService::IngestService(const IngestLimits& limits, AdmissionGate& gate, Wo
       pool_(pool),
       metrics_(metrics),
       on_hello_(std::move(on_hello)),
-      tenant_limit_(TenantStreamLimit(limits)) {
+      tenant_limit_(TenantStreamLimit(limits)),
+      tenant_run_limit_(TenantRunLimit(limits)) {
   if (!record_dir.empty()) {
     StreamRecorderOptions options;
     options.dir = std::move(record_dir);
@@ -875,23 +963,50 @@ std::string IngestService::MemoryLimitDetail() const {
                       " MiB");
 }
 
-bool IngestService::AdmitRun(const std::string& run_id) {
+std::optional<Rejection> IngestService::AdmitRun(const std::string& run_id,
+                                                 const std::string& tenant) {
   std::lock_guard<std::mutex> lock(runs_mu_);
   const auto now = std::chrono::steady_clock::now();
   if (auto it = runs_.find(run_id); it != runs_.end()) {
     ++it->second.open_streams;
     it->second.last_seen = now;
-    return true;
+    if (it->second.tenant.empty()) it->second.tenant = tenant;
+    return std::nullopt;
+  }
+  auto tenant_runs = [&] {
+    return std::count_if(runs_.begin(), runs_.end(),
+                         [&](const auto& entry) { return entry.second.tenant == tenant; });
+  };
+  const bool total_full =
+      limits_.max_runs > 0 && static_cast<int64_t>(runs_.size()) >= limits_.max_runs;
+  if (total_full || (tenant_run_limit_ > 0 && tenant_runs() >= tenant_run_limit_)) {
+    PruneRunsLocked(now);
+  }
+  // The tenant's share first: a tenant at its share is told so, whatever the total.
+  if (tenant_run_limit_ > 0) {
+    if (const int64_t held = tenant_runs(); held >= tenant_run_limit_) {
+      return Rejection{reason::kTooManyRunsForTenant,
+                       absl::StrCat(tenant, " already has ", held, " runs (--max_runs_per_tenant=",
+                                    tenant_run_limit_, "); run '", run_id,
+                                    "' is refused. A run stops counting once it has no stream "
+                                    "open for ",
+                                    std::chrono::duration_cast<std::chrono::seconds>(
+                                        limits_.empty_run_release)
+                                        .count(),
+                                    " s without a sample stored, or for 24 h")};
+    }
   }
   if (limits_.max_runs > 0 && static_cast<int64_t>(runs_.size()) >= limits_.max_runs) {
-    // Finished runs free their slot once idle for kIdleRunRelease.
-    std::erase_if(runs_, [&](const auto& entry) {
-      return entry.second.open_streams == 0 && now - entry.second.last_seen > kIdleRunRelease;
-    });
-    if (static_cast<int64_t>(runs_.size()) >= limits_.max_runs) return false;
+    return Rejection{reason::kTooManyRuns,
+                     absl::StrCat("the daemon already serves ", limits_.max_runs,
+                                  " runs (--max_runs); run '", run_id, "' is refused")};
   }
-  runs_[run_id] = RunSlot{1, now, {}};
-  return true;
+  RunSlot slot;
+  slot.open_streams = 1;
+  slot.last_seen = now;
+  slot.tenant = tenant;
+  runs_.emplace(run_id, std::move(slot));
+  return std::nullopt;
 }
 
 void IngestService::ReleaseRun(const std::string& run_id) {
@@ -900,6 +1015,60 @@ void IngestService::ReleaseRun(const std::string& run_id) {
     it->second.open_streams = std::max(0, it->second.open_streams - 1);
     it->second.last_seen = std::chrono::steady_clock::now();
   }
+}
+
+void IngestService::PruneRunsLocked(std::chrono::steady_clock::time_point now) {
+  std::erase_if(runs_, [&](const auto& entry) {
+    const RunSlot& run = entry.second;
+    if (run.open_streams > 0) return false;
+    const auto idle = now - run.last_seen;
+    return (run.max_step < 0 && idle >= limits_.empty_run_release) || idle > kIdleRunRelease;
+  });
+}
+
+std::optional<std::string> IngestService::ClaimRank(IngestReactor* stream,
+                                                    const std::string& run_id, int32_t rank,
+                                                    uint64_t sender, const std::string& grant,
+                                                    std::vector<RevokedSender>& revoked) {
+  std::lock_guard<std::mutex> lock(ranks_mu_);
+  const auto now = std::chrono::steady_clock::now();
+  const auto key = std::make_pair(run_id, rank);
+  auto it = rank_holders_.find(key);
+  if (it != rank_holders_.end()) {
+    RankHolder& holder = it->second;
+    const std::optional<std::chrono::steady_clock::time_point> active = holder.stream->ActiveAt(now);
+    const bool live = active && now - *active < limits_.rank_takeover_grace;
+    if (live && (holder.sender != sender || holder.grant != grant)) {
+      const int64_t idle_ms =
+          std::chrono::duration_cast<std::chrono::milliseconds>(now - *active).count();
+      return absl::StrCat("rank ", rank, " of run '", run_id,
+                          "' is held by another sender's open stream (last active ", idle_ms,
+                          " ms ago); it is free once that stream ends or is idle for ",
+                          limits_.rank_takeover_grace.count(),
+                          " ms (--rank_takeover_grace_ms). Two processes with one rank, or a "
+                          "restarted process whose predecessor's connection has not ended yet");
+    }
+    // The holder's own reconnect, or a holder that is gone: the rank changes hands.
+    const bool new_sender = holder.sender != sender || holder.grant != grant;
+    if (auto closed = holder.stream->Revoke()) revoked.push_back(*closed);
+    // A new process after the holder's host vanished: the run's other holders
+    // idle past the grace are gone too (the whole job restarted).
+    for (auto& [other_key, other] : rank_holders_) {
+      if (!new_sender) break;
+      if (other_key.first != run_id || other_key.second == rank) continue;
+      const auto other_active = other.stream->ActiveAt(now);
+      if (other_active && now - *other_active < limits_.rank_takeover_grace) continue;
+      if (auto closed = other.stream->Revoke()) revoked.push_back(*closed);
+    }
+  }
+  rank_holders_[key] = RankHolder{stream, sender, grant};
+  return std::nullopt;
+}
+
+void IngestService::ReleaseRank(IngestReactor* stream, const std::string& run_id, int32_t rank) {
+  std::lock_guard<std::mutex> lock(ranks_mu_);
+  auto it = rank_holders_.find({run_id, rank});
+  if (it != rank_holders_.end() && it->second.stream == stream) rank_holders_.erase(it);
 }
 
 bool IngestService::AdmitProbeId(const std::string& run_id, const std::string& probe_id) {
@@ -912,10 +1081,16 @@ bool IngestService::AdmitProbeId(const std::string& run_id, const std::string& p
   return true;
 }
 
-void IngestService::NoteKnownRun(const std::string& run_id, int64_t last_step) {
+void IngestService::NoteKnownRun(const std::string& run_id, int64_t last_step,
+                                 const std::string& job) {
   std::lock_guard<std::mutex> lock(runs_mu_);
   auto [it, _] = runs_.try_emplace(run_id, RunSlot{0, std::chrono::steady_clock::now(), {}});
   it->second.max_step = std::max(it->second.max_step, last_step);
+  // Without tokens a tenant is a job, which the recovered Hello says; a
+  // token is not stored, so with --token_file the run counts in the total only.
+  if (it->second.tenant.empty() && authorizer_ == nullptr && !job.empty()) {
+    it->second.tenant = RunTenantOfJob(job);
+  }
 }
 
 int64_t IngestService::RunMaxStep(const std::string& run_id) {

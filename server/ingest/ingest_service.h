@@ -12,6 +12,9 @@
 #include <condition_variable>
 #include <thread>
 #include <functional>
+#include <map>
+#include <optional>
+#include <vector>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -56,9 +59,12 @@ class IngestService final
   }
 
   // A run the daemon already has (recovered from its data directory): it
-  // counts toward --max_runs, and its Hellos are always admitted. Its
-  // `last_step` (-1: none) is where --max_step_jump counts from.
-  void NoteKnownRun(const std::string& run_id, int64_t last_step = -1);
+  // counts toward --max_runs (and, without --token_file, toward the share of
+  // its `job`), and its Hellos are admitted while it counts. Its `last_step`
+  // (-1: none) is where --max_step_jump counts from; a run without one stops
+  // counting after --empty_run_release_s.
+  void NoteKnownRun(const std::string& run_id, int64_t last_step = -1,
+                    const std::string& job = "");
 
   // --max_memory_mb: at the bound new streams and batches are refused
   // (RESOURCE_EXHAUSTED memory_limit, retry-after-ms). Call before the server
@@ -98,8 +104,39 @@ class IngestService final
   std::string MemoryLimitDetail() const;
   // Refusals at limits come in floods: the first and every 1000th is logged.
   void LogRefusal(std::string_view code, const std::string& detail);
-  bool AdmitRun(const std::string& run_id);  // false: a new run beyond --max_runs
+  // --max_runs and --max_runs_per_tenant: nullopt when the run is admitted
+  // (a known run, or a new one within both), else the refusal's code and
+  // detail. `tenant`: the token, or without --token_file the Hello's job.
+  std::optional<Rejection> AdmitRun(const std::string& run_id, const std::string& tenant);
   void ReleaseRun(const std::string& run_id);  // its stream ended
+  // Runs that stopped counting: no stream open, and no sample stored for
+  // --empty_run_release_s, or idle for kIdleRunRelease. Under runs_mu_.
+  void PruneRunsLocked(std::chrono::steady_clock::time_point now);
+  // Rank ownership (docs/DESIGN.md §3.4): `stream` asks to hold (run, rank)
+  // as `sender` (Hello.sender_id with first_seq, else 0) under `grant` (the
+  // token's name; "-" without tokens). Refused (the detail of rank_in_use)
+  // while another sender's stream holds it, open and active within
+  // --rank_takeover_grace_ms; otherwise `stream` holds it from now on and a
+  // previous holder is revoked (its goodbye no longer counts, its next batch
+  // ends it). Holders of the run's other ranks idle past the grace count as
+  // gone too. Returns the revoked streams' lifecycle closes for the caller to
+  // report (outside the lock) before its own Hello.
+  struct RevokedSender {
+    std::string run;
+    int32_t rank;
+    uint64_t sender;
+  };
+  std::optional<std::string> ClaimRank(IngestReactor* stream, const std::string& run_id,
+                                       int32_t rank, uint64_t sender, const std::string& grant,
+                                       std::vector<RevokedSender>& revoked);
+  void ReleaseRank(IngestReactor* stream, const std::string& run_id, int32_t rank);
+  struct RankHolder {
+    IngestReactor* stream = nullptr;  // valid under ranks_mu_: OnDone releases it first
+    uint64_t sender = 0;
+    std::string grant;
+  };
+  std::mutex ranks_mu_;  // before a stream's own lock
+  std::map<std::pair<std::string, int32_t>, RankHolder> rank_holders_;
   // false: `probe_id` would be one more than --max_probe_ids_per_run for the run.
   bool AdmitProbeId(const std::string& run_id, const std::string& probe_id);
   // --max_step_jump: the highest step accepted for the run so far (-1: none),
@@ -114,6 +151,7 @@ class IngestService final
   bool AcquireTenant(const std::string& tenant);
   void ReleaseTenant(const std::string& tenant);
   const int64_t tenant_limit_;  // TenantStreamLimit(limits_); 0: none
+  const int64_t tenant_run_limit_;  // TenantRunLimit(limits_); 0: none
   std::mutex tenants_mu_;
   std::unordered_map<std::string, int64_t> tenant_streams_;  // open streams by tenant
   // Silent streams: --hello_timeout_ms before the first message,
@@ -136,6 +174,7 @@ class IngestService final
     std::chrono::steady_clock::time_point last_seen;
     std::unordered_set<std::string> probe_ids;  // seen since start
     int64_t max_step = -1;  // highest step accepted (or recovered); -1: none
+    std::string tenant;     // whose share of --max_runs it counts in; empty: none known
   };
   std::unordered_map<std::string, RunSlot> runs_;  // admitted or recovered runs
   DeliveryTracker* delivery_ = nullptr;

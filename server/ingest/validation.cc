@@ -312,6 +312,29 @@ std::optional<Rejection> ValidateHello(const v1::Hello& hello, const IngestLimit
     return Reject(reason::kBadHello, absl::StrCat("model.top_k ", m.top_k(), " must be below n_experts ",
                                                   m.n_experts()));
   }
+  // The ranks: a world_size label within --max_ranks_per_run, and a rank in
+  // [0, world_size), so that one Hello cannot keep a run from ever ending
+  // (it ends once world_size ranks said goodbye) nor send as rank -1.
+  const int64_t max_ranks = limits.max_ranks_per_run;
+  int64_t world_size = 0;
+  if (const auto it = hello.labels().find("world_size"); it != hello.labels().end()) {
+    if (absl::SimpleAtoi(it->second, &world_size) && max_ranks > 0 && world_size > max_ranks) {
+      return Reject(reason::kWorldSizeOverLimit,
+                    absl::StrCat("label world_size ", world_size, " is above ", max_ranks,
+                                 " (--max_ranks_per_run)"));
+    }
+    world_size = WorldSizeOf(hello);
+  }
+  if (hello.rank() < 0 || (world_size > 0 && hello.rank() >= world_size) ||
+      (world_size == 0 && max_ranks > 0 && hello.rank() >= max_ranks)) {
+    return Reject(reason::kBadRank,
+                  world_size > 0
+                      ? absl::StrCat("rank ", hello.rank(), " is outside [0, ", world_size,
+                                     ") (label world_size)")
+                      : absl::StrCat("rank ", hello.rank(), " is outside [0, ",
+                                     max_ranks > 0 ? max_ranks : int64_t{1} << 31,
+                                     ")", max_ranks > 0 ? " (--max_ranks_per_run)" : ""));
+  }
   return std::nullopt;
 }
 

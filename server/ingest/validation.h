@@ -61,7 +61,36 @@ struct IngestLimits {
   // state per run. Records with a further new probe_id are rejected with
   // reason too_many_probe_ids (--max_probe_ids_per_run). 0: no limit.
   int64_t max_probe_ids_per_run = 64;
+  // Ranks one run may have (--max_ranks_per_run): a Hello whose world_size
+  // label is above it is refused (world_size_over_limit), and a Hello's rank
+  // must be in [0, world_size), or [0, this) without the label (bad_rank).
+  // 0: no bound beyond the label's own range.
+  int64_t max_ranks_per_run = 65536;
+  // Runs one tenant may have counted toward max_runs at once
+  // (--max_runs_per_tenant): a token with --token_file, else the Hello's job.
+  // A new run beyond it ends its stream with RESOURCE_EXHAUSTED
+  // too_many_runs_for_tenant. -1: a quarter of max_runs, at least 1
+  // (TenantRunLimit). 0: no per-tenant limit.
+  int64_t max_runs_per_tenant = -1;
+  // A run that has stored no sample and has no stream open stops counting
+  // toward max_runs (and its tenant's share) after this long
+  // (--empty_run_release_s); a run with samples, after kIdleRunRelease.
+  std::chrono::milliseconds empty_run_release{120000};
+  // A rank belongs to the stream that holds it (docs/DESIGN.md §3.4): a
+  // Hello for it from another sender is refused (ALREADY_EXISTS rank_in_use)
+  // while the holder's stream is open and active within this long
+  // (--rank_takeover_grace_ms); past it, the holder counts as gone and the
+  // new sender takes the rank over.
+  std::chrono::milliseconds rank_takeover_grace{60000};
 };
+
+// The --max_runs_per_tenant in force: the configured one, or for -1 a
+// quarter of max_runs, at least 1 (0 when max_runs is 0). 0: none.
+inline int64_t TenantRunLimit(const IngestLimits& limits) {
+  if (limits.max_runs_per_tenant >= 0) return limits.max_runs_per_tenant;
+  if (limits.max_runs <= 0) return 0;
+  return std::max<int64_t>(1, limits.max_runs / 4);
+}
 
 // The --max_streams_per_tenant in force: the configured one, or for -1 a
 // quarter of max_streams but at least 64 (0 when max_streams is 0). 0: none.
@@ -114,6 +143,11 @@ inline constexpr char kStepOutOfRange[] = "step_out_of_range";
 inline constexpr char kBatchBeforeHello[] = "batch_before_hello";
 inline constexpr char kDuplicateHello[] = "duplicate_hello";
 inline constexpr char kBadHello[] = "bad_hello";
+// A Hello's rank outside [0, world_size) (or [0, --max_ranks_per_run)
+// without the world_size label), and a world_size label above
+// --max_ranks_per_run.
+inline constexpr char kBadRank[] = "bad_rank";
+inline constexpr char kWorldSizeOverLimit[] = "world_size_over_limit";
 inline constexpr char kEmptyRequest[] = "empty_request";
 // Stream-level, RESOURCE_EXHAUSTED (the client may retry later).
 inline constexpr char kTooManyStreams[] = "too_many_streams";
@@ -127,6 +161,10 @@ inline constexpr char kDiskFull[] = "disk_full";
 inline constexpr char kStoreUnavailable[] = "store_unavailable";
 inline constexpr char kTooManyProbeIds[] = "too_many_probe_ids";  // record-level
 inline constexpr char kTooManyStreamsForTenant[] = "too_many_streams_for_tenant";
+inline constexpr char kTooManyRunsForTenant[] = "too_many_runs_for_tenant";
+// Stream-level, ALREADY_EXISTS: a Hello for a rank another sender's live
+// stream holds (docs/DESIGN.md §3.4); retry-after-ms.
+inline constexpr char kRankInUse[] = "rank_in_use";
 // Stream-level, DEADLINE_EXCEEDED: a stream silent for too long.
 inline constexpr char kHelloTimeout[] = "hello_timeout";
 inline constexpr char kStreamIdleTimeout[] = "stream_idle_timeout";
@@ -144,10 +182,13 @@ struct StreamContext {
 // The Hello's label "world_size" (the number of ranks that report scalars for
 // the run; the Python Monitor sets it from torch.distributed) when it is an
 // integer in [1, 2^20], else 0 (not said). A hint: it makes the run's first
-// steps wait for every rank (server/pipeline/rank_scalars.h).
+// steps wait for every rank (server/pipeline/rank_scalars.h), and the run
+// ends once that many ranks said goodbye (ValidateHello bounds it by
+// max_ranks_per_run first).
 int32_t WorldSizeOf(const foreshock::v1::Hello& hello);
 
-// Checks a Hello against the limits.
+// Checks a Hello against the limits: ids, model shape, the world_size label
+// (world_size_over_limit) and the rank (bad_rank).
 std::optional<Rejection> ValidateHello(const foreshock::v1::Hello& hello,
                                        const IngestLimits& limits);
 

@@ -53,7 +53,7 @@ std::optional<RunLifecycle::Event> RunLifecycle::Decode(std::string_view bytes) 
       !r.GetI64(e.step) || !r.GetI64(e.wall_ms) || !r.ExpectEnd()) {
     return std::nullopt;
   }
-  if (type < static_cast<uint8_t>(EventType::kJoin) || type > static_cast<uint8_t>(EventType::kEnd)) {
+  if (type < static_cast<uint8_t>(EventType::kJoin) || type > static_cast<uint8_t>(EventType::kRankResume)) {
     return std::nullopt;
   }
   e.type = static_cast<EventType>(type);
@@ -75,6 +75,14 @@ void RunLifecycle::Apply(std::map<std::string, Run, std::less<>>& runs, const Ev
       return;
     case EventType::kJoin:
       if (e.attempt == run.attempt) run.senders.try_emplace({e.rank, e.sender});
+      return;
+    case EventType::kRankResume:
+      // The rank's new process replaces its predecessors in the attempt.
+      if (e.attempt != run.attempt) return;
+      std::erase_if(run.senders, [&](const auto& entry) {
+        return entry.first.first == e.rank && entry.first.second != e.sender;
+      });
+      run.senders.try_emplace({e.rank, e.sender});
       return;
     case EventType::kGoodbye:
       if (e.attempt == run.attempt) run.senders[{e.rank, e.sender}].goodbye = true;
@@ -124,28 +132,35 @@ void RunLifecycle::OnHello(const std::string& run_id, int32_t rank, uint64_t sen
                            int32_t world_size) {
   std::lock_guard<std::mutex> lock(mu_);
   Run& run = runs_[run_id];
-  run.world_size = std::max(run.world_size, world_size);
   const std::pair<int32_t, uint64_t> key{rank, sender};
   if (auto it = run.senders.find(key); it != run.senders.end()) {
+    run.world_size = std::max(run.world_size, world_size);
     ++it->second.open;  // a reconnect (or a resent goodbye): nothing changes
     return;
   }
-  bool restart = run.ended;
-  if (!restart && sender != 0) {
-    // The rank's previous process is gone if none of its senders has a
-    // stream open or said goodbye.
-    bool rank_known = false, rank_alive = false;
-    for (const auto& [k, s] : run.senders) {
-      if (k.first != rank) continue;
+  // The rank's previous process is gone if none of its senders has a stream
+  // open or said goodbye; the run's other ranks are there if one of theirs has.
+  bool rank_known = false, rank_alive = false, others_alive = false;
+  for (const auto& [k, s] : run.senders) {
+    const bool alive = s.open > 0 || s.goodbye;
+    if (k.first == rank) {
       rank_known = true;
-      rank_alive |= s.open > 0 || s.goodbye;
+      rank_alive |= alive;
+    } else {
+      others_alive |= alive;
     }
-    restart = rank_known && !rank_alive;
   }
+  const bool rank_restarted = sender != 0 && rank_known && !rank_alive;
+  // A new attempt of the whole run: after its end, or when every process of
+  // the attempt is gone (the job restarted; a one-rank job is the usual
+  // case). One rank's new process while the others stream on resumes that
+  // rank only: the run's alerts, detectors and series stay as they are.
+  const bool restart = run.ended || (rank_restarted && !others_alive);
   if (restart) {
     const bool was_ended = run.ended;
     RecordLocked(Event{EventType::kAttempt, 0, run_id, run.attempt + 1, rank, sender, 0,
                        NowUnixMillis()});
+    run.world_size = 0;  // the new attempt's Hellos say it again
     spdlog::info("run {}: attempt {} starts ({} of rank {}); {}", run_id, run.attempt,
                  was_ended ? "a new stream after the run ended" : "a new process", rank,
                  was_ended ? "its alerts were resolved at the end"
@@ -153,8 +168,17 @@ void RunLifecycle::OnHello(const std::string& run_id, int32_t rank, uint64_t sen
     if (alerts_ != nullptr) {
       alerts_->CloseRunEpisodes(run_id, alerts::kRunResumed, MarkOf(run));
     }
+    RecordLocked(Event{EventType::kJoin, 0, run_id, run.attempt, rank, sender, 0, NowUnixMillis()});
+  } else if (rank_restarted) {
+    RecordLocked(Event{EventType::kRankResume, 0, run_id, run.attempt, rank, sender, 0,
+                       NowUnixMillis()});
+    spdlog::info("run {}: rank {} resumes with a new process (sender {}) while other ranks "
+                 "stream on; the run's attempt {}, its alerts and its series are unchanged",
+                 run_id, rank, sender, run.attempt);
+  } else {
+    RecordLocked(Event{EventType::kJoin, 0, run_id, run.attempt, rank, sender, 0, NowUnixMillis()});
   }
-  RecordLocked(Event{EventType::kJoin, 0, run_id, run.attempt, rank, sender, 0, NowUnixMillis()});
+  run.world_size = std::max(run.world_size, world_size);
   run.senders[key].open = 1;
   MaybeCheckpointLocked();
 }
@@ -167,43 +191,12 @@ void RunLifecycle::OnStreamClosed(const std::string& run_id, int32_t rank, uint6
   if (it != run->second.senders.end() && it->second.open > 0) --it->second.open;
 }
 
-void RunLifecycle::BeforeRecords(const std::string& run_id, int32_t rank, uint64_t sender,
-                                 int64_t min_step, int64_t max_step) {
+void RunLifecycle::BeforeRecords(const std::string& run_id, int32_t /*rank*/,
+                                 uint64_t /*sender*/, int64_t min_step, int64_t /*max_step*/) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = runs_.find(run_id);
   if (it == runs_.end()) return;
   Run& run = it->second;
-  const std::pair<int32_t, uint64_t> key{rank, sender};
-  auto self = run.senders.find(key);
-  if (!run.rewind_pending && self != run.senders.end() && !self->second.records && sender != 0) {
-    // The Hello looked like a second process of the rank, but its first
-    // records go back to or below what the other one sent: that one is gone
-    // and its stream has not ended yet (a host that vanished).
-    int64_t others_max = -1;
-    for (const auto& [k, s] : run.senders) {
-      if (k.first == rank && k != key && !s.goodbye) others_max = std::max(others_max, s.max_step);
-    }
-    if (others_max >= 0 && min_step <= others_max) {
-      const int open = self->second.open;
-      RecordLocked(Event{EventType::kAttempt, 0, run_id, run.attempt + 1, rank, sender, 0,
-                         NowUnixMillis()});
-      spdlog::info("run {}: attempt {} starts: a new process of rank {} begins at step {}, at or "
-                   "before its predecessor's step {} (whose stream is still open); the previous "
-                   "attempt's open alerts resolve (run_resumed)",
-                   run_id, run.attempt, rank, min_step, others_max);
-      if (alerts_ != nullptr) {
-        alerts_->CloseRunEpisodes(run_id, alerts::kRunResumed, MarkOf(run));
-      }
-      RecordLocked(Event{EventType::kJoin, 0, run_id, run.attempt, rank, sender, 0,
-                         NowUnixMillis()});
-      self = run.senders.find(key);
-      self->second.open = open;
-    }
-  }
-  if (self != run.senders.end()) {
-    self->second.records = true;
-    self->second.max_step = std::max(self->second.max_step, max_step);
-  }
   if (!run.rewind_pending) return;
   const int64_t wall_ms = NowUnixMillis();
   RecordLocked(Event{EventType::kRewind, 0, run_id, run.attempt, 0, 0, min_step, wall_ms});

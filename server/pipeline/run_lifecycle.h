@@ -11,11 +11,21 @@
 //   has ended: its open alert episodes close with reason run_ended (resolved
 //   in Alertmanager, WatchAlerts, the gauge) and ListRuns says so.
 // - Restart: a Hello from a sender new to the attempt starts a new attempt
-//   when the run has ended, or when every sender the attempt has for that
-//   rank vanished (no stream open, no goodbye: the process died). The run's
-//   open episodes close with reason run_resumed before the HelloAck goes
-//   out, so a watcher the new process subscribes after its HelloAck
-//   (Monitor.on_alert) is not handed the old attempt's alerts as active.
+//   when the run has ended, or when every sender of the attempt is gone (no
+//   stream open, no goodbye: the whole job died and restarted; a one-rank
+//   job's crash is this). The run's open episodes close with reason
+//   run_resumed before the HelloAck goes out, so a watcher the new process
+//   subscribes after its HelloAck (Monitor.on_alert) is not handed the old
+//   attempt's alerts as active.
+// - Rank resume: a new sender for a rank whose senders are gone while other
+//   ranks of the run stream on (or said goodbye) resumes that rank only: it
+//   replaces the rank's senders in the attempt (so the run ends with its
+//   goodbye, not the dead one's), and nothing else changes: no alert
+//   resolves, no point is hidden, the detectors keep the run.
+//   Which stream may speak for a rank at all is the ingest service's rank
+//   ownership (IngestService::ClaimRank): a second live sender of a rank is
+//   refused before it gets here, and a holder taken over is reported closed
+//   first.
 // - Rewind: the first accepted records of a new attempt give its first step
 //   S (the checkpoint it resumed from). Before they are dispatched, the
 //   detectors forget the run, the alert engine forgets steps >= S
@@ -23,10 +33,6 @@
 //   beyond, and a boundary (S, now) is recorded: LatestAttempt then leaves
 //   out every stored point of a step >= S written before it, so a series
 //   shows one point per step, the resumed attempt's.
-//   A restart is also recognized there when the Hello could not tell it: a
-//   second live sender of a rank whose first records go back to or below
-//   its predecessor's highest step (the predecessor's host vanished and its
-//   stream has not timed out yet). The old alerts close at that point.
 //
 // Durability: each change is appended to the store's event log (kind
 // "lifecycle") before it takes effect; the whole state is a checkpoint
@@ -116,21 +122,26 @@ class RunLifecycle {
   struct Sender {
     int open = 0;  // streams open now (not stored: none survive a restart)
     bool goodbye = false;
-    // Since this daemon started (not stored): whether it sent records, and its highest step.
-    bool records = false;
-    int64_t max_step = -1;
   };
   struct Run {
     int32_t attempt = 1;
     std::map<std::pair<int32_t, uint64_t>, Sender> senders;  // of the current attempt
     bool rewind_pending = false;  // a new attempt whose first records have not come yet
-    int32_t world_size = 0;  // the largest Hello world_size (not stored: a restart forgets it)
+    // The largest Hello world_size of the attempt (not stored: a restart forgets it).
+    int32_t world_size = 0;
     bool ended = false;
     int64_t ended_ms = 0;
     int64_t ended_step = -1;
     std::vector<Boundary> boundaries;  // oldest first
   };
-  enum class EventType : uint8_t { kJoin = 1, kGoodbye = 2, kAttempt = 3, kRewind = 4, kEnd = 5 };
+  enum class EventType : uint8_t {
+    kJoin = 1,
+    kGoodbye = 2,
+    kAttempt = 3,
+    kRewind = 4,
+    kEnd = 5,
+    kRankResume = 6,  // a rank's new process replaces its senders in the attempt
+  };
   struct Event {
     EventType type = EventType::kJoin;
     uint64_t seq = 0;

@@ -16,7 +16,15 @@ namespace {
 class SinkEmitter final : public detectors::Emitter {
  public:
   SinkEmitter(ObservationSink& sink, const detectors::Sample& sample) : sink_(sink), sample_(sample) {}
+  // A derived value that is not finite (a ratio over a vanishing reference,
+  // an overflow) is a non-finite value like one in the sample itself: counted
+  // in foreshock_nonfinite_values_total{kind} (ForeshockNonFinite), and not
+  // exported, stored or scored (docs/DESIGN.md §3.2).
   void Emit(const detectors::Observation& observation) override {
+    if (!std::isfinite(observation.value)) {
+      sink_.OnNonFinite(sample_, sample_.kind(), 1);
+      return;
+    }
     sink_.OnObservation(sample_, observation);
   }
   void NonFinite(detectors::SampleKind kind, int64_t count) override {

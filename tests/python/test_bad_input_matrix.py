@@ -372,8 +372,12 @@ def test_ten_thousand_run_ids_beyond_max_runs_are_refused(start_foreshockd):
     # their --max_streams slot as the daemon finishes them, which on a loaded
     # machine can lag behind 8 clients opening the next ones (a refusal for
     # too_many_streams, not too_many_runs).
+    # The total under test: every run here has one job (one tenant, whose
+    # share tests/server/ingest/rank_ownership_test.cc covers), and none stores
+    # a sample (so none may stop counting while the test runs).
     daemon = start_foreshockd(*[f for f in LIMIT_FLAGS if not f.startswith("--max_streams=")],
-                              "--max_streams=256")
+                              "--max_streams=256", "--max_runs_per_tenant=0",
+                              "--empty_run_release_s=3600")
     with GoodClient(daemon.endpoint) as good:  # run "good" is one of the 50
         channel = grpc.insecure_channel(daemon.endpoint)
         fn = channel.stream_stream(METHOD, request_serializer=None,

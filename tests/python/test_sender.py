@@ -280,3 +280,38 @@ def test_a_batch_sent_as_the_daemon_ends_an_idle_stream_is_resent(server):
     stats = monitor.stats()
     assert stats["idle_closes"] == 1 and stats["resent"] == 1 and stats["reconnects"] == 1, stats
     assert [r.step for r in server.servicer.records()] == [0, 0]  # sent, then resent
+
+
+def test_a_rank_another_sender_holds_is_retried_counted_and_never_blocks(start_foreshockd):
+    # Issue 27: a rank belongs to the live stream that holds it. A second
+    # process with the same run and rank is refused (ALREADY_EXISTS
+    # rank_in_use): its sender retries after the hint, counts it, and its
+    # training thread never waits; once the holder's stream ends, it takes
+    # the rank over and delivers everything it queued meanwhile.
+    from foreshock import prometheus
+    daemon = start_foreshockd()
+    holder = scalar_monitor(daemon.endpoint)
+    second = None
+    try:
+        holder.step(0, loss=1.0)
+        assert wait_until(lambda: holder.stats()["acked_records"] == 1)
+        second = scalar_monitor(daemon.endpoint)
+        started = time.monotonic()
+        for step in range(1, 51):
+            second.step(step, loss=2.0)
+        assert time.monotonic() - started < 1.0  # training never waits on the refusal
+        assert wait_until(lambda: second.stats()["rank_in_use"] >= 1, 10), second.stats()
+        stats = second.stats()
+        assert stats["acked_records"] == 0 and not stats["connected"], stats
+        assert prometheus.value(daemon.scrape(), "foreshock_ingest_rejected_total",
+                                reason="rank_in_use") >= 1
+        holder.step(51, loss=1.0)  # the holder streams on, undisturbed
+        assert wait_until(lambda: holder.stats()["acked_records"] == 2)
+        holder.close(timeout=5, end=False)  # its stream ends without a goodbye
+        # The retry hint is 1 s: the second sender takes the rank over after it.
+        assert wait_until(lambda: second.stats()["acked_records"] == 50, 20), second.stats()
+    finally:
+        holder.close(timeout=5, end=False)
+        if second is not None:
+            second.close(timeout=5)
+    assert second.stats()["unsent_at_close"] == 0, second.stats()

@@ -24,6 +24,12 @@ One sender thread owns the gRPC stream `foreshock.v1.Ingest/Stream`:
   memory_limit) sends retry-after-ms, which replaces the backoff for that wait;
   a batch over the daemon's --max_message_mb (message_too_large) is dropped,
   not resent, and its records counted as `dropped_too_large`;
+- a rank another sender's live stream holds (ALREADY_EXISTS rank_in_use: two
+  processes with one rank, or this restarted process while its predecessor's
+  connection has not ended yet) is retried after the daemon's retry-after-ms
+  hint, with the backoff, until the rank is free (the daemon hands it over
+  once the holder's stream ends or is idle past --rank_takeover_grace_ms);
+  counted as `rank_in_use`, and the training thread never waits for it;
 - a stream the daemon ended for idleness (stream_idle_timeout: nothing sent
   for its --stream_idle_timeout_ms, everything sent acked) is reopened only
   once there is something to send (counted as `idle_closes`);
@@ -131,7 +137,7 @@ class Sender:
         self._counts = dict(sent=0, batches_sent=0, acked_records=0, duplicates=0, resent=0,
                             dropped_unacked=0, unacked=0, reconnects=0, unsent_at_close=0,
                             dropped_too_large=0, idle_closes=0, failed_connects=0,
-                            goodbye_acked=False)
+                            rank_in_use=0, goodbye_acked=False)
         self._ever_accepted = False  # a stream got its HelloAck before: the next one is a reconnect
         # Batches sent and not acked, oldest first: seq -> [(record, size)].
         self._max_unacked_bytes = max_unacked_bytes
@@ -268,6 +274,16 @@ class Sender:
                     self._counts["idle_closes"] += 1
                 log.info("foreshock: the daemon closed the idle stream to %s; reopening it "
                          "when there is data", self._endpoint)
+            elif (err.code() == grpc.StatusCode.ALREADY_EXISTS
+                    and (err.details() or "").startswith("rank_in_use")):
+                # Another sender holds this rank (or took it over from this
+                # stream): wait for the hint and try again; never give up,
+                # never block the training thread.
+                with self._lock:
+                    self._counts["rank_in_use"] += 1
+                    first = self._counts["rank_in_use"] == 1
+                log.log(logging.WARNING if first else logging.DEBUG,
+                        "foreshock: %s; retrying", err.details())
             elif not self._abort.is_set():
                 log.log(logging.DEBUG if quiet and not stream.hello_acked.is_set()
                         else logging.WARNING,

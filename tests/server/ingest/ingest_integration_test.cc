@@ -424,6 +424,41 @@ TEST_F(IngestIntegrationTest, NonFiniteValuesAreCountedAndNotUsed) {
   EXPECT_TRUE(std::isnan(Gauge("foreshock_qk_increment_entropy", labels)));
 }
 
+// Issue 27 (7): an output_check against a vanishing reference (1e-300) gives
+// attention_output_bias = +Inf; derived values that are not finite count as
+// non-finite and are neither exported nor stored nor scored.
+TEST_F(IngestIntegrationTest, NonFiniteDerivedSignalsAreCountedAndNotUsed) {
+  client::IngestStream stream(channel_);
+  ASSERT_TRUE(stream.Open(MakeHello("tiny-ref")).ok());
+  std::mt19937 rng(7);
+  const HeadTensors q = Random(rng, 1), k = Random(rng, 1);
+  v1::Batch batch;
+  v1::Record record = QKRecord(1, 0, q, k, v1::FLOAT32);
+  record.mutable_qk()->set_attention_dtype(v1::BFLOAT16);
+  v1::AttentionOutputCheck* check = record.mutable_qk()->mutable_output_check();
+  // Errors of 1e6 against a reference of 1e-300 (unit roundoff 2^-8): both
+  // ratios overflow to +Inf.
+  check->set_mean_signed_error(1e6);
+  check->set_rms_error(1e6);
+  check->set_mean_abs_reference(1e-300);
+  check->set_elements(4096);
+  *batch.add_records() = record;
+  auto ack = stream.SendAndWait(batch);
+  ASSERT_TRUE(ack.has_value());
+  EXPECT_EQ(ack->accepted(), 1u);
+  daemon_->WaitIdle();
+  EXPECT_EQ(CounterValue(daemon_->registry(), "foreshock_nonfinite_values_total",
+                         {{"run", "tiny-ref"}, {"kind", "qk"}}),
+            2);  // the bias and the error, both +Inf
+  const std::map<std::string, std::string> labels{{"run", "tiny-ref"}, {"layer", "0"}};
+  for (const char* gauge : {"foreshock_attention_output_bias", "foreshock_attention_output_error"}) {
+    const double value = Gauge(gauge, labels);
+    EXPECT_FALSE(std::isinf(value)) << gauge << " = " << value;
+  }
+  // The sample's own signals are still computed.
+  EXPECT_TRUE(std::isfinite(Gauge("foreshock_attention_entropy", labels)));
+}
+
 TEST_F(IngestIntegrationTest, TinyQueueBudgetParksStreamsWithoutLosingRecords) {
   daemon_.reset();
   DaemonOptions options;

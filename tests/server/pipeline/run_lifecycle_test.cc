@@ -199,30 +199,79 @@ TEST_F(LifecycleTest, TheFirstRecordsOfANewAttemptSetItsBoundaryOnce) {
   EXPECT_EQ(hub_->GetLifecycleMark("r"), (alerts::LifecycleMark{2, 30, false}));
 }
 
-TEST_F(LifecycleTest, ARestartWhoseOldStreamOutlivedItsProcessIsSeenAtItsFirstRecords) {
+TEST_F(LifecycleTest, ASecondLiveSenderOfARankIsNoRestartEvenGoingBack) {
+  // Which stream may speak for a rank is the ingest service's rank ownership
+  // (IngestService::ClaimRank); the lifecycle never guesses a restart from
+  // the steps of a sender whose predecessor's stream is open.
   lifecycle_->OnHello("r", 0, 11);
   lifecycle_->BeforeRecords("r", 0, 11, 0, 40);
   Fire("r", 40);
-  // The host vanished: its stream is still open when the job restarts.
   lifecycle_->OnHello("r", 0, 22);
-  EXPECT_EQ(lifecycle_->GetStatus("r")->attempt, 1);  // could be a second live process
+  lifecycle_->BeforeRecords("r", 0, 22, 1, 1);
+  EXPECT_EQ(lifecycle_->GetStatus("r")->attempt, 1);
   EXPECT_EQ(Alerts("r")[0].state(), "firing");
-  lifecycle_->BeforeRecords("r", 0, 22, 30, 31);  // it goes back: a restart
-  EXPECT_EQ(lifecycle_->GetStatus("r")->attempt, 2);
-  EXPECT_EQ(lifecycle_->GetStatus("r")->attempt_start_step, 30);
-  EXPECT_EQ(Alerts("r")[0].state(), "resolved");
-  EXPECT_EQ(Alerts("r")[0].resolved_reason(), "run_resumed");
-  // The old stream ending later changes nothing; the new sender alone ends the run.
+  EXPECT_TRUE(lifecycle_->Boundaries("r").empty());
+  // A holder taken over (ingest reports its stream closed first): a restart.
   lifecycle_->OnStreamClosed("r", 0, 11);
-  lifecycle_->OnGoodbye("r", 0, 22);
-  EXPECT_TRUE(lifecycle_->GetStatus("r")->ended);
+  lifecycle_->OnStreamClosed("r", 0, 22);
+  lifecycle_->OnHello("r", 0, 33);
+  EXPECT_EQ(lifecycle_->GetStatus("r")->attempt, 2);
+  EXPECT_EQ(Alerts("r")[0].resolved_reason(), "run_resumed");
+}
 
-  // Two live processes of one rank in lockstep, the second starting ahead: no restart.
-  lifecycle_->OnHello("twins", 0, 11);
-  lifecycle_->BeforeRecords("twins", 0, 11, 0, 10);
-  lifecycle_->OnHello("twins", 0, 22);
-  lifecycle_->BeforeRecords("twins", 0, 22, 11, 12);
-  EXPECT_EQ(lifecycle_->GetStatus("twins")->attempt, 1);
+TEST_F(LifecycleTest, OneRanksNewProcessWhileOthersStreamResumesThatRankOnly) {
+  for (int r = 0; r < 8; ++r) lifecycle_->OnHello("r8", r, 100 + r, /*world_size=*/8);
+  for (int r = 0; r < 8; ++r) lifecycle_->BeforeRecords("r8", r, 100 + r, 0, 31);
+  Fire("r8", 31);
+  lifecycle_->OnStreamClosed("r8", 3, 103);  // rank 3's process died
+  lifecycle_->OnHello("r8", 3, 333, 8);      // and came back
+  lifecycle_->BeforeRecords("r8", 3, 333, 1, 1);
+  RunLifecycle::Status status = *lifecycle_->GetStatus("r8");
+  EXPECT_EQ(status.attempt, 1);
+  EXPECT_EQ(status.attempt_start_step, -1);
+  EXPECT_TRUE(lifecycle_->Boundaries("r8").empty());
+  EXPECT_EQ(Alerts("r8")[0].state(), "firing");
+  EXPECT_EQ(Active("r8"), 1);
+  // The run ends with the current eight senders' goodbyes: the dead one's is not awaited.
+  for (int r = 0; r < 8; ++r) {
+    if (r != 3) lifecycle_->OnGoodbye("r8", r, 100 + r);
+  }
+  EXPECT_FALSE(lifecycle_->GetStatus("r8")->ended);
+  lifecycle_->OnGoodbye("r8", 3, 333);
+  EXPECT_TRUE(lifecycle_->GetStatus("r8")->ended);
+  EXPECT_EQ(Alerts("r8")[0].resolved_reason(), "run_ended");
+
+  // The same after a daemon restart (the rank's replacement is an event).
+  lifecycle_->OnHello("s", 0, 1, 2);
+  lifecycle_->OnHello("s", 1, 2, 2);
+  lifecycle_->OnStreamClosed("s", 1, 2);
+  lifecycle_->OnHello("s", 1, 22, 2);
+  Restart(hub_->SaveState());
+  EXPECT_EQ(lifecycle_->GetStatus("s")->attempt, 1);
+  lifecycle_->OnGoodbye("s", 0, 1);
+  lifecycle_->OnGoodbye("s", 1, 22);
+  EXPECT_TRUE(lifecycle_->GetStatus("s")->ended);
+
+  // Every rank's process gone (the job restarted): a new attempt.
+  lifecycle_->OnHello("all", 0, 1, 2);
+  lifecycle_->OnHello("all", 1, 2, 2);
+  Fire("all", 9);
+  lifecycle_->OnStreamClosed("all", 0, 1);
+  lifecycle_->OnStreamClosed("all", 1, 2);
+  lifecycle_->OnHello("all", 1, 20, 2);
+  EXPECT_EQ(lifecycle_->GetStatus("all")->attempt, 2);
+  EXPECT_EQ(Alerts("all")[0].resolved_reason(), "run_resumed");
+}
+
+TEST_F(LifecycleTest, ARestartForgetsTheOldAttemptsWorldSize) {
+  // A Hello with a large world_size, then the job restarts with one rank:
+  // the new attempt ends with its own rank's goodbye.
+  lifecycle_->OnHello("w", 0, 1, 64);
+  lifecycle_->OnStreamClosed("w", 0, 1);
+  lifecycle_->OnHello("w", 0, 2, 1);
+  EXPECT_EQ(lifecycle_->GetStatus("w")->attempt, 2);
+  lifecycle_->OnGoodbye("w", 0, 2);
+  EXPECT_TRUE(lifecycle_->GetStatus("w")->ended);
 }
 
 TEST(LatestAttemptTest, LeavesOutWhatALaterAttemptSuperseded) {
