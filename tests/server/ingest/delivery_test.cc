@@ -161,16 +161,22 @@ TEST_F(DeliveryTest, TwoSendersSharingARankAreNotTakenForResends) {
   auto ack = stream_a.SendAndWait(LossBatch(0, 2));
   ASSERT_TRUE(ack.has_value());
   EXPECT_EQ(ack->accepted(), 2u);
-  ASSERT_TRUE(stream_b.Open(MakeHello(), &b).ok());  // a later first_seq
-  ack = stream_b.SendAndWait(LossBatch(0, 2));
+  // While a's stream holds the rank, b is refused (rank ownership, docs/DESIGN.md §3.4).
+  EXPECT_EQ(stream_b.Open(MakeHello(), &b).error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_TRUE(stream_a.Close().ok());
+  IngestStream stream_b2(channel_);
+  ASSERT_TRUE(stream_b2.Open(MakeHello(), &b).ok());  // a later first_seq
+  ack = stream_b2.SendAndWait(LossBatch(0, 2));
   ASSERT_TRUE(ack.has_value());
   EXPECT_EQ(ack->accepted(), 2u);
-  ack = stream_a.SendAndWait(LossBatch(2, 2));  // still below b's first_seq
+  EXPECT_TRUE(stream_b2.Close().ok());
+  IngestStream stream_a2(channel_);
+  ASSERT_TRUE(stream_a2.Open(MakeHello(), &a).ok());
+  ack = stream_a2.SendAndWait(LossBatch(2, 2));  // still below b's first_seq
   ASSERT_TRUE(ack.has_value());
   EXPECT_EQ(ack->accepted(), 2u);
   EXPECT_EQ(ack->duplicates(), 0u);
-  EXPECT_TRUE(stream_a.Close().ok());
-  EXPECT_TRUE(stream_b.Close().ok());
+  EXPECT_TRUE(stream_a2.Close().ok());
   EXPECT_EQ(Loss().size(), 6u);
 }
 
