@@ -260,10 +260,12 @@ def test_a_job_killed_after_a_fault_and_resumed_from_a_checkpoint(start_foreshoc
                                                                   crash):
     """sigkill: the daemon sees the stream end. vanished_host: the process is
     stopped (SIGSTOP) and its stream stays open, as when a host disappears
-    without closing its connections: the restart shows at the new process's
-    first records, which go back."""
+    without closing its connections: the rank belongs to that stream until it
+    has been idle for --rank_takeover_grace_ms (here 2 s, less than the new
+    process takes to start), then the new process takes it over, and the
+    restart shows at its Hello."""
     run = "lifecycle-resume-" + crash
-    daemon = start_foreshockd("--checkpoint_interval_s=1")
+    daemon = start_foreshockd("--checkpoint_interval_s=1", "--rank_takeover_grace_ms=2000")
     watch = Watch(daemon.endpoint, run)
     first = None
     first_out, second_out = str(tmp_path / "attempt1.json"), str(tmp_path / "attempt2.json")
