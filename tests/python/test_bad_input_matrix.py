@@ -19,9 +19,12 @@ from foreshock.sender import RecordQueue, Sender
 from foreshock.v1 import ingest_pb2 as pb
 
 METHOD = "/foreshock.v1.Ingest/Stream"
+# Every run here has job "matrix", one tenant: its share of --max_runs
+# (--max_runs_per_tenant) is tested in tests/server/ingest/rank_ownership_test.cc,
+# the total here.
 LIMIT_FLAGS = ("--max_message_mb=1", "--max_tensor_elements=4096", "--max_runs=50",
-               "--max_streams=16", "--workers=2", "--hello_timeout_ms=1500",
-               "--max_probe_ids_per_run=2")
+               "--max_runs_per_tenant=0", "--max_streams=16", "--workers=2",
+               "--hello_timeout_ms=1500", "--max_probe_ids_per_run=2")
 
 
 def hello_bytes(run_id="bad", **kwargs):
@@ -372,12 +375,9 @@ def test_ten_thousand_run_ids_beyond_max_runs_are_refused(start_foreshockd):
     # their --max_streams slot as the daemon finishes them, which on a loaded
     # machine can lag behind 8 clients opening the next ones (a refusal for
     # too_many_streams, not too_many_runs).
-    # The total under test: every run here has one job (one tenant, whose
-    # share tests/server/ingest/rank_ownership_test.cc covers), and none stores
-    # a sample (so none may stop counting while the test runs).
+    # None of these runs stores a sample: none may stop counting meanwhile.
     daemon = start_foreshockd(*[f for f in LIMIT_FLAGS if not f.startswith("--max_streams=")],
-                              "--max_streams=256", "--max_runs_per_tenant=0",
-                              "--empty_run_release_s=3600")
+                              "--max_streams=256", "--empty_run_release_s=3600")
     with GoodClient(daemon.endpoint) as good:  # run "good" is one of the 50
         channel = grpc.insecure_channel(daemon.endpoint)
         fn = channel.stream_stream(METHOD, request_serializer=None,
