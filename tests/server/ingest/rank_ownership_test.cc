@@ -481,7 +481,9 @@ TEST_F(RankOwnershipTest, RunsThatNeverStoredASampleStopCountingAlsoAfterARestar
   DaemonOptions options;
   options.limits.max_runs = 4;
   options.limits.max_runs_per_tenant = 0;  // the total alone
-  options.limits.empty_run_release = milliseconds(500);
+  // Long enough that the runs below still count when the next Hello comes,
+  // on a busy machine too.
+  options.limits.empty_run_release = milliseconds(2000);
   options.store_options.data_dir = dir.string();
   Start(options);
   auto hello_and_close = [&](const std::string& run, const std::string& job) {
@@ -496,7 +498,7 @@ TEST_F(RankOwnershipTest, RunsThatNeverStoredASampleStopCountingAlsoAfterARestar
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_TRUE(StartsWith(status.error_message(), "too_many_runs:")) << status.error_message();
   // The empty runs stop counting once idle for --empty_run_release_s.
-  std::this_thread::sleep_for(milliseconds(600));
+  std::this_thread::sleep_for(milliseconds(2200));
   EXPECT_TRUE(hello_and_close("real", "a").ok());
 
   // After a restart, the recovered runs that never stored a sample do not
@@ -504,7 +506,7 @@ TEST_F(RankOwnershipTest, RunsThatNeverStoredASampleStopCountingAlsoAfterARestar
   for (int i = 4; i < 7; ++i) ASSERT_TRUE(hello_and_close("empty-" + std::to_string(i), "b").ok());
   Stop();
   Start(options);
-  std::this_thread::sleep_for(milliseconds(600));
+  std::this_thread::sleep_for(milliseconds(2200));
   RawStream fresh(*stub_);
   ASSERT_TRUE(fresh.Hello(MakeHello("after-restart", 0, 1, 0, "a")));
   EXPECT_EQ(fresh.Send(Losses(0, 0)), 1);
