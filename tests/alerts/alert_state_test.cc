@@ -421,6 +421,7 @@ AlertConfig DefaultsBeforeIssue13() {
   config.signals.erase("lr_over_held_max");  // no learning-rate alert then
   config.signals.erase("attention_output_bias");  // nor a rounding-bias alert
   for (auto& [name, signal] : config.signals) {
+    signal.per_head = false;  // every signal was judged by its layer aggregate (issue 25)
     ChangeDetectorOptions& o = signal.detector;
     o.warmup = 40;
     o.min_baseline = 0;
