@@ -100,7 +100,7 @@ class Daemon:
 
 # -- the plan -------------------------------------------------------------------
 
-def plan(config_names, seeds, smoke=False, frozen=False):
+def plan(config_names, seeds, smoke=False, frozen=False, knob_blind=False):
     """The runs: dicts with run_id, config, scenario, seed, injection_step,
     expected_cause and the train.py flags (without endpoint)."""
     if smoke:
@@ -122,6 +122,29 @@ def plan(config_names, seeds, smoke=False, frozen=False):
             for scenario, (inj, flags) in c["faults"].items():
                 runs.append(make_run(c, scenario, seed, fault_steps[scenario], inj,
                                      flags + ["--fault-step", str(inj)]))
+            if knob_blind:
+                runs += knob_blind_runs(c, seed, control_steps)
+    return runs
+
+
+def knob_blind_runs(c, seed, control_steps):
+    """configs.KNOB_BLIND's scenarios for configuration `c` (issue 25 item 2)."""
+    runs = []
+    for scenario, (inj, flags, cause) in configs.KNOB_BLIND.items():
+        flags = [str(f) for f in flags]
+        fault = cause is not None or scenario in configs.KNOB_BLIND_UNNAMED_FAULTS
+        if scenario.startswith("lowprec") and c["attention_dtype"] != "bf16":
+            continue
+        if scenario == "no_balance" and "none" in c["flags"]:
+            continue  # no MoE layer
+        if fault:  # labelled expected_cause by make_run (configs.EXPECTED_CAUSE)
+            steps = min(MAX_STEPS, inj + c.get("fault_window", FAULT_WINDOW))
+            run = make_run(c, scenario, seed, steps, inj, flags + ["--fault-step", str(inj)])
+            run["kind"] = "fault"
+        else:
+            run = make_run(c, scenario, seed, control_steps, inj, flags, stop=None)
+            run["kind"] = "control"
+        runs.append(run)
     return runs
 
 
@@ -153,7 +176,7 @@ def make_run(c, scenario, seed, steps, inj, flags, stop=STOP_AFTER_DIVERGENCE):
 
 BENIGN_FLAGS = {"--lr-decay-step": "lr_decay", "--lr-restart-step": "lr_restart",
                 "--text-switch-step": "text_switch", "--data-switch-step": "data_switch",
-                "--batch-size-change-step": "batch_size_change"}
+                "--batch-size-change-step": "batch_size_change", "--lr-raise-step": "lr_raise"}
 
 
 def benign_events(flags):
@@ -312,6 +335,9 @@ def main(argv=None):
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--smoke", action="store_true",
                    help="two short runs of a tiny configuration (CI; ~1-2 minutes)")
+    p.add_argument("--knob-blind", action="store_true",
+                   help="also the faults the knob cannot reveal and the benign LR events of "
+                        "configs.KNOB_BLIND (issue 25 item 2)")
     p.add_argument("--frozen", action="store_true",
                    help="the frozen CI corpus's runs (FROZEN_RUNS; tests/eval/frozen/)")
     p.add_argument("--foreshockd", default=os.path.join(ROOT, "build", "server", "foreshockd"))
@@ -323,7 +349,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     runs = plan(args.only or list(configs.CONFIGS), args.seeds, smoke=args.smoke,
-                frozen=args.frozen)
+                frozen=args.frozen, knob_blind=args.knob_blind)
     if args.scenarios:
         runs = [r for r in runs if r["scenario"] in args.scenarios]
     if args.weight_qk:
