@@ -142,6 +142,10 @@ AlertConfig DefaultAlertConfig() {
   {
     ChangeDetectorOptions& o = add("curvature_eos_ratio", kCurvatureAboveEdge, Direction::kRise);
     o.min_relative_change = 2.0;
+    // ... and add at least half the edge (issue 25): a healthy run sharpening
+    // from 0.1 with noisy few-HVP estimates triples often enough, far from the
+    // edge (tests/alerts/curvature_noise_test.cc: 7 of 200 such runs -> 0).
+    o.min_absolute_change = 0.5;
     o.trend = false;
     o.min_baseline = 0;
     o.small_sample_inflation = 0.0;

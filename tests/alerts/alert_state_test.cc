@@ -434,6 +434,7 @@ AlertConfig DefaultsBeforeIssue13() {
   config.signals.at("attention_max_logit").detector.change_detection = true;
   ChangeDetectorOptions& curvature = config.signals.at("curvature_eos_ratio").detector;
   curvature.warmup = 10;
+  curvature.min_absolute_change = 0.0;  // added by issue 25
   curvature.bound = 1.0;
   curvature.min_relative_change = 0.5;
   curvature.trend = true;
