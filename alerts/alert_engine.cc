@@ -80,11 +80,46 @@ Alert::KeyValues Alert::Annotations() const {
 
 // ---------------------------------------------------------------------------
 
+namespace {
+
+// Per-head series are keyed "<signal>@h<head>" (signal names have no '@').
+constexpr std::string_view kHeadKeySeparator = "@h";
+
+std::string SeriesKey(std::string_view signal, int head) {
+  if (head == detectors::kAllHeads) return std::string(signal);
+  return internal::Cat(signal, kHeadKeySeparator, head);
+}
+
+// The signal and head of a series key; nullopt when the head part is malformed.
+std::optional<std::pair<std::string, int>> ParseSeriesKey(std::string_view key) {
+  const size_t at = key.rfind(kHeadKeySeparator);
+  if (at == std::string_view::npos) return std::pair{std::string(key), detectors::kAllHeads};
+  const std::string_view digits = key.substr(at + kHeadKeySeparator.size());
+  if (digits.empty() || digits.size() > 9 ||
+      !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return std::nullopt;
+  }
+  return std::pair{std::string(key.substr(0, at)), std::stoi(std::string(digits))};
+}
+
+}  // namespace
+
 struct AlertEngine::Series {
-  Series(const SignalConfig& signal_config, std::string signal_name)
-      : config(&signal_config), signal(std::move(signal_name)), detector(signal_config.detector) {}
+  Series(const SignalConfig& signal_config, std::string signal_name,
+         int head_index = detectors::kAllHeads)
+      : config(&signal_config),
+        signal(std::move(signal_name)),
+        head(head_index),
+        key(SeriesKey(signal, head)),
+        detector(signal_config.detector) {}
   const SignalConfig* config;
   std::string signal;
+  // The head this series judges (SignalConfig::per_head), or kAllHeads: the
+  // layer aggregate (or a run-level series).
+  int head;
+  // Its key in RunState::series and in checkpoints: the signal, or for a
+  // per-head series "<signal>@h<head>".
+  std::string key;
   ChangeDetector detector;
   AlertRecord* record = nullptr;
 };
@@ -97,7 +132,7 @@ struct AlertEngine::AlertRecord {
 
 struct AlertEngine::RunState {
   std::string name;
-  // signal -> layer -> series
+  // series key (Series::key: the signal, or "<signal>@h<head>") -> layer -> series
   std::map<std::string, std::map<int, Series>, std::less<>> series;
   // (alertname, layer) -> alert
   std::map<std::pair<std::string, int>, AlertRecord> alerts;
@@ -165,20 +200,49 @@ AlertEngine::AlertRecord& AlertEngine::GetRecord(RunState& run, std::string_view
 }
 
 AlertEngine::Series& AlertEngine::GetSeries(RunState& run, const SignalConfig& config,
-                                            std::string_view signal, int layer) {
-  auto signal_it = run.series.find(signal);
+                                            std::string_view signal, int layer, int head) {
+  const std::string key = SeriesKey(signal, head);
+  auto signal_it = run.series.find(key);
   if (signal_it == run.series.end()) {
-    signal_it = run.series.emplace(std::string(signal), std::map<int, Series>{}).first;
+    signal_it = run.series.emplace(key, std::map<int, Series>{}).first;
   }
   auto& by_layer = signal_it->second;
   auto it = by_layer.find(layer);
   if (it == by_layer.end()) {
-    it = by_layer.try_emplace(layer, config, std::string(signal)).first;
+    it = by_layer.try_emplace(layer, config, std::string(signal), head).first;
     AlertRecord& record = GetRecord(run, config.alertname, layer);
     it->second.record = &record;
     record.series.push_back(&it->second);
+    if (head != detectors::kAllHeads) CorrectHeadThresholds(record, signal);
   }
   return it->second;
+}
+
+bool AlertEngine::JudgedPerHead(const RunState& run, const SignalConfig& config,
+                                std::string_view signal, int layer) {
+  const auto it = run.alerts.find({config.alertname, layer});
+  if (it == run.alerts.end()) return false;
+  for (const Series* s : it->second.series) {
+    if (s->head != detectors::kAllHeads && s->signal == signal) return true;
+  }
+  return false;
+}
+
+void AlertEngine::CorrectHeadThresholds(AlertRecord& record, std::string_view signal) {
+  std::vector<Series*> heads;
+  for (const Series* s : record.series) {
+    if (s->head != detectors::kAllHeads && s->signal == signal) {
+      heads.push_back(const_cast<Series*>(s));
+    }
+  }
+  if (heads.empty()) return;
+  const SignalConfig& config = *heads.front()->config;
+  const double extra =
+      config.head_z_correction * std::log(static_cast<double>(heads.size()));
+  for (Series* s : heads) {
+    s->detector.SetThresholds(config.detector.z_threshold + extra,
+                              config.detector.cusum_h + 2.0 * extra);
+  }
 }
 
 std::vector<AlertTransition> AlertEngine::Observe(const SignalPoint& point) {
@@ -201,13 +265,23 @@ std::vector<AlertTransition> AlertEngine::Observe(const SignalPoint& point) {
   }
   MaybeSettleCause(run, point.step, out);
 
-  // Per-head values are summarized by the layer aggregate; values flagged
-  // out of detection (e.g. unconverged curvature) are only exported.
-  if (!point.for_detection || point.head != detectors::kAllHeads) return out;
+  // Values flagged out of detection (e.g. unconverged curvature) are only
+  // exported. A per-head signal (SignalConfig::per_head) is judged head by
+  // head, and its layer aggregate only in a layer that has sent no per-head
+  // value of it (a source that reports aggregates alone); any other signal
+  // by the aggregate.
+  if (!point.for_detection) return out;
   const auto config_it = config_.signals.find(point.signal);
   if (config_it == config_.signals.end() || !config_it->second.enabled) return out;
+  const SignalConfig& signal_config = config_it->second;
+  if (point.head != detectors::kAllHeads) {
+    if (!signal_config.per_head || point.head < 0) return out;
+  } else if (signal_config.per_head &&
+             JudgedPerHead(run, signal_config, point.signal, point.layer)) {
+    return out;
+  }
 
-  Series& series = GetSeries(run, config_it->second, point.signal, point.layer);
+  Series& series = GetSeries(run, signal_config, point.signal, point.layer, point.head);
   const SeriesState before = series.detector.state();
   const ChangeAssessment assessment = series.detector.Update(point.step, point.value);
   switch (assessment.disposition) {
@@ -248,12 +322,15 @@ void AlertEngine::Evaluate(RunState& run, AlertRecord& record, const Series& tri
     const ChangeDetectorOptions& o = series.config->detector;
     const bool rise = o.direction == Direction::kRise;
     std::string text;
+    const std::string name = series.head == detectors::kAllHeads
+                                 ? series.signal
+                                 : internal::Cat(series.signal, " of head ", series.head);
     if (a.change_flag) {
-      text = internal::Cat(series.signal, rise ? " rose" : " dropped", " to ", Num(a.value),
+      text = internal::Cat(name, rise ? " rose" : " dropped", " to ", Num(a.value),
                            " at step ", a.step, " (baseline ", Num(a.baseline), ", robust z ",
                            Num(a.z), ", change ", Num(100 * a.relative_change), "%)");
     } else {
-      text = internal::Cat(series.signal, " = ", Num(a.value), " at step ", a.step);
+      text = internal::Cat(name, " = ", Num(a.value), " at step ", a.step);
       if (!std::isnan(a.baseline)) {
         text += internal::Cat(" (baseline ", Num(a.baseline), ", robust z ", Num(a.z), ")");
       }
@@ -889,10 +966,11 @@ void AlertEngine::SetLifecycleMark(std::string_view run, const LifecycleMark& ma
 //                          I64 firing_step, I64 first_step]
 //   I64 last_nonfinite_step, I64 last_clean_step, I32 clean_steps
 //   (v3) I32 lifecycle attempt, I64 rewound_to, Bool ended
-//   U64 series, each String signal, I32 layer, ChangeDetector state
+//   U64 series, each String key (the signal, or "<signal>@h<head>" for a
+//     per-head series), I32 layer, ChangeDetector state
 //   U64 alerts, each String alertname, I32 layer, the Alert (PutAlert; v3
 //     adds String resolved_reason),
-//     U64 feeding series + String signal of each, in the record's order
+//     U64 feeding series + String key of each, in the record's order
 //     (the order Evaluate scans them in)
 
 namespace {
@@ -929,6 +1007,10 @@ std::string ConfigFingerprint(const AlertConfig& config) {
     w.PutDouble(o.bound.value_or(0.0));
     // Options added later, only when set: a configuration without them
     // keeps the fingerprint its checkpoints were written with.
+    if (signal.per_head) {
+      w.PutString("per_head");
+      w.PutDouble(signal.head_z_correction);
+    }
     if (o.min_baseline != 0 || o.small_sample_inflation != 0 || o.gate_inflation != 0 ||
         o.log_scale) {
       w.PutString("small_sample");
@@ -1054,7 +1136,7 @@ std::string AlertEngine::SaveState() const {
       w.PutI32(key.second);
       PutAlert(w, record.alert);
       w.PutU64(record.series.size());
-      for (const Series* series : record.series) w.PutString(series->signal);
+      for (const Series* series : record.series) w.PutString(series->key);
     }
   }
   return w.Take();
@@ -1141,13 +1223,19 @@ bool AlertEngine::RestoreState(std::string_view bytes, std::string* error) {
     uint64_t series_count = 0;
     if (!r.GetCount(series_count)) return false;
     for (uint64_t i = 0; i < series_count; ++i) {
-      std::string signal;
+      std::string key;
       int32_t layer = 0;
-      if (!r.GetString(signal) || !r.GetI32(layer)) return false;
+      if (!r.GetString(key) || !r.GetI32(layer)) return false;
+      const auto parsed = ParseSeriesKey(key);
+      if (!parsed) return r.Fail("malformed series key");
+      const auto& [signal, head] = *parsed;
       const auto config_it = config_.signals.find(signal);
       if (config_it == config_.signals.end()) return r.Fail("series of an unknown signal");
-      auto& by_layer = run.series[signal];
-      auto [it, inserted] = by_layer.try_emplace(layer, config_it->second, signal);
+      if (!config_it->second.per_head && head != detectors::kAllHeads) {
+        return r.Fail("per-head series of a signal the configuration judges per layer");
+      }
+      auto& by_layer = run.series[key];
+      auto [it, inserted] = by_layer.try_emplace(layer, config_it->second, signal, head);
       if (!inserted) return r.Fail("series saved twice");
       if (!it->second.detector.RestoreState(r)) return false;
     }
@@ -1182,6 +1270,12 @@ bool AlertEngine::RestoreState(std::string_view bytes, std::string* error) {
     for (const auto& [signal, by_layer] : run.series) {
       for (const auto& [layer, series] : by_layer) {
         if (series.record == nullptr) return r.Fail("series without an alert");
+      }
+    }
+    // Per-head thresholds are not saved: they follow from the heads present.
+    for (auto& [key, record] : run.alerts) {
+      for (const auto& [name, signal] : config_.signals) {
+        if (signal.per_head && signal.alertname == key.first) CorrectHeadThresholds(record, name);
       }
     }
     return true;

@@ -7,10 +7,14 @@
 //
 // ## What drives alerts
 //
-// Only points with for_detection = true, head = kAllHeads (the layer
-// aggregate: the worst head) and a signal enabled in AlertConfig::signals.
-// One ChangeDetector (change_detector.h) runs per (run, signal, layer);
-// run-level signals (layer = kNoLayer) get the layer label "all".
+// Only points with for_detection = true and a signal enabled in
+// AlertConfig::signals; of those, head = kAllHeads (the layer aggregate:
+// the worst head), except for signals with SignalConfig::per_head, whose
+// per-head points are judged instead (one detector per head, thresholds
+// raised with ln(heads)); their aggregate only in a layer that never sent a
+// per-head value of the signal (a source that reports aggregates alone). One ChangeDetector (change_detector.h) runs per
+// (run, signal, layer[, head]); run-level signals (layer = kNoLayer) get
+// the layer label "all".
 // Several ranks reporting the same series and step are deduplicated there
 // (the worst value of a step counts). Default signal -> alert mapping
 // (config.cc): qk_increment_entropy (drop) and qk_increment_top1_share
@@ -279,7 +283,14 @@ class AlertEngine {
   struct RunState;
 
   RunState& GetRun(std::string_view run);
-  Series& GetSeries(RunState& run, const SignalConfig& config, std::string_view signal, int layer);
+  Series& GetSeries(RunState& run, const SignalConfig& config, std::string_view signal, int layer,
+                    int head = detectors::kAllHeads);
+  // Sets the thresholds of `signal`'s per-head series feeding `record` for
+  // the number of them (SignalConfig::head_z_correction).
+  static void CorrectHeadThresholds(AlertRecord& record, std::string_view signal);
+  // A per-head signal's layer has per-head series (then its aggregate is not judged).
+  static bool JudgedPerHead(const RunState& run, const SignalConfig& config,
+                            std::string_view signal, int layer);
   AlertRecord& GetRecord(RunState& run, std::string_view alertname, int layer);
   void AdvanceCleanSteps(RunState& run, int64_t step, std::vector<AlertTransition>& out);
   void Evaluate(RunState& run, AlertRecord& record, const Series& trigger,

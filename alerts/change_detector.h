@@ -202,6 +202,15 @@ class ChangeDetector {
   void ResetEpisode();
   void Rewind(int64_t from_step);
 
+  // Changes the two decision thresholds of a running detector (z_threshold
+  // and cusum_h; each must be > 0). The alert engine uses it for per-head
+  // series, whose thresholds grow with the number of heads judged in the
+  // layer (SignalConfig::per_head); nothing else of the state changes.
+  void SetThresholds(double z_threshold, double cusum_h) {
+    options_.z_threshold = z_threshold;
+    options_.cusum_h = cusum_h;
+  }
+
   SeriesState state() const { return core_.state; }
   // The last assessment that was scored or recorded (default before any).
   const ChangeAssessment& last() const { return last_; }

@@ -53,13 +53,19 @@ AlertConfig DefaultAlertConfig() {
 
   // Low-precision attention makes the QK increment low-rank: its spectral
   // entropy (in [0, 1]) drops and the top direction's share rises.
+  // Judged per head (issue 25): the layer's minimum over heads hops between
+  // heads of different levels and noise, so one head's collapse hides behind
+  // another head's level; each head against its own baseline does not, with
+  // its thresholds raised by ln(heads) (SignalConfig::per_head).
   add("qk_increment_entropy", kQKIncrementCollapse, Direction::kDrop).min_relative_change = 0.10;
+  config.signals.at("qk_increment_entropy").per_head = true;
   {
     ChangeDetectorOptions& o =
         add("qk_increment_top1_share", kQKIncrementCollapse, Direction::kRise);
     o.min_relative_change = 0.25;
     o.min_absolute_change = 0.05;  // the share is in [0, 1]; a few points is noise
   }
+  config.signals.at("qk_increment_top1_share").per_head = true;
   // Attention logits and entropy move a lot in healthy training: by factors
   // early on, and at once when heads specialize (induction heads on a copy
   // task). On the evaluation corpus their changes were every false alarm
@@ -136,6 +142,10 @@ AlertConfig DefaultAlertConfig() {
   {
     ChangeDetectorOptions& o = add("curvature_eos_ratio", kCurvatureAboveEdge, Direction::kRise);
     o.min_relative_change = 2.0;
+    // ... and add at least half the edge (issue 25): a healthy run sharpening
+    // from 0.1 with noisy few-HVP estimates triples often enough, far from the
+    // edge (tests/alerts/curvature_noise_test.cc: 7 of 200 such runs -> 0).
+    o.min_absolute_change = 0.5;
     o.trend = false;
     o.min_baseline = 0;
     o.small_sample_inflation = 0.0;
@@ -230,8 +240,8 @@ constexpr std::array<BoolField, 3> kBoolFields = {{
 }};
 
 // Keys of a signal entry that are not detector fields.
-constexpr std::array<std::string_view, 5> kSignalOnlyKeys = {"alert", "direction", "enabled",
-                                                             "severity", "bound"};
+constexpr std::array<std::string_view, 7> kSignalOnlyKeys = {
+    "alert", "direction", "enabled", "severity", "bound", "per_head", "head_z_correction"};
 
 std::string IntRangeError(const IntField& field, int value) {
   if (value < field.min || value > field.max) {
@@ -294,6 +304,10 @@ std::string SignalError(const SignalConfig& s) {
                          o.min_baseline);
   }
   if (o.bound && !std::isfinite(*o.bound)) return "bound: must be a finite number or null";
+  if (!std::isfinite(s.head_z_correction) || s.head_z_correction < 0) {
+    return internal::Cat("head_z_correction: must be a finite number >= 0, got ",
+                         s.head_z_correction);
+  }
   if (s.enabled && !o.change_detection && !o.bound) {
     return "change_detection is off and no bound is set: the signal could never fire "
            "(set enabled: false instead)";
@@ -305,6 +319,11 @@ std::string SignalError(const SignalConfig& s) {
 
 absl::Status ValidateAlertConfig(const AlertConfig& config) {
   for (const auto& [name, signal] : config.signals) {
+    if (name.find('@') != std::string::npos) {
+      // '@' separates a per-head series' signal and head in the engine's keys.
+      return absl::InvalidArgumentError(
+          internal::Cat("alerts.signals.", name, ": a signal name must not contain '@'"));
+    }
     if (std::string e = SignalError(signal); !e.empty()) {
       return absl::InvalidArgumentError(internal::Cat("alerts.signals.", name, ".", e));
     }
@@ -462,6 +481,14 @@ void ApplySignalKey(const YamlReader& reader, std::string_view path, const std::
                                 value, "'"));
     }
     signal.severity = std::move(value);
+  } else if (key == "per_head") {
+    signal.per_head = reader.Bool(node, key_path);
+  } else if (key == "head_z_correction") {
+    const double value = reader.Double(node, key_path);
+    if (!std::isfinite(value) || value < 0) {
+      reader.Fail(node, key_path, internal::Cat("must be a finite number >= 0, got ", value));
+    }
+    signal.head_z_correction = value;
   } else if (key == "bound") {
     if (node.IsNull()) {
       signal.detector.bound.reset();

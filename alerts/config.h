@@ -23,6 +23,8 @@
 //         trend: true
 //         z_threshold / cusum_k / cusum_h / min_relative_change / min_absolute_change: numbers
 //         bound: null                           # a number enables the absolute guard
+//         per_head: false                       # judge each head on its own baseline
+//         head_z_correction: 1.0                # per-head thresholds + this * ln(heads)
 //     nonfinite:
 //       enabled: true
 //       severity: critical
@@ -84,6 +86,20 @@ struct SignalConfig {
   bool enabled = true;
   std::string severity = "warning";
   ChangeDetectorOptions detector;
+  // Judge every head of a layer against its own baseline instead of the
+  // layer aggregate (the detectors emit per-head values for head-scoped
+  // signals, QK spectrum and attention; docs/DESIGN.md §5.2). One change
+  // detector per (signal, layer, head), all feeding the layer's alert: the
+  // layer fires at its first head. The aggregate point (head = all) is then
+  // not scored for this signal. So that a layer of H heads is not H times as
+  // likely to alarm on noise, each head's thresholds are raised with
+  // ln(H): z_threshold + head_z_correction * ln(H), and cusum_h +
+  // 2 * head_z_correction * ln(H) (the CUSUM gains at most 2 per sample, so
+  // this asks for ln(H) more samples at the clip). 1 is a Bonferroni
+  // correction for noise with exponential (Laplace-like) tails; 0 leaves the
+  // heads uncorrected. YAML: per_head, head_z_correction.
+  bool per_head = false;
+  double head_z_correction = 1.0;
 };
 
 struct NonFiniteConfig {

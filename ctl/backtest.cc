@@ -92,6 +92,11 @@ class RunReplay final : public detectors::Emitter {
         baseline && observation.head == detectors::kAllHeads && observation.value >= 1.0) {
       baseline_alarms_[std::string(*baseline)].push_back(current_->step);
     }
+    if (options_.dump_signals.contains(observation.signal)) {
+      run_.series[std::string(observation.signal)].push_back(
+          SeriesValue{current_->step, observation.layer, observation.head, observation.value});
+    }
+    if (!BacktestDelivers(options_.signals, observation.signal)) return;
     Deliver(engine_.Observe(alerts::SignalPoint{current_->run, current_->step, observation.signal,
                                                 observation.layer, observation.head,
                                                 observation.value, observation.for_detection}));
@@ -455,6 +460,22 @@ std::string BacktestSummary(const BacktestResult& result) {
   return out.str();
 }
 
+std::optional<BacktestOptions::Signals> ParseBacktestSignals(std::string_view text) {
+  if (text == "all") return BacktestOptions::Signals::kAll;
+  if (text == "mechanism") return BacktestOptions::Signals::kMechanism;
+  if (text == "direct") return BacktestOptions::Signals::kDirect;
+  return std::nullopt;
+}
+
+bool BacktestDelivers(BacktestOptions::Signals mode, std::string_view signal) {
+  if (mode == BacktestOptions::Signals::kAll) return true;
+  // What reads the knob or the injected perturbation itself.
+  const bool direct = signal == "lr" || signal == "lr_over_held_max" ||
+                      signal == "attention_output_bias" || signal == "attention_output_error";
+  if (mode == BacktestOptions::Signals::kMechanism) return !direct;
+  return direct || signal == "attention_compute_bits";
+}
+
 std::string BacktestJson(const BacktestResult& result) {
   using nlohmann::json;
   auto opt = [](const auto& v) { return v ? json(*v) : json(nullptr); };
@@ -502,6 +523,15 @@ std::string BacktestJson(const BacktestResult& result) {
         {"files", run.files},
         {"error", run.error},
     });
+    if (!run.series.empty()) {
+      json series = json::object();
+      for (const auto& [signal, values] : run.series) {
+        json rows = json::array();
+        for (const SeriesValue& v : values) rows.push_back({v.step, v.layer, v.head, v.value});
+        series[signal] = std::move(rows);
+      }
+      runs.back()["series"] = std::move(series);
+    }
   }
   const Summary s = Summarize(result);
   auto median = [](const std::vector<double>& v) {

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,33 @@ struct BacktestOptions {
   int gradnorm_window = 200;
   int gradnorm_gap = 10;
   int gradnorm_persist = 3;
+  // Which detector outputs reach the alert engine (docs/EVALUATION.md's rows):
+  // kAll everything; kMechanism everything except what reads the knob (the
+  // learning rate the job streams, signals lr and lr_over_held_max, so
+  // neither the LR surge nor the probable cause's LR evidence sees it) and
+  // the output check (attention_output_bias / _error): as if the job
+  // streamed no LR and sent no check; kDirect only those (and
+  // attention_compute_bits, the dtype the cause reads). Non-finite events
+  // reach the engine in every mode.
+  enum class Signals { kAll, kMechanism, kDirect };
+  Signals signals = Signals::kAll;
+  // Signals whose every value (per head and the layer aggregate) is kept per
+  // run in BacktestRun::series, for offline reference detectors
+  // (tests/eval/reference.py).
+  std::set<std::string, std::less<>> dump_signals;
+};
+
+// "all", "mechanism", "direct"; nullopt for anything else.
+std::optional<BacktestOptions::Signals> ParseBacktestSignals(std::string_view text);
+// Whether a detector output of `signal` reaches the engine under `mode`.
+bool BacktestDelivers(BacktestOptions::Signals mode, std::string_view signal);
+
+// One value of a dumped signal (BacktestOptions::dump_signals).
+struct SeriesValue {
+  int64_t step = 0;
+  int layer = 0;
+  int head = 0;  // detectors::kAllHeads (-1) for the aggregate
+  double value = 0;
 };
 
 // One alert episode that reached firing.
@@ -85,6 +113,8 @@ struct BacktestRun {
     bool early = false;            // alarmed before the injection in a fault run
   };
   std::map<std::string, Baseline> baselines;  // olmo, megatron, nan, gradnorm_z
+  // BacktestOptions::dump_signals' values, by signal, in the order emitted.
+  std::map<std::string, std::vector<SeriesValue>> series;
 
   bool cause_correct() const { return fault && !expected_cause.empty() && cause == expected_cause; }
   bool first_cause_correct() const {

@@ -573,6 +573,20 @@ int RunBacktestCommand(const Args& args, const Globals& g) {
     }
     options.gradnorm_z = z;
   }
+  if (args.Has("signals")) {
+    const auto mode = ParseBacktestSignals(args.Get("signals"));
+    if (!mode) {
+      std::fprintf(stderr, "foreshockctl backtest: --signals is all, mechanism or direct\n");
+      return kExitUsage;
+    }
+    options.signals = *mode;
+  }
+  if (args.Has("dump_series")) {
+    std::stringstream names(args.Get("dump_series"));
+    for (std::string name; std::getline(names, name, ',');) {
+      if (!name.empty()) options.dump_signals.insert(name);
+    }
+  }
   // Files, or directories of recordings (foreshockd --record_dir).
   std::vector<std::string> files;
   for (const std::string& path : args.positional) {
@@ -735,10 +749,20 @@ std::vector<Command> Commands() {
       "  --config FILE            alert configuration (foreshockd --config format)\n"
       "  --divergence_warmup N    warm-up of the divergence rule without a warmup_steps\n"
       "                           label (default 100)\n"
-      "  --gradnorm_z Z           threshold of the gradnorm_z baseline (default 8)\n",
+      "  --gradnorm_z Z           threshold of the gradnorm_z baseline (default 8)\n"
+      "  --signals MODE           which detector outputs reach the alert engine: all\n"
+      "                           (default); mechanism: all but the learning rate the job\n"
+      "                           streams (signals lr, lr_over_held_max) and the attention\n"
+      "                           output check (attention_output_bias, attention_output_error),\n"
+      "                           as if the job streamed neither; direct: only those\n"
+      "                           (docs/EVALUATION.md's three rows)\n"
+      "  --dump_series S1,S2      with --json, every value of these signals (per head and\n"
+      "                           the layer aggregate, head -1) per run under \"series\":\n"
+      "                           [[step, layer, head, value], ...] (tests/eval/reference.py)\n",
       "foreshockctl backtest FILE|DIR... [--config FILE] [--divergence_warmup N] "
-      "[--gradnorm_z Z] [--json]",
-      {{"config", true}, {"divergence_warmup", true}, {"gradnorm_z", true}},
+      "[--gradnorm_z Z] [--signals all|mechanism|direct] [--dump_series S,...] [--json]",
+      {{"config", true}, {"divergence_warmup", true}, {"gradnorm_z", true}, {"signals", true},
+       {"dump_series", true}},
       1,
       SIZE_MAX,
       RunBacktestCommand});

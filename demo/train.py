@@ -10,7 +10,15 @@ Faults (docs/DESIGN.md §6.2), injected at --fault-step:
   lr_const learning rate times --lr-factor at once from --fault-step, held (a constant
            too-high LR)
   both     the two together (lowprec and lr)
-Benign controls: --lr-decay-step/--lr-decay-factor, --lr-restart-step (warm restart),
+  lr_hidden the optimizer's param groups get the LR times --lr-factor (ramped like lr)
+           while the job reports the schedule's LR (a multiplier bug: the knob reads normal)
+  lr_peak  the peak LR is --lr-factor times --lr from the start: the warm-up climbs to it,
+           so no LR rises over a held maximum (--fault-step is ignored)
+Other knob-blind faults: --no-balance-loss (the MoE load-balance loss off: router
+collapse), --adam-eps (a tiny epsilon with a low --beta2).
+Benign controls: --lr-decay-step/--lr-decay-factor, --lr-restart-step (warm restart;
+--lr-restart-peak-factor 2 re-warms to twice the peak), --lr-raise-step/--lr-raise-factor
+(a planned LR raise, held),
 --text-switch-step/--text-switch-to and --data-switch-step/--data-switch-to (text or
 data regime), --batch-size-change-step/--batch-size-to.
 
@@ -65,7 +73,8 @@ def parse_args(argv=None):
     # One thread: on 2 shared cores, a second intra-op thread made steps of this
     # tiny model no faster at best and ~30x slower when the other core was busy.
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--fault", choices=("none", "lowprec", "lr", "lr_const", "both", "nan"),
+    p.add_argument("--fault", choices=("none", "lowprec", "lr", "lr_const", "both", "nan",
+                                       "lr_hidden", "lr_peak"),
                    default="none",
                    help="nan: a NaN written into one weight at --fault-step (a numerical fault)")
     p.add_argument("--fault-step", type=int, default=300)
@@ -141,6 +150,15 @@ def parse_args(argv=None):
                    help="benign warm restart: the LR schedule starts over here (back to the "
                         "base LR after --lr-restart-warmup steps; an earlier decay is undone)")
     o.add_argument("--lr-restart-warmup", type=int, default=50)
+    o.add_argument("--lr-restart-peak-factor", type=float, default=1.0,
+                   help="benign: the warm restart climbs to this times the base LR (2: a "
+                        "re-warm to a higher peak, e.g. after doubling the batch size)")
+    o.add_argument("--lr-raise-step", type=int, default=None,
+                   help="benign: a planned LR raise here, by --lr-raise-factor, held")
+    o.add_argument("--lr-raise-factor", type=float, default=2.0)
+    o.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
+    o.add_argument("--no-balance-loss", action="store_true",
+                   help="fault: train without the MoE load-balance loss (router collapse)")
     o.add_argument("--batch-size-change-step", type=int, default=None,
                    help="benign: the batch size becomes --batch-size-to here")
     o.add_argument("--batch-size-to", type=int, default=None)
@@ -210,14 +228,21 @@ class DivergenceWatch:
         return self.step
 
 
-def lr_at(step, args):
-    """Warmup then constant, with the lr fault and the benign decay applied."""
+def lr_at(step, args, applied=False):
+    """Warmup then constant, with the lr fault and the benign decay applied: the
+    LR the job reports. applied: the LR the optimizer gets (differs under lr_hidden)."""
     restart = getattr(args, "lr_restart_step", None)
+    base = args.lr * (args.lr_factor if args.fault == "lr_peak" else 1.0)
     if restart is not None and step >= restart:
-        lr = args.lr * min(1.0, (step - restart + 1) / max(1, args.lr_restart_warmup))
+        peak = base * getattr(args, "lr_restart_peak_factor", 1.0)
+        lr = peak * min(1.0, (step - restart + 1) / max(1, args.lr_restart_warmup))
     else:
-        lr = args.lr * min(1.0, (step + 1) / max(1, args.warmup))
-    if args.fault in ("lr", "both") and step >= args.fault_step:
+        lr = base * min(1.0, (step + 1) / max(1, args.warmup))
+    raise_step = getattr(args, "lr_raise_step", None)
+    if raise_step is not None and step >= raise_step:
+        lr *= args.lr_raise_factor
+    if (args.fault in ("lr", "both") or (applied and args.fault == "lr_hidden")) \
+            and step >= args.fault_step:
         if args.lr_ramp_steps > 0:
             progress = min(1.0, (step - args.fault_step + 1) / args.lr_ramp_steps)
             lr *= args.lr_factor ** progress
@@ -387,7 +412,7 @@ def run(args, tap=None, out=print):
     # The probe stays on the starting data's held-out windows for the whole run.
     probe = data.probe_batch(args.probe_seqs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, args.beta2),
-                                  weight_decay=0.01)
+                                  eps=args.adam_eps, weight_decay=0.01)
     batches = torch.Generator().manual_seed(args.seed)
 
     monitor = None
@@ -452,13 +477,13 @@ def run(args, tap=None, out=print):
                 data = datasets[args.data_switch_to or args.text_switch_to]
             if args.batch_size_change_step is not None and step == args.batch_size_change_step:
                 batch_size = args.batch_size_to
-            lr = lr_at(step, args)
+            lr = lr_at(step, args)  # what the job reports (and streams)
             for group in optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr_at(step, args, applied=True)
             x, y = data.batch(batch_size, batches)
             logits = model(x)
             ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-            loss = ce + 0.01 * model.moe_aux_loss()
+            loss = ce if args.no_balance_loss else ce + 0.01 * model.moe_aux_loss()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(

@@ -46,8 +46,15 @@ AlertHub::~AlertHub() = default;
 
 void AlertHub::OnObservation(const detectors::Sample& sample,
                              const detectors::Observation& observation) {
-  // Only layer aggregates and run-level values drive alerts (the worst head).
-  if (observation.head != detectors::kAllHeads || !observation.for_detection) return;
+  // Layer aggregates and run-level values drive alerts, and the per-head
+  // values of the signals the configuration judges per head
+  // (alerts::SignalConfig::per_head); the engine decides what to score.
+  if (!observation.for_detection) return;
+  if (observation.head != detectors::kAllHeads) {
+    const auto& signals = engine_.config().signals;  // const after construction
+    const auto it = signals.find(observation.signal);
+    if (it == signals.end() || !it->second.per_head) return;
+  }
   alerts::SignalPoint point;
   point.run = sample.run;
   point.step = sample.step;

@@ -180,7 +180,11 @@ TEST(AlertEngineTest, PendingThatDoesNotPersistReturnsToInactive) {
 }
 
 TEST(AlertEngineTest, OneAlertPerLayerWhateverTheHeadsAndRanksFeeding) {
-  EngineDriver driver;
+  // The signal judged by its layer aggregate (per-head judgement:
+  // per_head_test.cc).
+  AlertConfig config = WithAttentionAlerts();
+  config.signals.at("qk_increment_entropy").per_head = false;
+  EngineDriver driver(config);
   std::normal_distribution<double> noise(0.0, 0.002);
   std::mt19937_64 rng(1);
   for (int i = 0; i < 120; ++i) {

@@ -421,6 +421,7 @@ AlertConfig DefaultsBeforeIssue13() {
   config.signals.erase("lr_over_held_max");  // no learning-rate alert then
   config.signals.erase("attention_output_bias");  // nor a rounding-bias alert
   for (auto& [name, signal] : config.signals) {
+    signal.per_head = false;  // every signal was judged by its layer aggregate (issue 25)
     ChangeDetectorOptions& o = signal.detector;
     o.warmup = 40;
     o.min_baseline = 0;
@@ -433,6 +434,7 @@ AlertConfig DefaultsBeforeIssue13() {
   config.signals.at("attention_max_logit").detector.change_detection = true;
   ChangeDetectorOptions& curvature = config.signals.at("curvature_eos_ratio").detector;
   curvature.warmup = 10;
+  curvature.min_absolute_change = 0.0;  // added by issue 25
   curvature.bound = 1.0;
   curvature.min_relative_change = 0.5;
   curvature.trend = true;

@@ -65,6 +65,8 @@ void ExpectSameConfig(const AlertConfig& a, const AlertConfig& b) {
     EXPECT_EQ(sa.alertname, sb.alertname) << name;
     EXPECT_EQ(sa.enabled, sb.enabled) << name;
     EXPECT_EQ(sa.severity, sb.severity) << name;
+    EXPECT_EQ(sa.per_head, sb.per_head) << name;
+    EXPECT_DOUBLE_EQ(sa.head_z_correction, sb.head_z_correction) << name;
     ExpectSameDetector(sa.detector, sb.detector, name);
   }
   EXPECT_EQ(a.nonfinite.enabled, b.nonfinite.enabled);
@@ -227,6 +229,13 @@ TEST(AlertConfigTest, BadValuesAreErrorsThatSayWhatIsExpected) {
                 "alerts.probable_cause.lr_rise_factor: must be a finite number > 1"},
            Case{"alerts:\n  probable_cause:\n    lr_baseline_steps: 50\n",
                 "must be > lr_baseline_gap_steps >= 0"},
+           Case{"alerts:\n  signals:\n    loss:\n      head_z_correction: -1\n",
+                "alerts.signals.loss.head_z_correction: must be a finite number >= 0, got -1"},
+           Case{"alerts:\n  signals:\n    loss:\n      per_head: 2\n",
+                "alerts.signals.loss.per_head: expected true or false"},
+           Case{"alerts:\n  signals:\n    a@h1:\n      alert: ForeshockLossSpike\n"
+                "      direction: rise\n",
+                "alerts.signals.a@h1: a signal name must not contain '@'"},
            Case{"alerts:\n  signals: [loss]\n", "alerts.signals: expected a mapping"},
            Case{"alerts: {signals: {loss: {warmup: 3}\n", "test.yaml"},  // YAML syntax error
        }) {

@@ -35,9 +35,9 @@ CAUSES = ("low_precision_attention", "learning_rate_too_high", "combined")
 
 # ------------------------------------------------------------------ replay
 
-def backtest(ctl, files, config=None, timeout=3600):
-    """foreshockctl backtest --json over `files`: its document."""
-    cmd = [ctl, "backtest", *files, "--json"]
+def backtest(ctl, files, config=None, timeout=3600, extra=()):
+    """foreshockctl backtest --json over `files` (and `extra` options): its document."""
+    cmd = [ctl, "backtest", *files, "--json", *extra]
     if config:
         cmd += ["--config", config]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -46,7 +46,7 @@ def backtest(ctl, files, config=None, timeout=3600):
     return json.loads(out.stdout)
 
 
-def backtest_parallel(ctl, files, config=None, jobs=2):
+def backtest_parallel(ctl, files, config=None, jobs=2, extra=()):
     """The same, with the files of each run kept together, over `jobs` processes."""
     by_run = {}
     for f in files:
@@ -56,7 +56,7 @@ def backtest_parallel(ctl, files, config=None, jobs=2):
         groups[i % len(groups)].extend(by_run[run])
     groups = [g for g in groups if g]
     with concurrent.futures.ThreadPoolExecutor(len(groups)) as pool:
-        docs = list(pool.map(lambda g: backtest(ctl, g, config), groups))
+        docs = list(pool.map(lambda g: backtest(ctl, g, config, extra=extra), groups))
     runs = sorted((r for d in docs for r in d["runs"]), key=lambda r: r["run_id"])
     errors = [e for d in docs for e in d["errors"]]
     return dict(runs=runs, errors=errors)
@@ -203,6 +203,75 @@ def baselines_summary(runs):
                    f"{before}/{len(faults)} | {beaten} |")
     return ("| baseline | on controls / before injection | alarmed before divergence | "
             "Foreshock's first alert earlier |\n|---|---|---|---|\n" + "\n".join(out))
+
+
+# ------------------------------------------------------------------ the three rows
+
+# Issue 25: what reads the mechanism apart from what reads the knob. Each row is
+# a replay of the same recordings (`foreshockctl backtest --signals`), plus the
+# two reference baselines (tests/eval/reference.py).
+ROWS = (("mechanism", "mechanism signals alone (no LR streamed, no output check)"),
+        ("direct", "direct checks alone (LR surge, output check)"),
+        ("shipped", "shipped defaults"),
+        ("qk_head_z", "reference: per-head robust z, QK-increment entropy"),
+        ("gradnorm_z", "reference: robust z, grad norm"))
+
+
+def three_rows(ctl, files, config=None, jobs=2):
+    """{row name: backtest-shaped rows} for ROWS."""
+    sys.path.insert(0, HERE)
+    import reference  # noqa: E402
+    mech = backtest_parallel(ctl, files, config, jobs,
+                             extra=("--signals", "mechanism",
+                                    "--dump_series", "qk_increment_entropy"))["runs"]
+    direct = backtest_parallel(ctl, files, config, jobs, extra=("--signals", "direct"))["runs"]
+    shipped = backtest_parallel(ctl, files, config, jobs)["runs"]
+    return dict(mechanism=mech, direct=direct, shipped=shipped,
+                qk_head_z=reference.qk_head_rows(mech), gradnorm_z=reference.gradnorm_rows(shipped))
+
+
+def wilson(k, n, z=1.96):
+    """The Wilson score interval of k successes in n, as 'lo-hi%'."""
+    if n == 0:
+        return "—"
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return f"{100 * max(0.0, c - h):.0f}-{100 * min(1.0, c + h):.0f}%"
+
+
+ROWS_HEADER = ("| group | row | warned before divergence (95% CI) | median lead % | "
+               "median lead (steps) | controls alarmed (95% CI) | faults alarmed before injection "
+               "| cause right | first alarm (runs) |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def rows_table(rows_by_name, group_of):
+    """The ROWS for every configuration group (group_of(run) -> group name)."""
+    groups = sorted({group_of(r) for r in rows_by_name["shipped"]}) + ["all"]
+    lines = [ROWS_HEADER]
+    for g in groups:
+        for name, title in ROWS:
+            chosen = [r for r in rows_by_name[name] if g == "all" or group_of(r) == g]
+            s = summarize(chosen)
+            reference_row = name in ("qk_head_z", "gradnorm_z")
+            firsts = {}
+            for r in chosen:
+                fa = r.get("first_alert") if not reference_row else None
+                if fa:
+                    fam = FAMILIES.get(fa["alertname"], fa["alertname"])
+                    firsts[fam] = firsts.get(fam, 0) + 1
+            first = ", ".join(f"{k} ×{v}" for k, v in sorted(firsts.items(), key=lambda kv: -kv[1]))
+            lines.append(
+                f"| {g} | {title} | {s['alerted_before_divergence']}/{s['diverged']} "
+                f"({wilson(s['alerted_before_divergence'], s['diverged'])}) | "
+                f"{pct(s['median_lead_fraction'])} | {opt(s['median_lead'])} | "
+                f"{s['controls_alerted']}/{s['control_runs']} "
+                f"({wilson(s['controls_alerted'], s['control_runs'])}) | "
+                f"{s['faults_alerted_early']}/{s['fault_runs']} | "
+                f"{'—' if reference_row else str(s['cause_correct']) + '/' + str(s['cause_labeled'])} | "
+                f"{first or '—'} |")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ calibration
@@ -359,6 +428,14 @@ def write_report(path, result, corpus, notes_path):
              f"replayed in {result['seconds']:.0f} s "
              f"({'the built-in defaults, identical to deploy/foreshock.yaml' if not result.get('config') else result['config']}).",
              ""]
+    if result.get("rows"):
+        lines += ["## Mechanism signals, direct checks, shipped defaults (issue 25)", "",
+                  "Three replays of the same recordings (`foreshockctl backtest --signals "
+                  "mechanism|direct|all`) and the two reference baselines "
+                  "(tests/eval/reference.py). Mechanism: every detector output except the learning "
+                  "rate the job streams (so neither the LR surge nor the cause's LR evidence reads "
+                  "it) and the attention output check. Direct: only those. Intervals: Wilson 95%.",
+                  "", rows_table(result["rows"], lambda r: r.get("split", "?")), ""]
     lines += ["## Held-out configurations", "",
               "Configurations the calibration never saw (other architectures and probe cadences "
               "than every calibration configuration). Decisions taken after looking at them are "
@@ -421,6 +498,8 @@ def main(argv=None):
                    help="also replay CALIBRATION_AXES: choice on the calibration configurations "
                         "and a leave-one-configuration-out table")
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--no-rows", action="store_true",
+                   help="skip the mechanism / direct / reference rows (two more replays)")
     args = p.parse_args(argv)
 
     sys.path.insert(0, HERE)
@@ -442,6 +521,13 @@ def main(argv=None):
                   per_config={c: summarize([r for r in runs if r["config"] == c])
                               for c in sorted({r["config"] for r in runs})})
     print(f"{len(runs)} runs from {len(files)} files replayed in {seconds:.0f} s")
+    if not args.no_rows:
+        result["rows"] = three_rows(args.foreshockctl, files, args.config, args.jobs)
+        for rows in result["rows"].values():
+            for r in rows:
+                r["split"] = split_of(r, splits)
+                r.pop("series", None)
+        print(rows_table(result["rows"], lambda r: r["split"]))
     if args.calibrate:
         candidates = grid(CALIBRATION_AXES)
         print(f"calibration: {len(candidates)} candidates")

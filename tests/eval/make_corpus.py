@@ -100,11 +100,13 @@ class Daemon:
 
 # -- the plan -------------------------------------------------------------------
 
-def plan(config_names, seeds, smoke=False):
+def plan(config_names, seeds, smoke=False, frozen=False, knob_blind=False):
     """The runs: dicts with run_id, config, scenario, seed, injection_step,
     expected_cause and the train.py flags (without endpoint)."""
     if smoke:
         return smoke_plan()
+    if frozen:
+        return frozen_plan()
     runs = []
     for name in config_names:
         c = configs.CONFIGS[name]
@@ -120,6 +122,29 @@ def plan(config_names, seeds, smoke=False):
             for scenario, (inj, flags) in c["faults"].items():
                 runs.append(make_run(c, scenario, seed, fault_steps[scenario], inj,
                                      flags + ["--fault-step", str(inj)]))
+            if knob_blind:
+                runs += knob_blind_runs(c, seed, control_steps)
+    return runs
+
+
+def knob_blind_runs(c, seed, control_steps):
+    """configs.KNOB_BLIND's scenarios for configuration `c` (issue 25 item 2)."""
+    runs = []
+    for scenario, (inj, flags, cause) in configs.KNOB_BLIND.items():
+        flags = [str(f) for f in flags]
+        fault = cause is not None or scenario in configs.KNOB_BLIND_UNNAMED_FAULTS
+        if scenario.startswith("lowprec") and c["attention_dtype"] != "bf16":
+            continue
+        if scenario == "no_balance" and "none" in c["flags"]:
+            continue  # no MoE layer
+        if fault:  # labelled expected_cause by make_run (configs.EXPECTED_CAUSE)
+            steps = min(MAX_STEPS, inj + c.get("fault_window", FAULT_WINDOW))
+            run = make_run(c, scenario, seed, steps, inj, flags + ["--fault-step", str(inj)])
+            run["kind"] = "fault"
+        else:
+            run = make_run(c, scenario, seed, control_steps, inj, flags, stop=None)
+            run["kind"] = "control"
+        runs.append(run)
     return runs
 
 
@@ -151,7 +176,7 @@ def make_run(c, scenario, seed, steps, inj, flags, stop=STOP_AFTER_DIVERGENCE):
 
 BENIGN_FLAGS = {"--lr-decay-step": "lr_decay", "--lr-restart-step": "lr_restart",
                 "--text-switch-step": "text_switch", "--data-switch-step": "data_switch",
-                "--batch-size-change-step": "batch_size_change"}
+                "--batch-size-change-step": "batch_size_change", "--lr-raise-step": "lr_raise"}
 
 
 def benign_events(flags):
@@ -175,6 +200,51 @@ def smoke_plan():
 
 
 # -- one run (a subprocess: python3 make_corpus.py --worker SPEC OUT) -----------
+
+# The frozen CI corpus (tests/eval/frozen/, recorded once; test_frozen_detection.py
+# replays it): a tiny bf16 model (2 layers of 4 heads of 8, MoE in layer 1,
+# ~10 ms a step alone), probes every 10 steps of 2 sequences (~1.3 MB a run).
+FROZEN_FLAGS = ["--n-layer", "2", "--d-model", "32", "--n-head", "4", "--moe", "alternate",
+                "--block-size", "32", "--batch-size", "8", "--lr", "3e-3", "--warmup", "50",
+                "--every", "10", "--probe-seqs", "2", "--curvature-every", "50",
+                "--curvature-seqs", "1", "--curvature-hvps", "2", "--data", "text",
+                "--attention-dtype", "bf16"]
+FROZEN_RUNS = {  # scenario -> (steps, injection, flags); tuned without a monitor, seed 0
+    "healthy": (900, None, []),
+    "benign": (900, 400, ["--lr-decay-step", "400", "--lr-decay-factor", "0.3"]),
+    "lr": (1000, 300, ["--fault", "lr", "--lr-factor", "300", "--lr-ramp-steps", "500"]),
+    # x128 (x32 and x512 @200: no divergence by step 1000 and 400; x128 ~ step 900).
+    "lowprec": (1100, 200, ["--fault", "lowprec", "--fault-strength", "128",
+                            "--lowprec-on", "both"]),
+}
+
+
+# A precision fault that diverges: the tiny model's loss only degrades under
+# lowprec (above), so gpt4-text-bf16's shape and x32 @300 (it diverged at 823 in
+# the corpus), probing 1 sequence every 20 steps to keep the recording small.
+FROZEN_GPT4_FLAGS = ["--n-layer", "4", "--d-model", "64", "--n-head", "4", "--moe", "default",
+                     "--block-size", "64", "--batch-size", "16", "--lr", "3e-3", "--warmup", "100",
+                     "--beta2", "0.95", "--every", "20", "--probe-seqs", "1",
+                     "--curvature-every", "50", "--curvature-seqs", "2", "--curvature-hvps", "3",
+                     "--data", "text", "--attention-dtype", "bf16"]
+FROZEN_GPT4_RUNS = {
+    "lowprec": (1100, 300, ["--fault", "lowprec", "--fault-strength", "32", "--lowprec-on", "both"]),
+}
+
+
+def frozen_plan():
+    """The frozen CI corpus's runs (FROZEN_RUNS, FROZEN_GPT4_RUNS)."""
+    runs = []
+    for name, flags_of, table in (("frozen-tiny-bf16", FROZEN_FLAGS, FROZEN_RUNS),
+                                  ("frozen-gpt4-bf16", FROZEN_GPT4_FLAGS, FROZEN_GPT4_RUNS)):
+        c = dict(name=name, split="frozen", attention_dtype="bf16", flags=flags_of)
+        for scenario, (steps, inj, flags) in table.items():
+            fault = scenario not in ("healthy", "benign")
+            runs.append(make_run(c, scenario, 0, steps, inj,
+                                 flags + (["--fault-step", str(inj)] if fault else []),
+                                 stop=STOP_AFTER_DIVERGENCE if fault else None))
+    return runs
+
 
 def worker(spec_path, out_path):
     sys.path[:0] = [ROOT, os.path.join(ROOT, "client", "python")]
@@ -265,6 +335,11 @@ def main(argv=None):
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--smoke", action="store_true",
                    help="two short runs of a tiny configuration (CI; ~1-2 minutes)")
+    p.add_argument("--knob-blind", action="store_true",
+                   help="also the faults the knob cannot reveal and the benign LR events of "
+                        "configs.KNOB_BLIND (issue 25 item 2)")
+    p.add_argument("--frozen", action="store_true",
+                   help="the frozen CI corpus's runs (FROZEN_RUNS; tests/eval/frozen/)")
     p.add_argument("--foreshockd", default=os.path.join(ROOT, "build", "server", "foreshockd"))
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--weight-qk", action="store_true",
@@ -273,7 +348,8 @@ def main(argv=None):
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     args = p.parse_args(argv)
 
-    runs = plan(args.only or list(configs.CONFIGS), args.seeds, smoke=args.smoke)
+    runs = plan(args.only or list(configs.CONFIGS), args.seeds, smoke=args.smoke,
+                frozen=args.frozen, knob_blind=args.knob_blind)
     if args.scenarios:
         runs = [r for r in runs if r["scenario"] in args.scenarios]
     if args.weight_qk:
@@ -299,7 +375,8 @@ def main(argv=None):
                                     "1.3x its running minimum, or the loss is not finite "
                                     "(demo/train.py divergence_step)",
                     configs={name: {k: v for k, v in c.items() if k != "name"}
-                             for name, c in configs.CONFIGS.items()} if not args.smoke else {})
+                             for name, c in configs.CONFIGS.items()}
+                    if not (args.smoke or args.frozen) else {})
     print(f"{len(runs)} runs planned, {len(runs) - len(todo)} already done, {len(todo)} to run",
           flush=True)
     if not todo:

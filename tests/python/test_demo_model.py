@@ -146,6 +146,27 @@ def test_lr_schedule_warmup_faults_and_decay():
     assert train.lr_at(70, args) == pytest.approx(5e-4)
 
 
+def test_lr_faults_the_reported_lr_cannot_show_and_benign_raises():
+    args = argparse.Namespace(lr=1e-3, warmup=10, fault="lr_hidden", fault_step=50, lr_factor=8.0,
+                              lr_ramp_steps=0, lr_decay_step=None, lr_decay_factor=0.5)
+    # A multiplier bug: the optimizer gets 8x, the job reports the schedule.
+    assert train.lr_at(60, args) == pytest.approx(1e-3)
+    assert train.lr_at(60, args, applied=True) == pytest.approx(8e-3)
+    assert train.lr_at(49, args, applied=True) == pytest.approx(1e-3)
+    # The peak set too high from the start: the warm-up climbs to 8x, reported as applied.
+    args.fault = "lr_peak"
+    assert train.lr_at(0, args) == pytest.approx(8e-4)
+    assert train.lr_at(9, args) == train.lr_at(9, args, applied=True) == pytest.approx(8e-3)
+    # Benign: a re-warm to twice the peak, and a planned raise, held.
+    args.fault = "none"
+    args.lr_restart_step, args.lr_restart_warmup, args.lr_restart_peak_factor = 100, 10, 2.0
+    assert train.lr_at(100, args) == pytest.approx(2e-4)
+    assert train.lr_at(120, args) == pytest.approx(2e-3)
+    args.lr_restart_step, args.lr_raise_step, args.lr_raise_factor = None, 80, 3.0
+    assert train.lr_at(79, args) == pytest.approx(1e-3)
+    assert train.lr_at(90, args) == pytest.approx(3e-3)
+
+
 def test_data_vocab_covers_both_texts_and_the_probe_is_fixed():
     texts = {name: tmg.load_text(name) for name in tmg.CORPORA}
     assert all(len(t) > 10000 for t in texts.values())
