@@ -11,6 +11,9 @@ namespace foreshock::alerts {
 namespace {
 
 constexpr size_t kFamilyCount = static_cast<size_t>(AlertFamily::kRoundingBias) + 1;
+// The fp32 hold lets go of a guard signal this many times beyond its bound
+// once the run has shown another sign of trouble (HeldForCorroboration).
+constexpr double kFarBeyondBound = 4.0;
 
 std::string Num(double value) {
   if (std::isnan(value)) return "n/a";
@@ -40,6 +43,7 @@ std::string Summary(std::string_view alertname, const std::string& run, int laye
     what = "Biased rounding in the attention kernel (output off its fp32 reference)";
   }
   if (alertname == kLossSpike) what = "Loss spike";
+  if (alertname == kLossDiverging) what = "Loss diverging (20-step mean above 1.3x its minimum)";
   if (alertname == kNonFinite) what = "Non-finite values";
   return internal::Cat(what, " in ", where);
 }
@@ -301,8 +305,13 @@ std::vector<AlertTransition> AlertEngine::Observe(const SignalPoint& point) {
     Evaluate(run, *series.record, series, series.detector.last(), point.step, out);
     return out;
   }
-  // Only a change of the series' state can move its alert.
-  if (assessment.state != before) {
+  // Only a change of the series' state can move its alert; and a held alert
+  // whose hold no longer applies (its value went far beyond its bound in a
+  // run that showed trouble) fires.
+  if (assessment.state != before ||
+      (assessment.state == SeriesState::kAnomalous &&
+       series.record->alert.state == AlertState::kPending &&
+       !HeldForCorroboration(run, *series.record))) {
     Evaluate(run, *series.record, series, assessment, point.step, out);
   }
   return out;
@@ -459,9 +468,28 @@ bool AlertEngine::HeldForCorroboration(const RunState& run, const AlertRecord& r
   for (const auto& [layer, bits] : run.attention_bits) {
     if (bits < 32) return false;
   }
+  // Another sign of trouble in the run: an alert of another kind firing now,
+  // or one that fired earlier in the run (then resolved: a loss spike).
+  bool trouble_seen = false;
   for (const auto& [key, other] : run.alerts) {
-    if (other.alert.state == AlertState::kFiring && Corroborates(FamilyOfAlert(other.alert.alertname))) {
-      return false;
+    if (!Corroborates(FamilyOfAlert(other.alert.alertname))) continue;
+    if (other.alert.state == AlertState::kFiring) return false;
+    trouble_seen |= other.alert.state == AlertState::kResolved;
+  }
+  // A value far beyond its absolute bound (attention max logit 800 against
+  // 100) is not the model learning: once the run has shown trouble it is not
+  // held any longer (issue 26: logits of 821-1,880 stayed held while the run
+  // diverged).
+  if (trouble_seen) {
+    for (const Series* s : record.series) {
+      const std::optional<double>& bound = s->config->detector.bound;
+      if (!bound || s->detector.state() != SeriesState::kAnomalous) continue;
+      const double value = s->detector.last().value;
+      const bool rise = s->config->detector.direction == Direction::kRise;
+      if (rise ? value >= kFarBeyondBound * *bound && *bound > 0
+               : value <= *bound / kFarBeyondBound && *bound > 0) {
+        return false;
+      }
     }
   }
   return true;

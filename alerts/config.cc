@@ -112,11 +112,18 @@ AlertConfig DefaultAlertConfig() {
   }
   add("router_z_loss", kRouterCollapse, Direction::kRise).min_relative_change = 0.5;
   {
-    // Guard only: any dead expert after warm-up (the count is already a
-    // windowed statistic in the router detector).
+    // Experts that die during training: the count (already a windowed
+    // statistic in the router detector) at least one above the run's own
+    // baseline after warm-up. No absolute bound: a random-init MoE often has
+    // experts that are dead from the first probe on and stay so (2 of 8 on
+    // small Qwen3-MoE and Mixtral runs); a dead-and-flat count is the
+    // model's state, not a collapse. A flat baseline has MAD 0, so the
+    // effect-size gate (one expert) decides; no trend (a count has none).
     ChangeDetectorOptions& o = add("router_dead_experts", kRouterCollapse, Direction::kRise);
-    o.change_detection = false;
-    o.bound = 0.0;
+    o.min_relative_change = 0.0;
+    o.min_absolute_change = 1.0;
+    o.trend = false;
+    o.gate_inflation = 0.0;
   }
   {
     ChangeDetectorOptions& o = add("router_load_cv", kRouterImbalance, Direction::kRise);
@@ -185,6 +192,25 @@ AlertConfig DefaultAlertConfig() {
     o.min_relative_change = 0.5;
     o.small_sample_inflation = 0.0;
     o.gate_inflation = 0.0;
+  }
+  // The last line: the evaluation's divergence rule (docs/DESIGN.md §6.3),
+  // the 20-step mean loss above 1.3x its running minimum since warm-up
+  // (detectors/loss_divergence_detector.cc does the warm-up). It fires on
+  // the first such step and stays firing until the run recovers (20
+  // consecutive samples at or below the bound) or ends, so a diverged run
+  // always has a firing alert. Critical: the run is no longer training.
+  {
+    SignalConfig& entry = config.signals["loss_over_running_min"];
+    entry.alertname = std::string(kLossDiverging);
+    entry.severity = "critical";
+    ChangeDetectorOptions& o = entry.detector;
+    o.direction = Direction::kRise;
+    o.change_detection = false;
+    o.bound = 1.3;
+    o.warmup = 0;
+    o.persist_m = 1;
+    o.persist_n = 1;
+    o.clear_after = 20;
   }
   return config;
 }

@@ -65,7 +65,8 @@ inline constexpr std::string_view kLearningRateSurge = "ForeshockLearningRateSur
 inline constexpr std::string_view kAttentionRoundingBias = "ForeshockAttentionRoundingBias";
 inline constexpr std::string_view kLossSpike = "ForeshockLossSpike";
 inline constexpr std::string_view kNonFinite = "ForeshockNonFinite";
-inline constexpr std::array<std::string_view, 10> kAlertNames = {
+inline constexpr std::string_view kLossDiverging = "ForeshockLossDiverging";
+inline constexpr std::array<std::string_view, 11> kAlertNames = {
     kQKIncrementCollapse,
     kAttentionLogitGrowth,
     kAttentionEntropyCollapse,
@@ -76,6 +77,7 @@ inline constexpr std::array<std::string_view, 10> kAlertNames = {
     kAttentionRoundingBias,
     kLossSpike,
     kNonFinite,
+    kLossDiverging,
 };
 
 // Severity label values accepted in the configuration.

@@ -35,8 +35,13 @@ ProbableCause ClassifyProbableCause(const CauseEvidence& evidence) {
       (!evidence.precision_ruled_out &&
        ((evidence.qk_spectrum && evidence.qk_before_learning_rate) ||
         (evidence.attention_logits && evidence.attention_before_learning_rate)));
+  // A router collapse is a symptom: with attention, curvature or LR evidence
+  // it points at the update size, alone it names no cause (a healthy MoE's
+  // router moves, and an alert from the router alone cannot tell why).
+  const bool router_points_at_lr =
+      evidence.router_collapse && (attention || evidence.curvature || evidence.lr_rise);
   // With fp32 attention an attention instability is the update size's doing.
-  const bool learning_rate = evidence.lr_rise || evidence.curvature || evidence.router_collapse ||
+  const bool learning_rate = evidence.lr_rise || evidence.curvature || router_points_at_lr ||
                              (evidence.precision_ruled_out && attention);
   if (precision && learning_rate) return ProbableCause::kCombined;
   if (learning_rate) return ProbableCause::kLearningRateTooHigh;

@@ -25,7 +25,9 @@
 //                   began before any learning-rate evidence (the LR had not
 //                   yet risen, and neither the curvature nor the router had
 //                   alerted),
-//       learning rate = LR rise or curvature or router collapse,
+//       learning rate = LR rise or curvature, or router collapse together
+//                       with attention, curvature or LR-rise evidence (a
+//                       router collapse alone names no cause: unknown),
 //       attention = qk spectrum or attention logits,
 // first match wins:
 //

@@ -18,7 +18,13 @@
 //    the run has *held*: a new level counts only after it has been held
 //    (equal within 1e-6) for `lr_held_samples` samples. A ramp never holds a
 //    level, so it is measured against where it started; a deliberate raise
-//    that is kept becomes the new reference.
+//    that is kept becomes the new reference, unless it is kSurgeFactor (3,
+//    the default bound of ForeshockLearningRateSurge) or more above the
+//    reference: such a level is the surge itself, and the run is measured
+//    against the LR it held before it for as long as it lasts, so the alert
+//    stays firing while the LR stays raised (issue 26: a x30 LR held for 20
+//    samples became the reference and the alert resolved while the run
+//    diverged).
 // Nothing is emitted for the first four samples, nor while the reference is
 // not positive (an LR of 0 at the start). Steps at or below the last one seen are skipped (a resumed run is
 // forgotten by the pool before its records arrive).
@@ -45,6 +51,10 @@ constexpr double kHeldTolerance = 1e-6;  // relative: a level is "the same" LR w
 // factors (lr ~ step: 51x from step 0 to 50, 2x to 100): the value starts at
 // the fifth sample, where a linear warm-up reads at most 4/3, a quadratic 16/9.
 constexpr int64_t kFirstScoredSample = 4;
+// A held level this many times the reference or more is never adopted as the
+// new reference after warm-up (the surge is measured against the LR the run
+// held before it while it lasts).
+constexpr double kSurgeFactor = 3.0;
 
 class LrScheduleDetector final : public Detector {
  public:
@@ -87,7 +97,8 @@ class LrScheduleDetector final : public Detector {
       run.level = lr;
       run.level_samples = 1;
     }
-    if (run.warmed_up && run.level_samples >= held_samples_) {
+    if (run.warmed_up && run.level_samples >= held_samples_ &&
+        run.level < kSurgeFactor * run.held_max) {
       run.held_max = std::max(run.held_max, run.level);
     }
   }

@@ -254,26 +254,38 @@ int Warmup(std::string_view signal) {
   return DefaultAlertConfig().signals.find(signal)->second.detector.warmup;
 }
 
-TEST(AlertEngineTest, DeadExpertsFireRouterCollapseOnlyAfterWarmup) {
+TEST(AlertEngineTest, ExpertsDeadFromInitializationAndFlatAreNoCollapse) {
+  // Issue 26: a random-init MoE with 2 experts dead from the first probe on,
+  // and staying dead, raised ForeshockRouterCollapse on every layer once
+  // scoring started (the old rule: any dead expert after warm-up).
+  EngineDriver driver;
+  for (int i = 0; i < 200; ++i) driver.Point("r1", 10 * i, "router_dead_experts", 3, 2);
+  EXPECT_TRUE(driver.transitions.empty());
+}
+
+TEST(AlertEngineTest, ExpertsThatDieDuringTrainingFireRouterCollapse) {
   EngineDriver driver;
   const int warmup = Warmup("router_dead_experts");
-  // Dead experts during warm-up are ignored ...
+  // Noisy during warm-up, then 2 dead experts, flat: the run's own state.
   for (int i = 0; i < warmup; ++i) {
-    driver.Point("r1", 10 * i, "router_dead_experts", 3, i < warmup / 2 ? 1 : 0);
+    driver.Point("r1", 10 * i, "router_dead_experts", 3, i < warmup / 2 ? 4 : 2);
   }
-  for (int i = warmup; i < warmup + 20; ++i)
-    driver.Point("r1", 10 * i, "router_dead_experts", 3, 0);
+  for (int i = warmup; i < warmup + 40; ++i)
+    driver.Point("r1", 10 * i, "router_dead_experts", 3, 2);
   EXPECT_TRUE(driver.transitions.empty());
-  // ... one after it fires on the third sample.
-  const int first = warmup + 20;
-  for (int i = first; i < first + 3; ++i) driver.Point("r1", 10 * i, "router_dead_experts", 3, 2);
+  // One more expert dies: it fires on the third sample.
+  const int first = warmup + 40;
+  for (int i = first; i < first + 3; ++i) driver.Point("r1", 10 * i, "router_dead_experts", 3, 3);
   const auto transitions = driver.Transitions(kRouterCollapse, "3");
   ASSERT_EQ(transitions.size(), 2u);
   EXPECT_EQ(transitions[1].to, AlertState::kFiring);
   EXPECT_EQ(transitions[1].step, 10 * (first + 2));
   EXPECT_EQ(transitions[1].alert.signal, "router_dead_experts");
-  EXPECT_NE(transitions[1].alert.description.find("above the absolute bound 0"), std::string::npos)
+  EXPECT_NE(transitions[1].alert.description.find("router_dead_experts rose to 3"),
+            std::string::npos)
       << transitions[1].alert.description;
+  // A router alert alone is no evidence of a cause.
+  EXPECT_EQ(transitions[1].alert.probable_cause, "unknown");
 }
 
 TEST(AlertEngineTest, CurvatureAtOrAboveTheEdgeIsNormalOnlyASustainedSurgeFires) {
@@ -389,7 +401,10 @@ TEST(AlertEngineTest, ProbableCauseFromTheRunsAlertFamilies) {
        {{"qk_increment_entropy", 3}, {"attention_max_logit", 4}},
        "low_precision_attention"},
       {"curvature only", {{"curvature_eos_ratio", kNoLayer}}, "learning_rate_too_high"},
-      {"router collapse only", {{"router_entropy", 1}}, "learning_rate_too_high"},
+      {"router collapse only: no evidence of a cause", {{"router_entropy", 1}}, "unknown"},
+      {"router collapse and curvature",
+       {{"router_entropy", 1}, {"curvature_eos_ratio", kNoLayer}},
+       "learning_rate_too_high"},
       {"attention logits, then curvature: both at fault",
        {{"attention_entropy", 2}, {"curvature_eos_ratio", kNoLayer}},
        "combined"},
@@ -925,6 +940,98 @@ TEST(AlertEngineTest, TheCauseIsProvisionalUntilItSettles) {
   // that confirms only now changes nothing.
   driver.Fault("r1", "router_entropy", 2, 1040, 0.9, 0.5);
   EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kCombined);
+}
+
+// Issue 26: in an fp32 run a loss spike fired and resolved, and attention max
+// logits of 800+ (bound 100) then stayed held ("this run computes attention
+// in fp32") while the run diverged. Far beyond its bound after the run showed
+// trouble, the value is not held any more.
+TEST(AlertEngineTest, ALogitFarBeyondItsBoundIsNotHeldOnceTheRunShowedTrouble) {
+  EngineDriver driver(DefaultAlertConfig());
+  driver.Point("r1", 0, "attention_compute_bits", 0, 32);
+  // A loss spike that fires and resolves.
+  for (int64_t step = 0; step < 60; ++step) driver.Point("r1", step, "loss", kNoLayer, 2.0);
+  for (int64_t step = 60; step < 66; ++step) driver.Point("r1", step, "loss", kNoLayer, 4.0);
+  for (int64_t step = 66; step < 90; ++step) driver.Point("r1", step, "loss", kNoLayer, 2.0);
+  const auto spike = driver.StateChanges(kLossSpike, "all");
+  ASSERT_EQ(spike.size(), 3u);
+  EXPECT_EQ(spike.back().to, AlertState::kResolved);
+  // Logits above the bound, but not far: held (pending), as before.
+  for (int64_t i = 0; i < 20; ++i) driver.Point("r1", 100 + 10 * i, "attention_max_logit", 0, 40);
+  for (int64_t i = 20; i < 25; ++i) driver.Point("r1", 100 + 10 * i, "attention_max_logit", 0, 150);
+  auto logit = driver.StateChanges(kAttentionLogitGrowth, "0");
+  ASSERT_EQ(logit.size(), 1u);
+  EXPECT_EQ(logit[0].to, AlertState::kPending);
+  for (const Alert& alert : driver.engine.AllAlerts("r1")) {
+    if (alert.alertname != kAttentionLogitGrowth) continue;
+    EXPECT_EQ(alert.state, AlertState::kPending);
+    EXPECT_NE(alert.description.find("Held: "), std::string::npos) << alert.description;
+  }
+  // 8x the bound: it fires.
+  driver.Point("r1", 350, "attention_max_logit", 0, 821);
+  logit = driver.StateChanges(kAttentionLogitGrowth, "0");
+  ASSERT_EQ(logit.size(), 2u);
+  EXPECT_EQ(logit[1].to, AlertState::kFiring);
+  EXPECT_EQ(logit[1].step, 350);
+  EXPECT_EQ(logit[1].alert.description.find("Held: "), std::string::npos);
+}
+
+// Without any other sign of trouble an fp32 run's far-out logit stays held:
+// the hold's purpose (heads that specialize) is kept.
+TEST(AlertEngineTest, ALogitFarBeyondItsBoundStaysHeldInAQuietFp32Run) {
+  EngineDriver driver(DefaultAlertConfig());
+  driver.Point("r1", 0, "attention_compute_bits", 0, 32);
+  for (int64_t i = 0; i < 20; ++i) driver.Point("r1", 100 + 10 * i, "attention_max_logit", 0, 40);
+  for (int64_t i = 20; i < 26; ++i) driver.Point("r1", 100 + 10 * i, "attention_max_logit", 0, 821);
+  for (const AlertTransition& t : driver.transitions) EXPECT_NE(t.to, AlertState::kFiring);
+}
+
+// The last line (issue 26): the evaluation's divergence rule as an alert that
+// fires on the first diverged sample, stays firing while the run stays
+// diverged, and resolves only once it has recovered for 20 samples.
+TEST(AlertEngineTest, LossDivergingFiresAtOnceAndStaysFiringUntilTheRunRecovers) {
+  EngineDriver driver(DefaultAlertConfig());
+  for (int64_t step = 100; step < 150; ++step) {
+    driver.Point("r1", step, "loss_over_running_min", kNoLayer, 1.0 + 0.001 * (step % 7));
+  }
+  EXPECT_TRUE(driver.transitions.empty());
+  driver.Point("r1", 150, "loss_over_running_min", kNoLayer, 1.31);
+  auto t = driver.StateChanges(kLossDiverging, "all");
+  ASSERT_EQ(t.size(), 1u);
+  EXPECT_EQ(t[0].to, AlertState::kFiring);
+  EXPECT_EQ(t[0].step, 150);
+  EXPECT_EQ(t[0].alert.severity, "critical");
+  EXPECT_EQ(t[0].alert.signal, "loss_over_running_min");
+  // 170 diverged steps, however it moves above the bound: still firing.
+  for (int64_t step = 151; step < 320; ++step) {
+    driver.Point("r1", step, "loss_over_running_min", kNoLayer, 1.4 + (step % 3));
+  }
+  ASSERT_EQ(driver.StateChanges(kLossDiverging, "all").size(), 1u);
+  // Recovered: 19 samples back under the bound are not enough, 20 are.
+  for (int64_t step = 320; step < 339; ++step) {
+    driver.Point("r1", step, "loss_over_running_min", kNoLayer, 1.1);
+  }
+  ASSERT_EQ(driver.StateChanges(kLossDiverging, "all").size(), 1u);
+  driver.Point("r1", 339, "loss_over_running_min", kNoLayer, 1.1);
+  t = driver.StateChanges(kLossDiverging, "all");
+  ASSERT_EQ(t.size(), 2u);
+  EXPECT_EQ(t[1].to, AlertState::kResolved);
+  // A consequence, not evidence: it names no cause by itself.
+  EXPECT_EQ(t[0].alert.probable_cause, "unknown");
+}
+
+// A diverging loss is another sign of trouble: an attention alert held in an
+// fp32 run fires with it.
+TEST(AlertEngineTest, LossDivergingReleasesAHeldAttentionAlert) {
+  EngineDriver driver(DefaultAlertConfig());
+  driver.Point("r1", 0, "attention_compute_bits", 0, 32);
+  for (int64_t i = 0; i < 20; ++i) driver.Point("r1", 100 + 10 * i, "attention_max_logit", 0, 40);
+  for (int64_t i = 20; i < 24; ++i) driver.Point("r1", 100 + 10 * i, "attention_max_logit", 0, 150);
+  ASSERT_EQ(driver.StateChanges(kAttentionLogitGrowth, "0").back().to, AlertState::kPending);
+  driver.Point("r1", 335, "loss_over_running_min", kNoLayer, 1.5);
+  const auto logit = driver.StateChanges(kAttentionLogitGrowth, "0");
+  ASSERT_EQ(logit.back().to, AlertState::kFiring);
+  EXPECT_EQ(logit.back().step, 335);
 }
 
 }  // namespace

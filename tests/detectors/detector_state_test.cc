@@ -161,6 +161,7 @@ std::vector<Case> StatefulCases() {
        }},
       {"router", MakeRouterScenario},
       {"scalar_baselines", MakeScalarScenario},
+      {"loss_divergence", MakeScalarScenario},
   };
 }
 

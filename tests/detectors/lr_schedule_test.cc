@@ -107,9 +107,27 @@ TEST(LrScheduleTest, AJumpAfterWarmupReadsItsFactorAtOnce) {
   const auto ratios = Feed(*detector, [](int64_t s) { return Warmup(s, 100) * (s >= 800 ? 15 : 1); }, 1000);
   EXPECT_EQ(FirstAbove(ratios, 2.0), 800);
   EXPECT_DOUBLE_EQ(*ratios[800], 15.0);
-  // Held for 20 samples it becomes the LR the run trains at: back to 1.
-  EXPECT_DOUBLE_EQ(*ratios[819], 15.0);
-  EXPECT_DOUBLE_EQ(*ratios[821], 1.0);
+  // A surge is measured against the LR held before it for as long as it
+  // lasts (issue 26: held for 20 samples it used to become the reference,
+  // and the alert resolved while the run diverged).
+  for (int64_t s = 800; s < 1000; ++s) ASSERT_DOUBLE_EQ(*ratios[s], 15.0) << s;
+}
+
+TEST(LrScheduleTest, ASurgeEndsWhenTheLrComesBackAndAKeptModestRaiseIsAdopted) {
+  auto detector = MakeDetector("lr_schedule");
+  auto schedule = [](int64_t s) {
+    const double base = Warmup(s, 100);
+    if (s >= 800 && s < 900) return 30 * base;  // a surge, undone at 900
+    if (s >= 1000) return 2 * base;             // a kept, deliberate doubling
+    return base;
+  };
+  const auto ratios = Feed(*detector, schedule, 1200);
+  EXPECT_DOUBLE_EQ(*ratios[899], 30.0);
+  EXPECT_DOUBLE_EQ(*ratios[900], 1.0);
+  EXPECT_DOUBLE_EQ(*ratios[1000], 2.0);
+  // Held for 20 samples, a raise below the surge factor is the new reference.
+  EXPECT_DOUBLE_EQ(*ratios[1019], 2.0);
+  EXPECT_DOUBLE_EQ(*ratios[1021], 1.0);
 }
 
 TEST(LrScheduleTest, AJumpDuringWarmupReadsAgainstThePreviousHigh) {

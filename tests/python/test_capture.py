@@ -3,6 +3,7 @@
 No daemon: the monitor points at a port nobody listens on and the records are
 read from its `tap`.
 """
+import contextlib
 import logging
 import math
 import time
@@ -726,3 +727,90 @@ def test_each_qk_sample_says_the_dtype_attention_is_computed_in(compute, declare
 def test_attention_dtype_must_be_a_known_name():
     with pytest.raises(ValueError, match="dtype must be one of"):
         make_monitor(nn.Identity(), torch.zeros(1, 2, 3, 4), attention_dtype="fp8")
+
+
+# -- mixed precision: the probe computes as the training forward does (issue 26) ----
+
+class PromotingInterfaceAttention(InterfaceAttention):
+    """HF under autocast: rotary with fp32 cos/sin promotes the bf16 q/k to fp32,
+    while the attention kernel (matmuls under autocast) computes in bf16."""
+
+    def forward(self, x, layer):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2).float()
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2).float()
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        y, _ = eager_attention_forward(self, rotary(q), rotary(k), v, None, scaling=self.scaling)
+        return self.o_proj(y.reshape(b, t, -1))
+
+
+def promoting_stack():
+    torch.manual_seed(0)
+    model = LlamaStack()
+    for layer in model.layers:
+        layer["self_attn"] = PromotingInterfaceAttention(32, 4, 2)
+    return model
+
+
+def train_steps(model, monitor, steps, autocast):
+    """A few training steps, the forward under autocast (when given), and
+    monitor.step() after optimizer.step(), outside it, as the README says."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    data = torch.randint(0, 13, (2, 6), generator=torch.Generator().manual_seed(3))
+    for step in range(steps):
+        context = torch.autocast("cpu", dtype=autocast) if autocast is not None \
+            else contextlib.nullcontext()
+        with context:
+            loss = model(data).float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.step(step, loss=loss.item())
+
+
+@pytest.mark.parametrize("stack", [LlamaStack, promoting_stack])
+@pytest.mark.parametrize("autocast, monitor_autocast, expected", [
+    (torch.bfloat16, None, "BFLOAT16"),  # followed from the training forward
+    (None, None, "FLOAT32"),
+    (torch.bfloat16, False, "FLOAT32"),  # switched off: the probe runs as called
+    (None, "bf16", "BFLOAT16"),          # declared (the callbacks do this)
+])
+def test_the_attention_dtype_is_what_the_training_forward_computes_in(
+        stack, autocast, monitor_autocast, expected):
+    """Issue 26: with torch.autocast("cpu", torch.bfloat16) around the forward and
+    monitor.step() after optimizer.step(), the probe ran in fp32 and the run was
+    reported as computing attention in fp32. The probe now runs under the
+    training forward's autocast, and an attention function's output dtype (bf16
+    under autocast, though handed fp32 q/k) is the compute dtype."""
+    model = stack()
+    probe = torch.randint(0, 13, (2, 6), generator=torch.Generator().manual_seed(1))
+    kwargs = {} if monitor_autocast is None else {"autocast": monitor_autocast}
+    monitor, records = make_monitor(model, probe, every=2, **kwargs)
+    try:
+        train_steps(model, monitor, 3, autocast)
+        qk = [r.qk for r in records if r.WhichOneof("payload") == "qk"]
+        assert len(qk) == 2 * len(model.layers)  # probes at steps 0 and 2
+        for sample in qk:
+            assert encoding.pb.DType.Name(sample.attention_dtype) == expected, sample.layer
+        assert monitor.stats()["probe_failures"] == 0
+    finally:
+        monitor.close(timeout=0.1)
+    assert not torch.is_autocast_cpu_enabled()  # nothing leaked out of the probe
+
+
+def test_autocast_must_be_bf16_or_fp16():
+    with pytest.raises(ValueError, match="autocast must be"):
+        make_monitor(nn.Identity(), torch.zeros(1, 2, 3, 4), autocast="fp8")
+
+
+def test_discovered_sites_print_short():
+    """print(monitor.attention_sites) was 100+ KB for HF models: each site's
+    repr dragged its modeling module's globals."""
+    model = InterfaceStack("eager")
+    monitor, _ = make_monitor(model, torch.zeros(1, 3, dtype=torch.long))
+    try:
+        text = repr(monitor.attention_sites)
+        assert len(monitor.attention_sites) == 2 and len(text) < 400, text
+        assert "layer=0" in text and "InterfaceAttention" in text
+    finally:
+        monitor.close(timeout=0.1)

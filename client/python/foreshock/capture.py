@@ -16,6 +16,7 @@ Two ways to get Q/K out of a forward pass (see README.md):
 Hooks and wrappers are attached only for the duration of a probe forward, so
 the training forward pays nothing for them.
 """
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -143,7 +144,42 @@ def fold_scaling(q, scaling, head_dim):
     return q if abs(factor - 1.0) < 1e-6 else q * factor
 
 
-@dataclasses.dataclass
+def autocast_dtype(device_type):
+    """The dtype autocast computes in on `device_type` right now, or None when
+    autocast is off there. torch >= 2.4 has is_autocast_enabled(device_type) and
+    get_autocast_dtype(device_type); older versions (1.13 included) only the
+    per-device functions for cuda and cpu."""
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        return None
+    except (TypeError, AttributeError, RuntimeError):
+        pass  # torch < 2.4
+    if device_type == "cuda":
+        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+    if device_type == "cpu":
+        enabled = getattr(torch, "is_autocast_cpu_enabled", None)
+        if enabled is not None and enabled():
+            return torch.get_autocast_cpu_dtype()
+    return None
+
+
+def autocast_context(device_type, dtype):
+    """torch.autocast(device_type, dtype), or a no-op context for dtype None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def without_autocast(device_type):
+    """A context in which autocast is off on `device_type` (an fp32 reference)."""
+    try:
+        return torch.autocast(device_type=device_type, enabled=False)
+    except RuntimeError:  # a device type autocast does not know
+        return contextlib.nullcontext()
+
+
+@dataclasses.dataclass(repr=False)
 class AttentionSite:
     """One discovered attention module and how to read Q and K from it."""
     layer: int
@@ -164,8 +200,15 @@ class AttentionSite:
     verified: bool = False
     warned: set = dataclasses.field(default_factory=set)
 
+    def __repr__(self):
+        # Short: the module and the interface globals (a modeling module's whole
+        # namespace) would make print(monitor.attention_sites) 100+ KB.
+        return (f"AttentionSite(layer={self.layer}, name={self.name!r}, kind={self.kind!r}, "
+                f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
+                f"head_dim={self.head_dim}, module={type(self.module).__name__})")
 
-@dataclasses.dataclass
+
+@dataclasses.dataclass(repr=False)
 class RouterSite:
     layer: int
     name: str
@@ -173,6 +216,10 @@ class RouterSite:
     top_k: int
     module: torch.nn.Module
     warned: bool = False
+
+    def __repr__(self):
+        return (f"RouterSite(layer={self.layer}, name={self.name!r}, n_experts={self.n_experts}, "
+                f"top_k={self.top_k}, module={type(self.module).__name__})")
 
 
 def _interface_globals(module):
@@ -493,6 +540,10 @@ class ProbeCollector:
         # attention function called again in fp32 (interface sites).
         self.output_checks = {}
         self.check_outputs = check_outputs
+        # layer -> the dtype of the attention function's output (interface
+        # sites): what the kernel computed in, which under autocast is not the
+        # dtype of the Q/K it was handed (rotary with fp32 cos/sin promotes them).
+        self.output_dtypes = {}
 
     def add_qk(self, store, layer, q, k, seq_len):
         if layer in store:
@@ -585,7 +636,7 @@ class ProbeCollector:
                 continue
             handles.append(_InterfaceTap(
                 site, functools.partial(self._tapped, site),
-                functools.partial(self._check_output, site) if self.check_outputs else None))
+                functools.partial(self._on_output, site)))
             if not site.verified and site.fallback_kind:
                 # Until the module is seen calling the interface, also sample its
                 # projections, in case it bypasses the interface (GPT-2's eager
@@ -613,19 +664,30 @@ class ProbeCollector:
             _warn_once(site, "error", "foreshock: sampling Q/K of %s failed (%s); not sampled: %s",
                        site.name, e, CAPTURE_QK_HINT)
 
+    def _on_output(self, site, module, fn, args, kwargs, result):
+        """The tapped attention function returned: note its output dtype, and
+        check the output against an fp32 reference when asked to."""
+        out = result[0] if isinstance(result, (tuple, list)) else result
+        if isinstance(out, torch.Tensor) and out.is_floating_point():
+            self.output_dtypes.setdefault(site.layer, out.dtype)
+        if self.check_outputs:
+            self._check_output(site, module, fn, args, kwargs, result)
+
     def _check_output(self, site, module, fn, args, kwargs, result):
-        """The attention function's output against the same function on fp32 inputs:
-        the model's own mask and scaling, only the precision differs. Low-precision
-        inputs only (fp32 attention has nothing to compare with itself)."""
+        """The attention function's output against the same function on fp32 inputs
+        with autocast off: the model's own mask and scaling, only the precision
+        differs. Low-precision attention only (inputs or, under autocast, the
+        output; fp32 attention has nothing to compare with itself)."""
         if site.layer in self.output_checks:
             return
         query = args[0] if args else kwargs.get("query")
-        if not isinstance(query, torch.Tensor) or query.dtype not in (torch.bfloat16,
-                                                                     torch.float16):
+        out = result[0] if isinstance(result, (tuple, list)) else result
+        low = (torch.bfloat16, torch.float16)
+        if not isinstance(query, torch.Tensor) or not isinstance(out, torch.Tensor) or \
+                (query.dtype not in low and out.dtype not in low):
             return
         try:
-            out = result[0] if isinstance(result, (tuple, list)) else result
-            with torch.no_grad():
+            with torch.no_grad(), without_autocast(query.device.type):
                 ref = fn(module, *[output_check.upcast(a) for a in args],
                          **{name: output_check.upcast(a) for name, a in kwargs.items()})
             ref = ref[0] if isinstance(ref, (tuple, list)) else ref

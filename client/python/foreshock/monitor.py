@@ -79,11 +79,22 @@ class Monitor:
         shape_mismatch); it multiplies K's bytes by heads / kv_heads.
       attention_dtype: the dtype the model computes attention in, "fp32",
         "bf16" or "fp16", sent with every QK sample (QKSample.attention_dtype).
-        None (default): the dtype of the captured Q, which is right for a
-        model that runs attention on the Q/K it projects (autocast included).
-        Set it when a kernel computes attention in another precision than
-        its inputs. fp32 attention rules out a precision fault in the
-        daemon's probable cause.
+        None (default): what the probe forward computed attention in: the
+        output dtype of a transformers attention function (under autocast a
+        bf16 kernel is often handed fp32 Q/K: rotary with fp32 cos/sin
+        promotes them), else the autocast dtype when the probe ran under
+        autocast, else the captured Q's dtype. Set it when a kernel computes
+        attention in another precision than that. fp32 attention rules out a
+        precision fault in the daemon's probable cause.
+      autocast: the mixed precision the probe forward runs under, so that it
+        computes as the training forward does. None (default): follow the
+        training forward: the monitor notes torch's autocast state (enabled,
+        dtype) each time the model's first attention module (or the model)
+        runs outside a probe, and the probe runs under the same autocast,
+        even when step() is called outside the autocast block, as it should
+        be (after optimizer.step()). "bf16"/"fp16" or a torch dtype: always
+        autocast to it; False: never. The Trainer and Lightning callbacks set
+        it from bf16=/fp16= and precision="bf16-mixed"/"16-mixed".
       output_check: on the probe, compare each discovered bf16/fp16 attention's
         output with the same attention function run on fp32 inputs, and send
         the rounding error's means (QKSample.output_check; the daemon's
@@ -110,7 +121,8 @@ class Monitor:
                  backoff_initial_s=0.1, backoff_max_s=5.0, channel_options=(), curvature=None,
                  probe_all_ranks=False, endpoints=None, token=None, tls_ca=None, tls_cert=None,
                  tls_key=None, broadcast_kv=False, probe_heads=None, probe_tokens=None,
-                 max_probe_bytes=48 << 20, attention_dtype=None, output_check=True):
+                 max_probe_bytes=48 << 20, attention_dtype=None, output_check=True,
+                 autocast=None):
         if run_id is None or job is None:
             raise TypeError("Monitor() needs run_id and job")
         if (endpoint is None) == (endpoints is None):
@@ -131,6 +143,8 @@ class Monitor:
         self.router_dtype = encoding.check_dtype(router_dtype)
         self.attention_dtype = None if attention_dtype is None \
             else encoding.check_dtype(attention_dtype)
+        self.autocast = _check_autocast(autocast)
+        self._training_autocast = None  # (device type, dtype) of the last training forward
         self.probe_id = probe_id
         self.causal = causal
         self.output_check = bool(output_check)
@@ -172,6 +186,15 @@ class Monitor:
             log.info("foreshock: discovery found %d attention layer(s)%s and %d router(s)%s",
                      len(self.attention_sites), _site_list(self.attention_sites),
                      len(self.router_sites), _site_list(self.router_sites))
+        # The training forward's autocast, noted where attention runs (a
+        # pre-hook: accelerate wraps model.forward itself in autocast, so the
+        # root module's own pre-hooks run outside it).
+        self._autocast_hook = None
+        if model is not None:
+            watched = self.attention_sites[0].module if self.attention_sites and \
+                self.attention_sites[0].module is not None else model
+            self._device_type = _device_type(model)
+            self._autocast_hook = watched.register_forward_pre_hook(self._note_autocast)
         # Set by the first probe in which capture_qk/capture_router is called:
         # from then on the discovery hooks of that kind are not attached.
         self._explicit_qk = False
@@ -277,6 +300,7 @@ class Monitor:
         routers = collector.explicit_router if self._explicit_router \
             else collector.discovered_router
         probe_heads, probe_tokens = self._sampling_plan(qk)
+        probe_autocast = self._probe_autocast()[1]
         for layer in sorted(qk):
             q, k, seq_len, sampled = qk[layer]
             if sampled is None:  # not sampled as it was captured: now
@@ -292,7 +316,8 @@ class Monitor:
                 layer=layer, probe_id=self.probe_id, causal=self.causal, seq_len=seq_len,
                 q=encoding.encode_tensor(q, self.dtype), k=encoding.encode_tensor(k, self.dtype),
                 kv_head_of=kv_head_of, heads=heads,
-                attention_dtype=encoding.wire_dtype(self.attention_dtype or q.dtype)))
+                attention_dtype=encoding.wire_dtype(
+                    self._attention_dtype(collector, layer, q, probe_autocast))))
             check = collector.output_checks.get(layer)
             if check is not None:
                 record.qk.output_check.CopyFrom(pb.AttentionOutputCheck(**check))
@@ -306,6 +331,34 @@ class Monitor:
             self._emit(record)
         self._counts["probes"] += 1
         self._probe_seconds += time.perf_counter() - start
+
+    def _attention_dtype(self, collector, layer, q, probe_autocast):
+        """What the probe computed this layer's attention in (see attention_dtype)."""
+        if self.attention_dtype is not None:
+            return self.attention_dtype
+        out = collector.output_dtypes.get(layer)
+        if out is not None:
+            return out
+        if probe_autocast is not None and q.dtype == torch.float32:
+            return probe_autocast  # matmuls and SDPA compute in the autocast dtype
+        return q.dtype
+
+    def _note_autocast(self, _module, _args):
+        """Forward pre-hook: the autocast state of a training forward (not noted
+        while torch.compile traces: a compiled run says autocast= or uses a callback)."""
+        if self._collector is None and not _compiling():
+            self._training_autocast = (self._device_type,
+                                       capture.autocast_dtype(self._device_type))
+
+    def _probe_autocast(self):
+        """(device type, dtype) the probe runs under; dtype None: no autocast."""
+        if self.autocast is False:
+            return None, None
+        if self.autocast is not None:
+            return self._device_type, self.autocast
+        if self._training_autocast is not None:
+            return self._training_autocast
+        return None, None
 
     def _sample(self, q, k, seq_len, probe_heads, probe_tokens):
         """One layer's q [H, N, d], k [Hkv, N, d] as this probe sends them:
@@ -380,8 +433,9 @@ class Monitor:
         switch modules the user keeps in eval, e.g. a frozen dropout, to train)."""
         modes = [(m, m.training) for m in self.model.modules()]
         self.model.eval()
+        device_type, dtype = self._probe_autocast()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), capture.autocast_context(device_type, dtype):
                 batch = self.probe_batch
                 if isinstance(batch, Mapping):  # dict, or a tokenizer's BatchEncoding
                     self.model(**batch)
@@ -498,6 +552,9 @@ class Monitor:
         handing the run over to another)."""
         if not self._closed:
             self._closed = True
+            if self._autocast_hook is not None:
+                self._autocast_hook.remove()
+                self._autocast_hook = None
             self._sender.close(timeout, goodbye=end)
             if self._alerts is not None:
                 self._alerts.close(timeout)
@@ -519,6 +576,34 @@ class Monitor:
             self._counts["enqueued"] += 1
         else:
             self._counts["dropped_queue_full"] += 1
+
+
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _check_autocast(autocast):
+    """Monitor(autocast=...): None, False, or a torch dtype of bf16/fp16."""
+    if autocast is None or autocast is False:
+        return autocast
+    if isinstance(autocast, str) and autocast in _AUTOCAST_DTYPES:
+        return _AUTOCAST_DTYPES[autocast]
+    if autocast in (torch.bfloat16, torch.float16):
+        return autocast
+    raise ValueError(f"autocast must be None, False, 'bf16', 'fp16' or torch.bfloat16/float16, "
+                     f"got {autocast!r}")
+
+
+def _compiling():
+    compiler = getattr(torch, "compiler", None)
+    is_compiling = getattr(compiler, "is_compiling", None)
+    return bool(is_compiling is not None and is_compiling())
+
+
+def _device_type(model):
+    """The device type the model's parameters live on ("cpu" without any)."""
+    for param in model.parameters():
+        return param.device.type
+    return "cpu"
 
 
 def _site_list(sites, shown=4):

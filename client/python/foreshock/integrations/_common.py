@@ -94,19 +94,26 @@ class MonitorOwner:
         self.monitor = monitor
         self.prober = Prober(monitor) if monitor is not None else None
 
-    def start(self, model, rank, device, run_id, job):
+    def start(self, model, rank, device, run_id, job, autocast=None):
         """At the start of training: the monitor of this training, on `rank`,
         with the probe batch on `device`. `run_id` and `job` are the
-        framework's defaults, used unless the constructor was given them."""
+        framework's defaults, used unless the constructor was given them;
+        `autocast` ("bf16", "fp16" or None) is the framework's mixed precision,
+        for a monitor whose autocast was not set (Monitor(autocast=...))."""
         if not self.owns_monitor:
             if self.monitor.probe_batch is not None:
                 self.monitor.probe_batch = to_device(self.monitor.probe_batch, device)
+            if autocast is not None and self.monitor.autocast is None:
+                self.monitor.autocast = _monitor_autocast(autocast)
             return self.monitor
         if self.monitor is not None:
             self.monitor.close()  # a second train()/fit() call: a fresh stream
         probe_batch = None
         if self._probe_batch is not None:
             probe_batch = to_device(self._probe_batch, device)
+        kwargs = dict(self._monitor_kwargs)
+        if autocast is not None and kwargs.get("autocast") is None:
+            kwargs["autocast"] = autocast
         try:
             # Without a probe batch the model is not needed (scalars only), so
             # a model the Monitor cannot probe is no reason to refuse.
@@ -114,7 +121,7 @@ class MonitorOwner:
                                    job=self._job or job,
                                    model=model if probe_batch is not None else None,
                                    probe_batch=probe_batch, every=self._every, rank=rank,
-                                   **self._monitor_kwargs)
+                                   **kwargs)
         except ValueError as e:
             raise ValueError(f"ForeshockCallback: {e} (here: probe_batch=None sends the "
                              "scalars only)") from e
@@ -128,6 +135,10 @@ class MonitorOwner:
             stats = self.monitor.stats()
             log.info("foreshock: closed; %d record(s) acked, %d probe(s), %d unsent at close",
                      stats["acked_records"], stats["probes"], stats["unsent_at_close"])
+
+
+def _monitor_autocast(name):
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 def send_scalars(monitor, step, loss=None, grad_norm=None, lr=None):

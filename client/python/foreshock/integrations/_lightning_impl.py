@@ -27,6 +27,18 @@ def default_run_id(trainer):
     return "/".join([name, *rel.split(os.sep)])
 
 
+def lightning_autocast(trainer):
+    """"bf16"/"fp16" when the Trainer's precision runs the forward under autocast
+    ("bf16-mixed", "16-mixed"; "bf16" and 16 in Lightning 1.x), else None
+    ("bf16-true" holds bf16 weights: the probe computes in bf16 as it is)."""
+    precision = str(getattr(trainer, "precision", "32"))
+    if precision in ("bf16-mixed", "bf16"):
+        return "bf16"
+    if precision in ("16-mixed", "16"):
+        return "fp16"
+    return None
+
+
 def total_grad_norm(parameters):
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
@@ -127,7 +139,7 @@ class ForeshockCallbackMixin:
                              "pass grad_norm=False")
         run_id = default_run_id(trainer)  # trainer.log_dir: a collective, all ranks call it
         owner.start(model, rank=trainer.global_rank, device=pl_module.device, run_id=run_id,
-                    job=DEFAULT_JOB)
+                    job=DEFAULT_JOB, autocast=lightning_autocast(trainer))
         self._reset_step_state(trainer.global_step)
         if trainer.global_step == 0:
             owner.prober.maybe_probe(0)  # the weights before the first update

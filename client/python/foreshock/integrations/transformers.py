@@ -15,6 +15,9 @@
   global_step % every == 0, and once at step 0 before the first update. Step
   s is the model after s optimizer steps, as in `monitor.step(s, ...)` of a
   hand-written loop.
+- Mixed precision: with bf16=True or fp16=True the probe runs under the same
+  autocast as the Trainer's forward, so the attention compute dtype the
+  daemon sees (foreshock_attention_compute_bits) is the training's.
 - Ranks: the Monitor's rank is args.process_index. Every rank sends its
   scalars; only rank 0 probes (unless probe_all_ranks=True). A model
   sharded with FSDP2 runs the probe forward on every rank (it is
@@ -78,9 +81,12 @@ class ForeshockCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         owner = self._owner
+        # Mixed precision: the Trainer runs its forward under autocast; so does the probe.
+        autocast = "bf16" if getattr(args, "bf16", False) else \
+            "fp16" if getattr(args, "fp16", False) else None
         monitor = owner.start(owner.model if owner.model is not None else model,
                               rank=args.process_index, device=args.device,
-                              run_id=default_run_id(args), job=DEFAULT_JOB)
+                              run_id=default_run_id(args), job=DEFAULT_JOB, autocast=autocast)
         if owner.owns_monitor and args.process_index == 0:
             log.info("foreshock: run %s: scalars every %s step(s) (logging_steps), probes "
                      "every %d step(s)%s", monitor.run_id, args.logging_steps, monitor.every,
