@@ -88,9 +88,10 @@ void Sender::Run() {
     }
     std::chrono::milliseconds hint{0};
     const bool had_hello = RunStream(&hint);
-    if (!had_hello) {
+    if (!had_hello || rank_in_use_) {
       std::lock_guard<std::mutex> lock(mu_);
-      ++stats_.failed_connects;
+      if (!had_hello) ++stats_.failed_connects;
+      if (rank_in_use_) ++stats_.rank_in_use;
     }
     if (had_hello) backoff = options_.backoff_initial;
     if (idle_ended_) {
@@ -228,6 +229,10 @@ bool Sender::RunStream(std::chrono::milliseconds* retry_hint) {
   }
   // --stream_idle_timeout_ms: the daemon acked everything it got; a batch
   // written as the stream ended stays unacked here and is resent.
+  // Another sender's live stream holds the rank (docs/DESIGN.md §3.4): the
+  // hint above paces the retries until the rank is free.
+  rank_in_use_ = status.error_code() == grpc::StatusCode::ALREADY_EXISTS &&
+                 status.error_message().rfind("rank_in_use", 0) == 0;
   idle_ended_ = status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
                 status.error_message().rfind("stream_idle_timeout", 0) == 0;
   return hello_acked;

@@ -225,6 +225,33 @@ TEST_F(SenderTest, ARefusedStreamWaitsForTheDaemonsRetryHint) {
   EXPECT_EQ(Loss("hinted").size(), 1u);
 }
 
+// Issue 27: a rank another sender's live stream holds is refused
+// (ALREADY_EXISTS rank_in_use). The sender counts it, retries after the
+// hint, and delivers once the holder's stream ends.
+TEST_F(SenderTest, ARankAnotherSenderHoldsIsRetriedAndCounted) {
+  Start();
+  IngestStream holder(grpc::CreateChannel(endpoint(), grpc::InsecureChannelCredentials()));
+  v1::Hello held = MakeHello("shared-rank");
+  held.set_first_seq(1);
+  held.set_sender_id(424242);
+  ASSERT_TRUE(holder.Open(held).ok());
+  Sender sender(endpoint(), MakeHello("shared-rank"), FastBackoff());
+  sender.Enqueue(LossRecord(1));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (sender.stats().rank_in_use == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_GE(sender.stats().rank_in_use, 1u);
+  EXPECT_EQ(sender.stats().acked, 0u);
+  EXPECT_GE(foreshock::testing::CounterValue(daemon_->registry(),
+                                             "foreshock_ingest_rejected_total",
+                                             {{"reason", "rank_in_use"}}),
+            1);
+  EXPECT_TRUE(holder.Close().ok());  // the rank frees: the record gets through
+  ASSERT_TRUE(sender.Close(std::chrono::seconds(20)));
+  EXPECT_EQ(Loss("shared-rank").size(), 1u);
+}
+
 TEST_F(SenderTest, CloseEndsTheRunUnlessToldToKeepItOpen) {
   Start();
   {

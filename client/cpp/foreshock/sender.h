@@ -12,6 +12,9 @@
 //   network fails), the thread reconnects with exponential backoff and full
 //   jitter, or after the daemon's retry-after-ms hint, and resends every
 //   unacknowledged batch with its old seq first; the daemon deduplicates.
+// - A rank another sender's live stream holds (ALREADY_EXISTS rank_in_use,
+//   docs/DESIGN.md §3.4) is retried the same way until it is free (counted:
+//   rank_in_use).
 // - A batch over the daemon's --max_message_mb (message_too_large) is dropped,
 //   not resent forever (counted: dropped_too_large).
 // - A stream the daemon ended for idleness (stream_idle_timeout: nothing was
@@ -73,6 +76,9 @@ struct SenderStats {
   uint64_t dropped_after_close = 0; // records enqueued after Close
   uint64_t reconnects = 0;          // streams accepted (HelloAck) after the first accepted one
   uint64_t failed_connects = 0;     // stream attempts that ended without a HelloAck
+  // Streams refused or ended with ALREADY_EXISTS rank_in_use: another
+  // sender's live stream holds the rank (retried after the daemon's hint).
+  uint64_t rank_in_use = 0;
   uint64_t queued = 0;              // records waiting now
   uint64_t unacked = 0;             // batches waiting for an Ack now
 };
@@ -131,6 +137,7 @@ class Sender {
   std::atomic<bool> connected_{false};
   bool ever_accepted_ = false;  // under mu_: a stream got its HelloAck before
   bool idle_ended_ = false;  // sender thread only: the last stream ended for idleness
+  bool rank_in_use_ = false;  // sender thread only: the last stream ended with rank_in_use
   std::thread thread_;
 };
 
