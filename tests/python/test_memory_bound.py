@@ -41,11 +41,11 @@ def _qk_record(step, layer, heads, tokens, head_dim, seed):
     return record
 
 
-def _stream(endpoint, run, batches, heads=0, timeout=120):
+def _stream(endpoint, run, batches, heads=0, timeout=120, layers=0):
     """Sends a Hello and `batches` (lists of Records) on one stream; returns the Acks."""
     def requests():
         yield ingest_pb2.StreamRequest(hello=ingest_pb2.Hello(
-            run_id=run, job="memory", model=ingest_pb2.ModelInfo(n_heads=heads)))
+            run_id=run, job="memory", model=ingest_pb2.ModelInfo(n_heads=heads, n_layers=layers)))
         for seq, records in enumerate(batches, start=1):
             yield ingest_pb2.StreamRequest(batch=ingest_pb2.Batch(seq=seq, records=records))
 
@@ -168,3 +168,39 @@ def test_probe_flood_stays_bounded_scalars_get_through_and_ingest_recovers(
     assert wait_until(lambda: _stream(daemon.endpoint, "after-flood-probe", [[probe]],
                                       heads=8, timeout=10)[0].accepted == 1,
                       timeout_s=20, interval_s=0.5), daemon.log_tail()
+
+
+def test_metrics_series_are_bounded_per_daemon_and_the_rest_still_stored(start_foreshockd):
+    # Issue 27: /metrics grew linearly with runs (200 runs of 1,024
+    # layer_rayleigh values: 13.9 MB, 209k samples). --max_metrics_series
+    # bounds the signal series over all runs; the rest are counted, stored
+    # and queryable.
+    from foreshock.v1 import query_pb2, query_pb2_grpc
+    daemon = start_foreshockd("--max_metrics_series=300")
+    for r in range(3):
+        record = ingest_pb2.Record(step=10)
+        record.curvature.lambda_max = 10.0
+        record.curvature.residual = 0.01
+        record.curvature.hvps = 20
+        record.curvature.layer_rayleigh.extend([0.5] * 256)
+        acks = _stream(daemon.endpoint, f"m{r}", [[record]], layers=256)
+        assert acks[0].accepted == 1, acks
+
+    def value(samples, name, **labels):
+        return sum(v for n, l, v in samples
+                   if n == name and all(l.get(k) == x for k, x in labels.items()))
+
+    samples, done = daemon.wait_for(
+        lambda s: value(s, "foreshock_samples_processed_total", kind="curvature") >= 3,
+        timeout_s=30)
+    assert done, daemon.log_tail()
+    blocks = [s for s in samples if s[0] == "foreshock_curvature_block_rayleigh"]
+    assert 0 < len(blocks) <= 300, len(blocks)
+    assert value(samples, "foreshock_metrics_signal_series") <= 300 + 4  # + one per worker at most
+    assert value(samples, "foreshock_metrics_series_dropped_total") >= 3 * 256 - 300
+    # Not exported, still stored: the last run's blocks are in the Query API.
+    with grpc.insecure_channel(daemon.endpoint) as channel:
+        response = query_pb2_grpc.QueryStub(channel).GetSeries(
+            query_pb2.GetSeriesRequest(run="m2", signal="curvature_block_rayleigh", layer=255),
+            timeout=10)
+    assert [p.value for p in response.points] == [0.5]
