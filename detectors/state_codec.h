@@ -19,6 +19,12 @@
 // not 0 or 1), sets error() and stays failed (every later Get fails too).
 // Because every length is checked against the bytes left before anything is
 // allocated, corrupt input can never make it allocate more than its own size.
+//
+// A StateWriter collects the bytes in a string, or streams them to a
+// StateSink (a checkpoint file) in pieces of about a chunk, so that a state
+// of gigabytes is written without a copy of it. BeginBytes/EndBytes write a
+// Bytes field in place (the same bytes as PutBytes of a blob written by a
+// second writer, without that blob): how a container nests its parts' state.
 #pragma once
 
 #include <bit>
@@ -33,9 +39,30 @@
 
 namespace foreshock::codec {
 
+// Where a streaming StateWriter's bytes go.
+class StateSink {
+ public:
+  virtual ~StateSink() = default;
+  virtual void Append(std::string_view bytes) = 0;
+  // A field of U64 length + bytes whose length is known at its end (the
+  // sink leaves the length's place and fills it in). Nests.
+  virtual void BeginLengthPrefixed() = 0;
+  virtual void EndLengthPrefixed() = 0;
+};
+
 class StateWriter {
  public:
-  void PutU8(uint8_t v) { out_.push_back(static_cast<char>(v)); }
+  StateWriter() = default;
+  // Streams to `sink`: data() holds only what was not handed over yet (at
+  // most about `chunk` bytes); Flush() hands it over. Pieces of `chunk`
+  // bytes or more (a tensor) go to the sink directly, not through data().
+  explicit StateWriter(StateSink* sink, size_t chunk = size_t{1} << 20)
+      : sink_(sink), chunk_(chunk) {}
+
+  void PutU8(uint8_t v) {
+    out_.push_back(static_cast<char>(v));
+    MaybeFlush();
+  }
   void PutBool(bool v) { PutU8(v ? 1 : 0); }
   void PutU32(uint32_t v) { PutFixed(v); }
   void PutI32(int32_t v) { PutFixed(static_cast<uint32_t>(v)); }
@@ -45,7 +72,7 @@ class StateWriter {
   void PutDouble(double v) { PutFixed(std::bit_cast<uint64_t>(v)); }
   void PutString(std::string_view s) {
     PutU64(s.size());
-    out_.append(s.data(), s.size());
+    PutRaw(s);
   }
   void PutBytes(std::string_view bytes) { PutString(bytes); }
   // U64 count, then the elements (arithmetic types only).
@@ -54,7 +81,7 @@ class StateWriter {
     static_assert(std::is_arithmetic_v<T> && !std::is_same_v<T, bool>);
     PutU64(values.size());
     if constexpr (sizeof(T) == 1 || std::endian::native == std::endian::little) {
-      out_.append(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T));
+      PutRaw(std::string_view(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T)));
     } else {
       for (const T& v : values) PutElement(v);
     }
@@ -65,8 +92,36 @@ class StateWriter {
   }
   // Fixed magic bytes (a format tag, e.g. "FSAE") and the format version.
   void PutHeader(std::string_view magic, uint32_t version) {
-    out_.append(magic.data(), magic.size());
+    PutRaw(magic);
     PutU32(version);
+  }
+  // A Bytes field whose contents are what is put until the matching
+  // EndBytes (nests): PutBytes without building the blob first.
+  void BeginBytes() {
+    if (sink_ != nullptr) {
+      Flush();
+      sink_->BeginLengthPrefixed();
+    } else {
+      open_.push_back(out_.size());
+      PutU64(0);  // the length, filled in by EndBytes
+    }
+  }
+  void EndBytes() {
+    if (sink_ != nullptr) {
+      Flush();
+      sink_->EndLengthPrefixed();
+    } else if (!open_.empty()) {
+      const size_t at = open_.back();
+      open_.pop_back();
+      uint64_t length = out_.size() - at - 8;
+      for (size_t i = 0; i < 8; ++i, length >>= 8) out_[at + i] = static_cast<char>(length & 0xff);
+    }
+  }
+  // Hands what is buffered to the sink (no-op without one).
+  void Flush() {
+    if (sink_ == nullptr || out_.empty()) return;
+    sink_->Append(out_);
+    out_.clear();
   }
 
   const std::string& data() const { return out_; }
@@ -74,10 +129,23 @@ class StateWriter {
   size_t size() const { return out_.size(); }
 
  private:
+  void MaybeFlush() {
+    if (sink_ != nullptr && out_.size() >= chunk_) Flush();
+  }
+  void PutRaw(std::string_view bytes) {
+    if (sink_ != nullptr && bytes.size() >= chunk_) {
+      Flush();
+      sink_->Append(bytes);
+      return;
+    }
+    out_.append(bytes.data(), bytes.size());
+    MaybeFlush();
+  }
   template <typename U>
   void PutFixed(U v) {
     static_assert(std::is_unsigned_v<U>);
     for (size_t i = 0; i < sizeof(U); ++i) out_.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+    MaybeFlush();
   }
   template <typename T>
   void PutElement(T v) {
@@ -90,6 +158,9 @@ class StateWriter {
   }
 
   std::string out_;
+  StateSink* sink_ = nullptr;
+  size_t chunk_ = 0;
+  std::vector<size_t> open_;  // without a sink: where open BeginBytes lengths go
 };
 
 class StateReader {

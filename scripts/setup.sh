@@ -30,8 +30,12 @@ foreshock_install_packages() {
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
 }
 
+# foreshock_build [TARGET...]: configures ./build (the same flags every time,
+# so scripts/demo and scripts/test share one build folder and its objects) and
+# builds the given targets, or all of them (tests and benchmarks included)
+# when none is given.
 foreshock_build() {
-  echo "==> building into $FORESHOCK_BUILD"
+  echo "==> building ${*:-all targets} into $FORESHOCK_BUILD"
   # The binaries run where they are built, so the detector math may use AVX2/FMA
   # (x86-64-v3) when this CPU has them. Not -march=native: on AVX-512 machines
   # GCC 12 miscompiled an initializer list in our tests at -O3.
@@ -41,7 +45,9 @@ foreshock_build() {
   fi
   cmake -S "$FORESHOCK_ROOT" -B "$FORESHOCK_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DFORESHOCK_MARCH="$march" >/dev/null
-  cmake --build "$FORESHOCK_BUILD" -j "$(nproc)"
+  local targets=()
+  for target in "$@"; do targets+=(--target "$target"); done
+  cmake --build "$FORESHOCK_BUILD" -j "$(nproc)" "${targets[@]}"
 }
 
 # Single-threaded BLAS inside each process: the machine has few cores and

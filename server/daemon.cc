@@ -34,6 +34,18 @@ constexpr std::string_view kHelloEvents = "hello";
 constexpr std::string_view kAlertEvents = "alert";
 constexpr std::string_view kDetectorCheckpoint = "detectors";
 constexpr std::string_view kAlertCheckpoint = "alerts";
+
+// A StateWriter's sink over the store's checkpoint output.
+class CheckpointSink final : public codec::StateSink {
+ public:
+  explicit CheckpointSink(store::CheckpointOutput& out) : out_(out) {}
+  void Append(std::string_view bytes) override { out_.Append(bytes); }
+  void BeginLengthPrefixed() override { out_.BeginLengthPrefixed(); }
+  void EndLengthPrefixed() override { out_.EndLengthPrefixed(); }
+
+ private:
+  store::CheckpointOutput& out_;
+};
 }  // namespace
 
 Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
@@ -42,7 +54,8 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
     options_.workers = std::max(1u, std::thread::hardware_concurrency());
   }
   registry_ = std::make_shared<prometheus::Registry>();
-  metrics_ = std::make_unique<DaemonMetrics>(*registry_, options_.per_head_metrics);
+  metrics_ = std::make_unique<DaemonMetrics>(*registry_, options_.per_head_metrics,
+                                             options_.max_metrics_series);
   if (!options_.store_options.data_dir.empty()) {
     auto durable = store::DurableSeriesStore::Open(options_.store_options);
     if (durable.ok()) {
@@ -88,6 +101,10 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
   ingest_->SetLifecycle(lifecycle_.get());
   backend_->SetLifecycle(lifecycle_.get());
   memory_ = std::make_unique<MemoryGuard>(options_.max_memory_bytes);
+  // Accepted and not processed yet, or parked waiting for the queue.
+  memory_->SetInFlight([gate = gate_.get()] {
+    return static_cast<int64_t>(gate->in_flight_bytes() + gate->waiting());
+  });
   ingest_->SetMemoryGuard(memory_.get());
   http_ = std::make_unique<HttpServer>(registry_, [this] {
     metrics_->queue_bytes.Add({}).Set(static_cast<double>(gate_->in_flight_bytes()));
@@ -167,8 +184,17 @@ void Daemon::RestoreFromStore() {
 
 bool Daemon::Checkpoint() {
   // Detector state first: the alert state it is paired with may only be newer.
-  const bool detectors_ok =
-      store_->WriteCheckpoint(kDetectorCheckpoint, pool_->SaveDetectorState());
+  // Streamed, run by run, as each worker's detectors serialize their series:
+  // a checkpoint adds a chunk to the daemon's memory, not a copy of the
+  // detector state (which can be most of it under large probes).
+  const bool detectors_ok = store_->WriteCheckpointStreamed(
+      kDetectorCheckpoint, [this](store::CheckpointOutput& out) {
+        CheckpointSink sink(out);
+        codec::StateWriter writer(&sink);
+        pool_->SaveDetectorState(writer);
+        writer.Flush();
+        return true;
+      });
   const bool alerts_ok = store_->WriteCheckpoint(kAlertCheckpoint, alerts_->SaveState());
   // After the alert state: it may be newer than that, never older (Restore re-applies).
   lifecycle_->Checkpoint();

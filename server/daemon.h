@@ -57,6 +57,9 @@ struct DaemonOptions {
   HttpLimits http_limits;
   int workers = 0;  // 0: one per core
   bool per_head_metrics = false;
+  // --max_metrics_series: detector signal series in /metrics over all runs
+  // (0: no bound); further new series are stored but not exported.
+  int64_t max_metrics_series = 50000;
   size_t series_capacity = 4096;
   size_t max_queue_bytes = size_t{256} << 20;
   int max_message_bytes = 64 << 20;

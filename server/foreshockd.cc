@@ -43,6 +43,14 @@ ABSL_FLAG(bool, per_head_metrics, false,
           "Also export per-head values with a `head` label. Per-layer values (aggregated over "
           "heads: min for entropies, max for logits and shares) are always exported. Per-head "
           "series multiply Prometheus cardinality by the head count.");
+ABSL_FLAG(int64_t, max_metrics_series, 50000,
+          "Most detector signal series (foreshock_<signal>{run, layer, head, ...}) that "
+          "/metrics exports, over all runs, so that a scrape stays small and fast however many "
+          "runs and layers arrive (about 75 bytes and 3 us of scrape time per series). New "
+          "series past it are still stored, alerted on and shown by the Query API and the web "
+          "UI, but not exported; they are counted in foreshock_metrics_series_dropped_total, "
+          "and foreshock_metrics_signal_series says how many exist. Series already exported "
+          "keep updating. 0: no bound.");
 ABSL_FLAG(int64_t, series_capacity, 4096,
           "Without --data_dir: the points kept in memory per (run, signal, layer, head) series "
           "(older points are overwritten).");
@@ -169,13 +177,15 @@ ABSL_FLAG(int64_t, max_step_jump, 100000000,
           "training runs take far fewer than 10^8 steps; raise it if yours counts steps "
           "otherwise. 0: no bound.");
 ABSL_FLAG(int64_t, max_memory_mb, -1,
-          "Resident memory, in MiB, at which the daemon stops taking ingest data: new streams "
-          "and batches end with RESOURCE_EXHAUSTED (\"memory_limit: ...\", trailing metadata "
-          "retry-after-ms, counted in foreshock_ingest_rejected_total{reason=\"memory_limit\"}) "
-          "until memory falls below 90% of it. Clients keep the refused batches and resend "
-          "them; data already accepted is processed and stored. Set it below the container's or "
-          "unit's memory limit. -1: 85% of the cgroup memory limit when there is one, else half "
-          "of the machine's memory. 0: no bound.");
+          "Resident memory, in MiB, at which the daemon refuses probes: QK and router records "
+          "are rejected in the Ack with reason memory_limit (counted in "
+          "foreshock_ingest_rejected_total{reason=\"memory_limit\"}), while step scalars and "
+          "curvature samples, and new streams, are still accepted. Probes are accepted again "
+          "once memory falls below 90% of the bound, or once nothing is queued and memory has "
+          "stopped falling for a second (what stays is retained detector state, which refusing "
+          "cannot free). Data already accepted is processed and stored. Set it below the "
+          "container's or unit's memory limit. -1: 85% of the cgroup memory limit when there "
+          "is one, else half of the machine's memory. 0: no bound.");
 ABSL_FLAG(int64_t, shutdown_grace_ms, 5000,
           "On SIGTERM or SIGINT, how long open streams may stay open before they are "
           "cancelled. Everything already accepted is processed before exit.");
@@ -222,7 +232,8 @@ ABSL_FLAG(double, retention_max_gb, 10,
 ABSL_FLAG(int64_t, checkpoint_interval_s, 30,
           "Seconds between checkpoints of the detector and alert-engine state (previous probe "
           "samples, baselines, alert lifecycles) into the data directory; also written at a "
-          "clean shutdown. 0: only at shutdown.");
+          "clean shutdown. The detector state is streamed to the file as it is serialized, so "
+          "a checkpoint does not copy it in memory. 0: only at shutdown.");
 ABSL_FLAG(std::string, tls_cert, "",
           "PEM certificate (chain) of the daemon: with --tls_key, the gRPC port speaks TLS only "
           "and the HTTP port (--metrics_listen) HTTPS only, both TLS 1.2 or later. Empty: "
@@ -271,6 +282,7 @@ int main(int argc, char** argv) {
       std::max(0, absl::GetFlag(FLAGS_http_max_connections_per_ip));
   options.workers = absl::GetFlag(FLAGS_workers);
   options.per_head_metrics = absl::GetFlag(FLAGS_per_head_metrics);
+  options.max_metrics_series = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_metrics_series));
   options.series_capacity = static_cast<size_t>(std::max<int64_t>(1, absl::GetFlag(FLAGS_series_capacity)));
   options.limits.max_tokens = absl::GetFlag(FLAGS_max_tokens);
   options.limits.max_head_dim = absl::GetFlag(FLAGS_max_head_dim);

@@ -66,7 +66,8 @@ const prometheus::Histogram::BucketBoundaries& DaemonMetrics::DetectorSecondsBuc
   return kBuckets;
 }
 
-DaemonMetrics::DaemonMetrics(prometheus::Registry& registry, bool per_head_metrics)
+DaemonMetrics::DaemonMetrics(prometheus::Registry& registry, bool per_head_metrics,
+                             int64_t max_signal_series)
     :
 #define FORESHOCK_BUILD_FAMILY(member, name, help) \
   member(prometheus::BuildCounter().Name(Prefixed(name)).Help(help).Register(registry)),
@@ -80,7 +81,10 @@ DaemonMetrics::DaemonMetrics(prometheus::Registry& registry, bool per_head_metri
   member(prometheus::BuildHistogram().Name(Prefixed(name)).Help(help).Register(registry)),
       FORESHOCK_DAEMON_HISTOGRAMS(FORESHOCK_BUILD_FAMILY)
 #undef FORESHOCK_BUILD_FAMILY
-      per_head_metrics_(per_head_metrics) {
+      per_head_metrics_(per_head_metrics),
+      max_signal_series_(max_signal_series),
+      signal_series_gauge_(&metrics_signal_series.Add({})),
+      series_dropped_(&metrics_series_dropped_total.Add({})) {
   // Label-free series exist from the start, so that rate() and dashboards see 0, not absence.
   ingest_bytes_total.Add({});
   ingest_streams_total.Add({});
@@ -142,7 +146,17 @@ bool DaemonMetrics::ExportObservation(const std::string& run,
       if (per_head) labels.emplace("head", std::to_string(observation.head));
       break;
   }
-  it->second.family->Add(labels).Set(observation.value);
+  prometheus::Family<prometheus::Gauge>& family = *it->second.family;
+  if (!family.Has(labels)) {
+    // A new series. A (run, layer) is only ever exported by one worker, so
+    // the count overshoots the bound by at most one series per worker.
+    if (max_signal_series_ > 0 && signal_series_.load(std::memory_order_relaxed) >= max_signal_series_) {
+      series_dropped_->Increment();
+      return false;
+    }
+    signal_series_gauge_->Set(static_cast<double>(signal_series_.fetch_add(1) + 1));
+  }
+  family.Add(labels).Set(observation.value);
   return true;
 }
 

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <array>
+#include <atomic>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <span>
@@ -56,7 +58,11 @@ namespace foreshock::server {
     "written; logged once per stream).")                                                   \
   X(series_limited_total, "series_limited_total",                                           \
     "Detector observations dropped (not exported, stored or alerted on) because they would " \
-    "open a new series for a run that already has --max_series_per_run series.")
+    "open a new series for a run that already has --max_series_per_run series.")          \
+  X(metrics_series_dropped_total, "metrics_series_dropped_total",                           \
+    "Detector observations not exported to /metrics because --max_metrics_series signal "   \
+    "series exist (they are still stored and alerted on; the Query API and the web UI show " \
+    "them).")
 
 #define FORESHOCK_DAEMON_GAUGES(X)                                                              \
   X(ingest_active_streams, "ingest_active_streams", "Ingest streams open now.")                 \
@@ -69,8 +75,12 @@ namespace foreshock::server {
   X(memory_resident_bytes, "memory_resident_bytes",                                             \
     "Resident memory of the daemon, sampled every 100 ms.")                                     \
   X(memory_limit_bytes, "memory_limit_bytes",                                                   \
-    "--max_memory_mb in bytes (0: no bound). At it, ingest refuses new data with reason "      \
-    "memory_limit until memory falls below 90% of it.")                                         \
+    "--max_memory_mb in bytes (0: no bound). At it, ingest refuses probes (QK, router) with "  \
+    "reason memory_limit, scalars still accepted, until memory falls below 90% of it or "     \
+    "settles with nothing queued.")                                                             \
+  X(metrics_signal_series, "metrics_signal_series",                                             \
+    "Signal series (detector values by run, layer, head) in /metrics; at most "              \
+    "--max_metrics_series.")                                                                    \
   X(run_info, "run_info",                                                                       \
     "Always 1; labels carry the run's job name (job_name) and model shape from its Hello.")     \
   X(last_step, "last_step", "Highest training step processed for the run.")                   \
@@ -102,7 +112,10 @@ inline constexpr std::array<std::string_view, 4> kAlertPointOutcomes = {"scored"
 
 class DaemonMetrics {
  public:
-  DaemonMetrics(prometheus::Registry& registry, bool per_head_metrics);
+  // `max_signal_series` (--max_metrics_series) bounds the detector signal
+  // series in /metrics over all runs; 0: no bound.
+  DaemonMetrics(prometheus::Registry& registry, bool per_head_metrics,
+                int64_t max_signal_series = 0);
 
 #define FORESHOCK_DECLARE_FAMILY(member, name, help) prometheus::Family<prometheus::Counter>& member;
   FORESHOCK_DAEMON_COUNTERS(FORESHOCK_DECLARE_FAMILY)
@@ -119,7 +132,9 @@ class DaemonMetrics {
   prometheus::Family<prometheus::Gauge>* signal(std::string_view name) const;
   // Exports one detector observation with the labels its scope calls for.
   // Per-head values are exported only with --per_head_metrics. False when
-  // nothing was exported (an unknown signal, or a head without the flag).
+  // nothing was exported (an unknown signal, a head without the flag, or a
+  // new series past --max_metrics_series: counted in
+  // foreshock_metrics_series_dropped_total; existing series keep updating).
   bool ExportObservation(const std::string& run, const detectors::Observation& observation);
 
   // Rejections are counted in one place so that reason codes stay consistent.
@@ -153,6 +168,10 @@ class DaemonMetrics {
   };
   static constexpr size_t kSampleKinds = 4;
   bool per_head_metrics_;
+  const int64_t max_signal_series_;
+  std::atomic<int64_t> signal_series_{0};
+  prometheus::Gauge* signal_series_gauge_;
+  prometheus::Counter* series_dropped_;
   struct DetectorSeries {
     prometheus::Histogram* time;
     prometheus::Counter* errors;

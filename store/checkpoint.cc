@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <utility>
 
 #include "store/crc32c.h"
 #include "store/file_util.h"
@@ -72,6 +73,7 @@ CheckpointStatus ReadCheckpointFile(const std::string& dir, std::string_view nam
   }
   const uint32_t crc = DecodeFixed32(contents.data() + 8);
   const uint64_t length = DecodeFixed64(contents.data() + 12);
+  static_assert(kCheckpointHeaderBytes == CheckpointFileWriter::kHeaderBytes);
   if (length != contents.size() - kCheckpointHeaderBytes) {
     *error = "checkpoint " + path + ": length " + std::to_string(length) + " but " +
              std::to_string(contents.size() - kCheckpointHeaderBytes) + " bytes follow";
@@ -82,8 +84,85 @@ CheckpointStatus ReadCheckpointFile(const std::string& dir, std::string_view nam
     *error = "checkpoint " + path + ": checksum mismatch";
     return CheckpointStatus::kCorrupt;
   }
-  bytes->assign(payload);
+  // In place, not a second copy: a detector checkpoint can be as large as
+  // the daemon's detector state.
+  contents.erase(0, kCheckpointHeaderBytes);
+  *bytes = std::move(contents);
   return CheckpointStatus::kOk;
+}
+
+CheckpointFileWriter::CheckpointFileWriter(std::string dir, std::string_view name)
+    : dir_(std::move(dir)), path_(CheckpointPath(dir_, name)), tmp_(path_ + ".tmp") {
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) error_ = ErrnoMessage("cannot create", tmp_);
+}
+
+CheckpointFileWriter::~CheckpointFileWriter() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!committed_) ::unlink(tmp_.c_str());
+}
+
+void CheckpointFileWriter::Fail(std::string error) {
+  if (error_.empty()) error_ = std::move(error);
+}
+
+void CheckpointFileWriter::Append(std::string_view bytes) {
+  if (!ok() || bytes.empty()) return;
+  std::string error;
+  if (!WriteAllAt(fd_, bytes, offset_, &error)) return Fail(std::move(error));
+  offset_ += bytes.size();
+  crc_ = Crc32cExtend(crc_, bytes.data(), bytes.size());
+  region_length_ += bytes.size();
+}
+
+void CheckpointFileWriter::BeginLengthPrefixed() {
+  if (!ok()) return;
+  open_.push_back(OpenField{offset_, crc_, region_length_});
+  // The length's place; its bytes enter the CRC at EndLengthPrefixed.
+  std::string error;
+  if (!WriteAllAt(fd_, std::string(8, '\0'), offset_, &error)) return Fail(std::move(error));
+  offset_ += 8;
+  crc_ = 0;  // the field's own bytes from here
+  region_length_ = 0;
+}
+
+void CheckpointFileWriter::EndLengthPrefixed() {
+  if (!ok()) return;
+  if (open_.empty()) return Fail("checkpoint " + path_ + ": a length field ended twice");
+  const OpenField field = open_.back();
+  open_.pop_back();
+  std::string length;
+  PutFixed64(&length, region_length_);
+  std::string error;
+  if (!WriteAllAt(fd_, length, field.length_offset, &error)) return Fail(std::move(error));
+  const uint32_t with_length = Crc32cCombine(field.crc_before, Crc32c(length), length.size());
+  crc_ = Crc32cCombine(with_length, crc_, region_length_);
+  region_length_ = field.length_before + length.size() + region_length_;
+}
+
+bool CheckpointFileWriter::Commit(std::string* error) {
+  if (ok() && !open_.empty()) Fail("checkpoint " + path_ + ": a length field was not ended");
+  if (ok()) {
+    std::string length;
+    PutFixed64(&length, region_length_);
+    std::string header(kCheckpointMagic);
+    PutFixed32(&header, Crc32cCombine(Crc32c(length), crc_, region_length_));
+    header += length;
+    std::string write_error;
+    if (!WriteAllAt(fd_, header, 0, &write_error)) Fail(std::move(write_error));
+  }
+  if (ok() && ::fsync(fd_) != 0) Fail(ErrnoMessage("cannot fsync", tmp_));
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+  }
+  if (ok() && ::rename(tmp_.c_str(), path_.c_str()) != 0) Fail(ErrnoMessage("cannot rename to", path_));
+  if (!ok()) {
+    *error = error_;
+    return false;  // the destructor removes the temporary file
+  }
+  committed_ = true;
+  return SyncDirectory(dir_, error);
 }
 
 }  // namespace foreshock::store

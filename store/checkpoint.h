@@ -6,10 +6,15 @@
 // goes to <name>.ckpt.tmp, is fsynced, renamed over the old file and the
 // directory is fsynced: a reader sees the old checkpoint or the new one,
 // never a mix, even across a crash.
+//
+// CheckpointFileWriter writes the same file piece by piece, so that a large
+// state goes to disk without a copy of it in memory.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace foreshock::store {
 
@@ -23,5 +28,59 @@ CheckpointStatus ReadCheckpointFile(const std::string& dir, std::string_view nam
                                     std::string* bytes, std::string* error);
 
 std::string CheckpointPath(const std::string& dir, std::string_view name);
+
+// Where a checkpoint's bytes go as they are produced (the store's interface
+// for streamed checkpoints, SeriesStore::WriteCheckpointStreamed).
+class CheckpointOutput {
+ public:
+  virtual ~CheckpointOutput() = default;
+  virtual void Append(std::string_view bytes) = 0;
+  // A field of U64 length (little-endian) + bytes whose length is known only
+  // at its end: Begin writes the length's place, the Appends until the
+  // matching End are the field's bytes, End fills the length in. Nests.
+  virtual void BeginLengthPrefixed() = 0;
+  virtual void EndLengthPrefixed() = 0;
+};
+
+// The file above, written as it is produced: the bytes go straight to
+// <name>.ckpt.tmp (the CRC is computed on the way; a length field filled in
+// later is folded in with Crc32cCombine), Commit writes the header, fsyncs
+// and renames. Destroyed without a successful Commit, it removes the
+// temporary file and the previous checkpoint stays. The first failure is
+// kept (later calls do nothing) and Commit reports it.
+class CheckpointFileWriter final : public CheckpointOutput {
+ public:
+  CheckpointFileWriter(std::string dir, std::string_view name);
+  ~CheckpointFileWriter() override;
+  CheckpointFileWriter(const CheckpointFileWriter&) = delete;
+  CheckpointFileWriter& operator=(const CheckpointFileWriter&) = delete;
+
+  void Append(std::string_view bytes) override;
+  void BeginLengthPrefixed() override;
+  void EndLengthPrefixed() override;
+  bool Commit(std::string* error);
+  bool ok() const { return error_.empty(); }
+  const std::string& error() const { return error_; }
+  uint64_t payload_bytes() const { return offset_ - kHeaderBytes; }
+
+  static constexpr uint64_t kHeaderBytes = 8 + 4 + 8;
+
+ private:
+  struct OpenField {
+    uint64_t length_offset;  // where its U64 length goes
+    uint32_t crc_before;     // CRC of the enclosing region up to the length
+    uint64_t length_before;  // the enclosing region's length up to it
+  };
+  void Fail(std::string error);
+
+  const std::string dir_, path_, tmp_;
+  int fd_ = -1;
+  std::string error_;
+  bool committed_ = false;
+  uint64_t offset_ = kHeaderBytes;  // the file offset of the next byte
+  uint32_t crc_ = 0;                // CRC of the current region ...
+  uint64_t region_length_ = 0;      // ... and its length
+  std::vector<OpenField> open_;     // fields begun and not ended
+};
 
 }  // namespace foreshock::store

@@ -48,4 +48,45 @@ uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t size) {
   return ~crc;
 }
 
+namespace {
+
+// Multiplies the 32x32 bit matrix `matrix` (GF(2), one column per word) by `vector`.
+uint32_t Gf2Times(const std::array<uint32_t, 32>& matrix, uint32_t vector) {
+  uint32_t sum = 0;
+  for (size_t i = 0; vector != 0; ++i, vector >>= 1) {
+    if (vector & 1) sum ^= matrix[i];
+  }
+  return sum;
+}
+
+std::array<uint32_t, 32> Gf2Square(const std::array<uint32_t, 32>& matrix) {
+  std::array<uint32_t, 32> square{};
+  for (size_t i = 0; i < 32; ++i) square[i] = Gf2Times(matrix, matrix[i]);
+  return square;
+}
+
+}  // namespace
+
+uint32_t Crc32cCombine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  if (len_b == 0) return crc_a;
+  // The operator that appends one zero bit to the CRC register ...
+  std::array<uint32_t, 32> odd{};
+  odd[0] = kPolynomial;
+  for (size_t i = 1; i < 32; ++i) odd[i] = uint32_t{1} << (i - 1);
+  // ... squared twice: four zero bits; the loop squares on to one zero byte,
+  // then applies the operator for each set bit of len_b (in bytes).
+  std::array<uint32_t, 32> even = Gf2Square(odd);
+  odd = Gf2Square(even);
+  do {
+    even = Gf2Square(odd);
+    if (len_b & 1) crc_a = Gf2Times(even, crc_a);
+    len_b >>= 1;
+    if (len_b == 0) break;
+    odd = Gf2Square(even);
+    if (len_b & 1) crc_a = Gf2Times(odd, crc_a);
+    len_b >>= 1;
+  } while (len_b != 0);
+  return crc_a ^ crc_b;
+}
+
 }  // namespace foreshock::store

@@ -1272,6 +1272,25 @@ bool DurableSeriesStore::WriteCheckpoint(std::string_view name, std::string_view
   return true;
 }
 
+bool DurableSeriesStore::WriteCheckpointStreamed(
+    std::string_view name, const std::function<bool(CheckpointOutput&)>& fill) {
+  if (!IsValidCheckpointName(name)) {
+    Report("refused checkpoint with invalid name '" + std::string(name) + "'");
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(checkpoint_mu_);
+  CheckpointFileWriter writer(checkpoints_dir_, name);
+  const bool filled = fill(writer);
+  std::string error;
+  if (!filled) error = writer.ok() ? "its producer gave up" : writer.error();
+  if (!filled || !writer.Commit(&error)) {
+    Report("checkpoint " + std::string(name) + " not written: " + error);
+    return false;
+  }
+  ++checkpoints_written_;
+  return true;
+}
+
 std::optional<std::string> DurableSeriesStore::ReadCheckpoint(std::string_view name) const {
   if (!IsValidCheckpointName(name)) return std::nullopt;
   std::string bytes, error;

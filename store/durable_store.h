@@ -181,6 +181,9 @@ class DurableSeriesStore final : public SeriesStore {
   std::vector<std::string> Events(std::string_view kind) const override;
   bool WriteCheckpoint(std::string_view name, std::string_view bytes) override;
   std::optional<std::string> ReadCheckpoint(std::string_view name) const override;
+  // Straight to the file (store/checkpoint.h, CheckpointFileWriter).
+  bool WriteCheckpointStreamed(std::string_view name,
+                               const std::function<bool(CheckpointOutput&)>& fill) override;
 
   // Makes everything appended so far durable. Returns false on an fsync error.
   bool Sync();

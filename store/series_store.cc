@@ -211,6 +211,41 @@ std::vector<std::string> InMemorySeriesStore::Events(std::string_view kind) cons
   return out;
 }
 
+namespace {
+
+// A CheckpointOutput that collects the bytes in a string.
+class StringCheckpointOutput final : public CheckpointOutput {
+ public:
+  void Append(std::string_view bytes) override { bytes_.append(bytes); }
+  void BeginLengthPrefixed() override {
+    open_.push_back(bytes_.size());
+    bytes_.append(8, '\0');
+  }
+  void EndLengthPrefixed() override {
+    if (open_.empty()) return;
+    const size_t at = open_.back();
+    open_.pop_back();
+    uint64_t length = bytes_.size() - at - 8;
+    for (size_t i = 0; i < 8; ++i, length >>= 8) bytes_[at + i] = static_cast<char>(length & 0xff);
+  }
+  bool complete() const { return open_.empty(); }
+  const std::string& bytes() const { return bytes_; }
+
+ private:
+  std::string bytes_;
+  std::vector<size_t> open_;
+};
+
+}  // namespace
+
+bool SeriesStore::WriteCheckpointStreamed(std::string_view name,
+                                          const std::function<bool(CheckpointOutput&)>& fill) {
+  if (!IsValidCheckpointName(name)) return false;
+  StringCheckpointOutput output;
+  if (!fill(output) || !output.complete()) return false;
+  return WriteCheckpoint(name, output.bytes());
+}
+
 bool InMemorySeriesStore::WriteCheckpoint(std::string_view name, std::string_view bytes) {
   if (!IsValidCheckpointName(name)) return false;
   std::lock_guard<std::mutex> lock(blobs_mu_);

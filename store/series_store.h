@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "store/bounded_ring.h"
+#include "store/checkpoint.h"
 
 namespace foreshock::store {
 
@@ -141,6 +143,13 @@ class SeriesStore {
   // ReadCheckpoint returns nullopt when there is none or it is corrupt.
   virtual bool WriteCheckpoint(std::string_view name, std::string_view bytes) = 0;
   virtual std::optional<std::string> ReadCheckpoint(std::string_view name) const = 0;
+  // The same checkpoint, produced piece by piece: `fill` appends the bytes
+  // to the output it is given (false: abandon it, the previous checkpoint
+  // stays). A durable store streams them to the file, so a large state is
+  // never copied whole in memory; this default collects them and calls
+  // WriteCheckpoint. The bytes read back are the same either way.
+  virtual bool WriteCheckpointStreamed(std::string_view name,
+                                       const std::function<bool(CheckpointOutput&)>& fill);
 };
 
 bool IsValidCheckpointName(std::string_view name);

@@ -380,16 +380,6 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       MaybeFinishLocked();
       return;
     }
-    if (service_.memory_ != nullptr && service_.memory_->over_limit()) {
-      // Not acked: the client keeps the batch and resends it after the hint.
-      request_.Clear();
-      call_->AddTrailingMetadata("retry-after-ms", std::to_string(IngestService::kRetryAfterMs));
-      RefuseStream(reason::kMemoryLimit,
-                    absl::StrCat(service_.MemoryLimitDetail(), "; retry after ",
-                                 IngestService::kRetryAfterMs,
-                                 " ms (trailing metadata retry-after-ms)"));
-      return;
-    }
     if (service_.store_ != nullptr) {
       if (absl::Status health = service_.store_->WriteHealth(); !health.ok()) {
         // Not processed, not acked: the client resends it after the hint.
@@ -400,7 +390,16 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     }
     DaemonMetrics& metrics = service_.metrics_;
     v1::Batch& batch = *request_.mutable_batch();
-    metrics.ingest_bytes_total.Add({}).Increment(static_cast<double>(batch.ByteSizeLong()));
+    const size_t batch_bytes = batch.ByteSizeLong();
+    metrics.ingest_bytes_total.Add({}).Increment(static_cast<double>(batch_bytes));
+    // At --max_memory_mb, probes (QK and router samples: the large records
+    // and the detector state they grow) are refused record by record, and
+    // everything else (step scalars, curvature: a few bytes each) is still
+    // accepted, so that one client's flood of probes cannot stop every run's
+    // loss curve. The refused records' memory goes with request_.Clear().
+    const bool refuse_probes =
+        service_.memory_ != nullptr && !service_.memory_->AdmitProbes(static_cast<int64_t>(batch_bytes));
+    std::string memory_detail;  // set when probes of this batch are refused
 
     ack_ = v1::StreamResponse();
     v1::Ack& ack = *ack_.mutable_ack();
@@ -426,6 +425,18 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       int64_t min_step = std::numeric_limits<int64_t>::max();
       int64_t max_step = -1;
       for (int i = 0; i < batch.records_size(); ++i) {
+        if (refuse_probes && IsProbe(batch.records(i))) {
+          if (memory_detail.empty()) {
+            memory_detail = absl::StrCat(reason::kMemoryLimit, ": probes are refused while ",
+                                         service_.MemoryLimitDetail(),
+                                         "; step scalars are still accepted");
+          }
+          auto* r = ack.add_rejections();
+          r->set_index(i);
+          r->set_reason(memory_detail);
+          metrics.CountRejection(reason::kMemoryLimit);
+          continue;
+        }
         WorkItem item;
         auto rejection = ValidateRecord(*batch.mutable_records(i), *context_, service_.limits_,
                                         item.sample);
@@ -476,6 +487,10 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       metrics.streams_waiting_for_queue.Add({}).Decrement();
       Admitted();
     }
+  }
+
+  static bool IsProbe(const v1::Record& record) {
+    return record.payload_case() == v1::Record::kQk || record.payload_case() == v1::Record::kRouter;
   }
 
   // --max_step_jump: a step more than that beyond the run's highest accepted
@@ -957,10 +972,9 @@ void IngestService::LogRefusal(std::string_view code, const std::string& detail)
 
 std::string IngestService::MemoryLimitDetail() const {
   return absl::StrCat("the daemon's resident memory (", memory_->resident_bytes() >> 20,
-                      " MiB) reached --max_memory_mb=", memory_->limit_bytes() >> 20,
-                      "; ingest resumes below ",
-                      memory_->resume_bytes() >> 20,
-                      " MiB");
+                      " MiB), with this batch, reaches --max_memory_mb=", memory_->limit_bytes() >> 20,
+                      " (probes are accepted again below ", memory_->resume_bytes() >> 20,
+                      " MiB, or once memory has settled with nothing queued)");
 }
 
 std::optional<Rejection> IngestService::AdmitRun(const std::string& run_id,
@@ -1141,9 +1155,8 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* IngestService::Stre
           grpc::Status(grpc::StatusCode::UNAUTHENTICATED, std::string(status.message())));
     }
   }
-  if (memory_ != nullptr && memory_->over_limit()) {
-    return RefuseStream(context, reason::kMemoryLimit, MemoryLimitDetail());
-  }
+  // No refusal at --max_memory_mb here: a Hello costs nothing, and a new
+  // run's scalars are accepted while probes are refused (HandleBatch).
   // --max_streams_per_tenant with --token_file: the tenant is the token, so
   // that one tenant's streams (silent ones too) cannot take every slot.
   std::string tenant;

@@ -66,10 +66,10 @@ class IngestService final
   void NoteKnownRun(const std::string& run_id, int64_t last_step = -1,
                     const std::string& job = "");
 
-  // --max_memory_mb: at the bound new streams and batches are refused
-  // (RESOURCE_EXHAUSTED memory_limit, retry-after-ms). Call before the server
-  // starts. Null: no bound.
-  void SetMemoryGuard(const MemoryGuard* guard) { memory_ = guard; }
+  // --max_memory_mb: at the bound, probe records (QK, router) are rejected
+  // in the Ack (memory_limit) and everything else is still accepted. Call
+  // before the server starts. Null: no bound.
+  void SetMemoryGuard(MemoryGuard* guard) { memory_ = guard; }
 
   // Null unless recording.
   StreamRecorder* recorder() { return recorder_.get(); }
@@ -178,7 +178,7 @@ class IngestService final
   };
   std::unordered_map<std::string, RunSlot> runs_;  // admitted or recovered runs
   DeliveryTracker* delivery_ = nullptr;
-  const MemoryGuard* memory_ = nullptr;
+  MemoryGuard* memory_ = nullptr;
   const SeriesStore* store_ = nullptr;
   RunLifecycle* lifecycle_ = nullptr;
   const Authorizer* authorizer_ = nullptr;

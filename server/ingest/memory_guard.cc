@@ -59,19 +59,50 @@ void MemoryGuard::Sample() {
   resident_.store(resident, std::memory_order_relaxed);
   if (limit_bytes_ <= 0) return;
   const bool was_over = over_.load(std::memory_order_relaxed);
-  const bool over = was_over ? resident >= resume_mark : resident >= limit_bytes_;
+  bool over = was_over ? resident >= resume_mark : resident >= limit_bytes_;
+  bool settled = false;
+  if (was_over && over && in_flight_) {
+    // Refusing probes frees what is in flight; once nothing is and memory
+    // has stopped falling for kSettle, what stays is retained.
+    const auto now = std::chrono::steady_clock::now();
+    if (in_flight_() > 0) {
+      idle_since_.reset();
+    } else if (!idle_since_ || resident < idle_low_ - idle_low_ / 64) {
+      idle_since_ = now;  // (again) nothing in flight, or memory still falling
+      idle_low_ = resident;
+    } else if (now - *idle_since_ >= kSettle) {
+      over = false;
+      settled = true;
+    }
+  }
+  if (!over || !was_over) idle_since_.reset();
   if (over == was_over) return;
   over_.store(over, std::memory_order_relaxed);
-  if (over) {
+  if (settled) {
+    settled_resumes_.fetch_add(1, std::memory_order_relaxed);
+    spdlog::warn("resident memory {} MiB has settled above the resume mark ({} MiB) with nothing "
+                 "in flight: it is retained state (detector state of the runs' probes, caches), "
+                 "so probes are accepted again; they are refused again if memory reaches "
+                 "--max_memory_mb={}",
+                 resident >> 20, resume_mark >> 20, limit_bytes_ >> 20);
+  } else if (over) {
     times_over_.fetch_add(1, std::memory_order_relaxed);
-    spdlog::warn("resident memory {} MiB reached --max_memory_mb={}: refusing new ingest data "
-                 "(RESOURCE_EXHAUSTED memory_limit) until it is below {} MiB",
+    spdlog::warn("resident memory {} MiB reached --max_memory_mb={}: refusing probes (QK and "
+                 "router records, rejected with reason memory_limit; step scalars are still "
+                 "accepted) until it is below {} MiB or has settled with nothing in flight",
                  resident >> 20, limit_bytes_ >> 20,
                  resume_mark >> 20);
   } else {
     spdlog::info("resident memory {} MiB is below the resume mark: ingest resumes",
                  resident >> 20);
   }
+}
+
+bool MemoryGuard::AdmitProbes(int64_t incoming_bytes) const {
+  if (over_limit()) return false;
+  if (limit_bytes_ <= 0 || incoming_bytes < kFreshCheckBytes) return true;
+  const int64_t resident = read_resident_();  // one read of /proc/self/statm
+  return resident < 0 || resident + incoming_bytes < limit_bytes_;
 }
 
 int64_t MemoryGuard::ReadResidentBytes() {

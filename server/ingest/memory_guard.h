@@ -5,11 +5,16 @@
 // cache, --max_series_per_run), but their sum depends on how many streams,
 // runs and series arrive. This guard watches the one number an operator (and
 // the OOM killer) cares about, resident memory, as the OpenTelemetry
-// Collector's memory_limiter does: at the bound, ingest stops taking data
-// (new streams and new batches end with RESOURCE_EXHAUSTED memory_limit and a
-// retry hint; clients keep their unacknowledged batches and resend them later)
-// until memory falls below kResumeFraction of the bound. Accepted data is
-// still processed and stored; nothing acknowledged is dropped.
+// Collector's memory_limiter does. At the bound, ingest refuses probes (QK
+// and router records, rejected in the Ack with reason memory_limit) and keeps
+// accepting everything else (step scalars), until memory falls below
+// kResumeFraction of the bound, or until refusing can free nothing more:
+// nothing is in flight (the work queue has drained) and memory has stayed
+// put for kSettle. What is resident then is retained state (detector state,
+// caches), not the flood; refusing longer would only latch probes shut. If
+// that retained memory is still at the bound, the next sample is over again.
+// Accepted data is still processed and stored; nothing acknowledged is
+// dropped.
 #pragma once
 
 #include <atomic>
@@ -18,6 +23,7 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 namespace foreshock::server {
@@ -25,6 +31,7 @@ namespace foreshock::server {
 class MemoryGuard {
  public:
   static constexpr double kResumeFraction = 0.9;
+  static constexpr std::chrono::milliseconds kSettle{1000};
 
   // `limit_bytes` 0: never over the limit (the sampler still runs for the gauge).
   // `read_resident` is the measurement (tests inject one).
@@ -35,6 +42,10 @@ class MemoryGuard {
   MemoryGuard(const MemoryGuard&) = delete;
   MemoryGuard& operator=(const MemoryGuard&) = delete;
 
+  // The bytes accepted and not yet processed (the work queue); without it
+  // the guard resumes only below the resume mark. Call before Start.
+  void SetInFlight(std::function<int64_t()> in_flight) { in_flight_ = std::move(in_flight); }
+
   void Start();  // the sampling thread
   void Stop();
 
@@ -43,11 +54,20 @@ class MemoryGuard {
   void Sample();
 
   bool over_limit() const { return over_.load(std::memory_order_relaxed); }
+  // Whether a batch of `incoming_bytes` may bring its probes in: not while
+  // over the limit, and for a large batch (kFreshCheckBytes or more) not when
+  // resident memory measured now plus the batch would reach the bound, so
+  // that big probes arriving between two samples cannot overshoot it.
+  bool AdmitProbes(int64_t incoming_bytes) const;
+  static constexpr int64_t kFreshCheckBytes = int64_t{256} << 10;
   int64_t resident_bytes() const { return resident_.load(std::memory_order_relaxed); }
   int64_t limit_bytes() const { return limit_bytes_; }
   // Once over the limit, ingest resumes below this.
   int64_t resume_bytes() const { return static_cast<int64_t>(kResumeFraction * limit_bytes_); }
   uint64_t times_over() const { return times_over_.load(std::memory_order_relaxed); }
+  // Times ingest resumed above the resume mark because memory had settled
+  // with nothing in flight (retained state, not a flood).
+  uint64_t settled_resumes() const { return settled_resumes_.load(std::memory_order_relaxed); }
 
   // VmRSS of this process from /proc/self/statm; -1 when unreadable.
   static int64_t ReadResidentBytes();
@@ -62,7 +82,13 @@ class MemoryGuard {
   std::atomic<bool> over_{false};
   std::atomic<int64_t> resident_{0};
   std::atomic<uint64_t> times_over_{0};
+  std::atomic<uint64_t> settled_resumes_{0};
+  std::function<int64_t()> in_flight_;
   std::chrono::steady_clock::time_point last_trim_{};
+  // While over: since when nothing has been in flight, and the least
+  // resident memory seen since (memory that still falls has not settled).
+  std::optional<std::chrono::steady_clock::time_point> idle_since_;
+  int64_t idle_low_ = 0;
   std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;

@@ -141,23 +141,32 @@ constexpr std::string_view kRankScalarsEntry = "server.rank_scalars";
 
 std::string WorkerPool::SaveDetectorState() const {
   codec::StateWriter writer;
+  SaveDetectorState(writer);
+  return writer.Take();
+}
+
+void WorkerPool::SaveDetectorState(codec::StateWriter& writer) const {
   writer.PutHeader(kPoolStateMagic, kPoolStateVersion);
   writer.PutU32(static_cast<uint32_t>(workers_.size()));
   for (const auto& worker : workers_) {
     std::lock_guard<std::mutex> lock(worker->detectors_mu);
     writer.PutU32(static_cast<uint32_t>(worker->detectors.size() + 1));
+    // Each detector's state in place (BeginBytes): streamed to the
+    // checkpoint file as it is serialized, never copied whole.
     for (const auto& [info, detector] : worker->detectors) {
-      codec::StateWriter state;
-      detector->SaveState(state);
       writer.PutString(info->name);
-      writer.PutBytes(state.data());
+      writer.BeginBytes();
+      detector->SaveState(writer);
+      writer.EndBytes();
     }
-    codec::StateWriter open_steps;
-    worker->rank_scalars.SaveState(open_steps);
     writer.PutString(kRankScalarsEntry);
-    writer.PutBytes(open_steps.data());
+    writer.BeginBytes();
+    worker->rank_scalars.SaveState(writer);
+    writer.EndBytes();
+    // What this worker's part left buffered goes out before its lock is
+    // released.
+    writer.Flush();
   }
-  return writer.Take();
 }
 
 bool WorkerPool::RestoreDetectorState(std::string_view bytes, std::string* error) {

@@ -150,6 +150,10 @@ class WorkerPool {
   //   last, String "server.rank_scalars", Bytes RankScalars::SaveState blob
   //   (the open steps of multi-rank runs; absent in older checkpoints).
   std::string SaveDetectorState() const;
+  // The same bytes into `writer`; with a streaming writer (a checkpoint
+  // file's sink) they go out as each detector serializes its series, so a
+  // checkpoint holds no copy of the detector state, only the writer's chunk.
+  void SaveDetectorState(codec::StateWriter& writer) const;
 
   // Restores what SaveDetectorState wrote, from a pool of any size: every
   // worker's detector of a given name is rebuilt from the blobs of that name

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <limits>
@@ -91,6 +92,76 @@ TEST(StateCodecTest, RoundTripsEveryTypeExactly) {
   EXPECT_TRUE(ReadSample(r, true)) << r.error();
   EXPECT_TRUE(r.ok());
   EXPECT_EQ(r.remaining(), 0u);
+}
+
+// A sink that collects what a streaming writer hands over, filling in
+// length fields the way a checkpoint file does.
+class CollectingSink final : public StateSink {
+ public:
+  void Append(std::string_view bytes) override {
+    bytes_.append(bytes);
+    ++appends_;
+    largest_ = std::max(largest_, bytes.size());
+  }
+  void BeginLengthPrefixed() override {
+    open_.push_back(bytes_.size());
+    bytes_.append(8, '\0');
+  }
+  void EndLengthPrefixed() override {
+    uint64_t length = bytes_.size() - open_.back() - 8;
+    for (size_t i = 0; i < 8; ++i, length >>= 8) bytes_[open_.back() + i] = static_cast<char>(length & 0xff);
+    open_.pop_back();
+  }
+  std::string bytes_;
+  size_t appends_ = 0, largest_ = 0;
+  std::vector<size_t> open_;
+};
+
+// Issue 28: the detector checkpoint streams through a sink in chunks, with
+// each detector's blob written in place (BeginBytes/EndBytes) instead of
+// copied: the bytes are those of the buffered writer and of PutBytes.
+TEST(StateCodecTest, StreamingAndInPlaceBytesGiveTheSameBytes) {
+  const std::vector<float> big(300000, 1.5f);  // 1.2 MB: goes to the sink directly
+  auto write_parts = [&](StateWriter& w) {
+    w.PutHeader("TEST", 1);
+    w.PutString("name");
+    for (int i = 0; i < 5000; ++i) w.PutU64(i);  // 40 KB of small puts
+    w.PutVector(big);
+  };
+  StateWriter inner;
+  write_parts(inner);
+  StateWriter reference;
+  reference.PutU32(7);
+  reference.PutBytes(inner.data());
+  reference.PutDouble(2.5);
+
+  auto write_nested = [&](StateWriter& w) {
+    w.PutU32(7);
+    w.BeginBytes();
+    write_parts(w);
+    w.EndBytes();
+    w.PutDouble(2.5);
+    w.Flush();
+  };
+  StateWriter in_place;
+  write_nested(in_place);
+  EXPECT_EQ(in_place.data(), reference.data());
+
+  CollectingSink sink;
+  StateWriter streaming(&sink, /*chunk=*/4096);
+  write_nested(streaming);
+  EXPECT_EQ(sink.bytes_, reference.data());
+  EXPECT_TRUE(streaming.data().empty());
+  EXPECT_GT(sink.appends_, 10u);
+  EXPECT_EQ(sink.largest_, big.size() * sizeof(float)) << "the vector went straight through";
+
+  StateReader reader(sink.bytes_);
+  uint32_t seven = 0;
+  std::string_view blob;
+  double tail = 0;
+  ASSERT_TRUE(reader.GetU32(seven) && reader.GetStringView(blob) && reader.GetDouble(tail) &&
+              reader.ExpectEnd());
+  EXPECT_EQ(blob, inner.data());
 }
 
 TEST(StateCodecTest, EncodingIsLittleEndianAndFixedWidth) {

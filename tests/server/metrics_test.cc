@@ -147,6 +147,34 @@ TEST(DaemonMetricsTest, PerDetectorSeriesAreResolvedOnce) {
   EXPECT_EQ(metrics.detector_time("no_such_detector"), nullptr);
 }
 
+// Issue 27: /metrics grew without a per-daemon bound (200 runs of 1,024
+// layer_rayleigh values: 13.6 MB, a 2.4 s scrape). --max_metrics_series caps
+// the signal series over all runs; the rest are counted, and series already
+// exported keep their latest value.
+TEST(DaemonMetricsTest, SignalSeriesStopAtMaxMetricsSeriesAndTheRestAreCounted) {
+  prometheus::Registry registry;
+  DaemonMetrics metrics(registry, false, /*max_signal_series=*/5);
+  auto observe = [&](const std::string& run, int layer, double value) {
+    return metrics.ExportObservation(run, {"qk_increment_entropy", layer, detectors::kAllHeads, value});
+  };
+  for (int layer = 0; layer < 4; ++layer) EXPECT_TRUE(observe("a", layer, 1.0)) << layer;
+  EXPECT_TRUE(observe("b", 0, 1.0));
+  EXPECT_FALSE(observe("b", 1, 1.0)) << "the sixth series";
+  EXPECT_FALSE(observe("c", 0, 1.0));
+  EXPECT_TRUE(observe("a", 2, 7.0)) << "an exported series keeps updating";
+  EXPECT_EQ(MetricValue(registry, "foreshock_qk_increment_entropy", {{"run", "a"}, {"layer", "2"}}), 7.0);
+  EXPECT_FALSE(Has(registry, "foreshock_qk_increment_entropy", {{"run", "b"}, {"layer", "1"}}));
+  EXPECT_EQ(MetricValue(registry, "foreshock_metrics_series_dropped_total", {}), 2.0);
+  EXPECT_EQ(MetricValue(registry, "foreshock_metrics_signal_series", {}), 5.0);
+
+  prometheus::Registry unbounded_registry;
+  DaemonMetrics unbounded(unbounded_registry, false, 0);
+  for (int layer = 0; layer < 50; ++layer) {
+    EXPECT_TRUE(unbounded.ExportObservation("a", {"qk_increment_entropy", layer, detectors::kAllHeads, 1.0}));
+  }
+  EXPECT_EQ(MetricValue(unbounded_registry, "foreshock_metrics_series_dropped_total", {}), 0.0);
+}
+
 TEST(RunTrackerTest, ARunsNonFiniteCountersStartAtZeroForEveryKind) {
   prometheus::Registry registry;
   DaemonMetrics metrics(registry, false);

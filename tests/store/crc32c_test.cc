@@ -50,5 +50,20 @@ TEST(Crc32cTest, ExtendEqualsWhole) {
   EXPECT_EQ(Crc32cExtend(Crc32c(a), b.data(), b.size()), Crc32c(a + b));
 }
 
+TEST(Crc32cTest, CombineEqualsWhole) {
+  std::mt19937 rng(11);
+  std::string buffer(5000, '\0');
+  for (char& c : buffer) c = static_cast<char>(rng());
+  for (size_t split : {0, 1, 7, 8, 9, 255, 256, 1000, 4999, 5000}) {
+    const std::string_view a = std::string_view(buffer).substr(0, split);
+    const std::string_view b = std::string_view(buffer).substr(split);
+    EXPECT_EQ(Crc32cCombine(Crc32c(a), Crc32c(b), b.size()), Crc32c(buffer)) << split;
+  }
+  // A long zero run (a length field's placeholder, a big blob) and an empty tail.
+  const std::string zeros(1 << 20, '\0');
+  EXPECT_EQ(Crc32cCombine(Crc32c("x"), Crc32c(zeros), zeros.size()), Crc32c("x" + zeros));
+  EXPECT_EQ(Crc32cCombine(0x12345678u, Crc32c(""), 0), 0x12345678u);
+}
+
 }  // namespace
 }  // namespace foreshock::store

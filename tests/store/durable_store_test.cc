@@ -666,6 +666,64 @@ TEST(DurableStoreTest, CheckpointsAreAtomicAndChecked) {
   EXPECT_EQ(store->ReadCheckpoint("alerts"), "state v3");
 }
 
+// Issue 28: a checkpoint streamed piece by piece (the detector state, without
+// a copy of it) is the same file as one written whole, with nested length
+// fields filled in afterwards; an abandoned one leaves the previous in place.
+TEST(DurableStoreTest, StreamedCheckpointsAreTheSameFileAsWholeOnes) {
+  ScratchDir dir;
+  DurableStoreOptions options = SmallOptions(dir.path());
+  auto store = OpenStore(options);
+  // "head" | U64 len | ("inner" | U64 len | 3 MiB of bytes | "!") | "tail".
+  const std::string big(3 << 20, 'x');
+  auto le64 = [](uint64_t v) {
+    std::string out;
+    for (int i = 0; i < 8; ++i, v >>= 8) out.push_back(static_cast<char>(v & 0xff));
+    return out;
+  };
+  const std::string inner = "inner" + le64(big.size() + 1) + big + "!";
+  const std::string whole = "head" + le64(inner.size()) + inner + "tail";
+  ASSERT_TRUE(store->WriteCheckpoint("whole", whole));
+  ASSERT_TRUE(store->WriteCheckpointStreamed("streamed", [&](CheckpointOutput& out) {
+    out.Append("head");
+    out.BeginLengthPrefixed();
+    out.Append("inner");
+    out.BeginLengthPrefixed();
+    for (size_t at = 0; at < big.size(); at += 1 << 16) out.Append(std::string_view(big).substr(at, 1 << 16));
+    out.Append("!");
+    out.EndLengthPrefixed();
+    out.EndLengthPrefixed();
+    out.Append("tail");
+    return true;
+  }));
+  EXPECT_EQ(store->ReadCheckpoint("streamed"), whole);
+  const std::string checkpoints = dir.path() + "/checkpoints/";
+  EXPECT_EQ(testing::ReadFile(checkpoints + "streamed.ckpt"), testing::ReadFile(checkpoints + "whole.ckpt"));
+  // Given up half way (or a length field left open): the old one stays, no temporary file.
+  EXPECT_FALSE(store->WriteCheckpointStreamed("streamed", [](CheckpointOutput& out) {
+    out.Append("partial");
+    return false;
+  }));
+  EXPECT_FALSE(store->WriteCheckpointStreamed("streamed", [](CheckpointOutput& out) {
+    out.BeginLengthPrefixed();
+    out.Append("unterminated");
+    return true;
+  }));
+  EXPECT_EQ(store->ReadCheckpoint("streamed"), whole);
+  EXPECT_FALSE(std::filesystem::exists(checkpoints + "streamed.ckpt.tmp"));
+  EXPECT_FALSE(store->WriteCheckpointStreamed("../escape", [](CheckpointOutput&) { return true; }));
+  // The in-memory store collects the same bytes.
+  InMemorySeriesStore memory(8);
+  ASSERT_TRUE(memory.WriteCheckpointStreamed("s", [&](CheckpointOutput& out) {
+    out.Append("head");
+    out.BeginLengthPrefixed();
+    out.Append(inner);
+    out.EndLengthPrefixed();
+    out.Append("tail");
+    return true;
+  }));
+  EXPECT_EQ(memory.ReadCheckpoint("s"), whole);
+}
+
 TEST(DurableStoreTest, ConcurrentAppendersAndReaders) {
   ScratchDir dir;
   DurableStoreOptions options = SmallOptions(dir.path());

@@ -40,6 +40,77 @@ TEST(MemoryGuardTest, RefusesAtTheBoundAndResumesBelowNinetyPercent) {
   EXPECT_EQ(guard.times_over(), 1u);
 }
 
+// Issue 27: after a probe flood, retained detector state kept resident memory
+// just above the resume mark, and ingest stayed refused for good. Once
+// nothing is in flight and memory has stopped falling for kSettle, refusing
+// cannot free anything more: probes are accepted again.
+TEST(MemoryGuardTest, ResumesOnceMemoryHasSettledWithNothingInFlight) {
+  int64_t resident = 120 * kMiB;
+  int64_t in_flight = 30 * kMiB;
+  MemoryGuard guard(100 * kMiB, [&] { return resident; });
+  guard.SetInFlight([&] { return in_flight; });
+  guard.Sample();
+  ASSERT_TRUE(guard.over_limit());
+  // The queue drains; memory falls to retained state above the resume mark.
+  in_flight = 0;
+  resident = 93 * kMiB;
+  guard.Sample();
+  EXPECT_TRUE(guard.over_limit()) << "not settled yet";
+  // Still falling more than 1/64: the settle time starts over.
+  std::this_thread::sleep_for(MemoryGuard::kSettle / 2);
+  resident = 91 * kMiB;
+  guard.Sample();
+  std::this_thread::sleep_for(MemoryGuard::kSettle / 2 + std::chrono::milliseconds(50));
+  guard.Sample();
+  EXPECT_TRUE(guard.over_limit()) << "memory fell within the last kSettle";
+  // Something in flight again: not settled.
+  in_flight = 1;
+  std::this_thread::sleep_for(MemoryGuard::kSettle / 2 + std::chrono::milliseconds(50));
+  guard.Sample();
+  EXPECT_TRUE(guard.over_limit());
+  in_flight = 0;
+  guard.Sample();
+  std::this_thread::sleep_for(MemoryGuard::kSettle + std::chrono::milliseconds(50));
+  guard.Sample();
+  EXPECT_FALSE(guard.over_limit()) << "settled at 91 MiB with nothing in flight";
+  EXPECT_EQ(guard.settled_resumes(), 1u);
+  // Back at the bound: over again (the bound still holds).
+  resident = 100 * kMiB;
+  guard.Sample();
+  EXPECT_TRUE(guard.over_limit());
+  EXPECT_EQ(guard.times_over(), 2u);
+}
+
+// Large probes arriving between two samples: a big batch is checked against
+// resident memory measured at its arrival, not only the last sample.
+TEST(MemoryGuardTest, ALargeBatchIsCheckedAgainstMemoryNow) {
+  int64_t resident = 50 * kMiB;
+  MemoryGuard guard(100 * kMiB, [&] { return resident; });
+  guard.Sample();
+  EXPECT_TRUE(guard.AdmitProbes(40 * kMiB));
+  resident = 70 * kMiB;  // not sampled yet
+  EXPECT_FALSE(guard.over_limit());
+  EXPECT_FALSE(guard.AdmitProbes(40 * kMiB)) << "70 + 40 MiB would pass the bound";
+  EXPECT_TRUE(guard.AdmitProbes(20 * kMiB));
+  EXPECT_TRUE(guard.AdmitProbes(MemoryGuard::kFreshCheckBytes - 1)) << "small: no fresh read";
+  resident = 120 * kMiB;
+  guard.Sample();
+  EXPECT_FALSE(guard.AdmitProbes(1)) << "over the limit: no probes at all";
+  MemoryGuard unbounded(0, [] { return int64_t{1} << 40; });
+  EXPECT_TRUE(unbounded.AdmitProbes(int64_t{1} << 30));
+}
+
+TEST(MemoryGuardTest, WithoutAnInFlightMeasureItResumesOnlyBelowTheMark) {
+  int64_t resident = 120 * kMiB;
+  MemoryGuard guard(100 * kMiB, [&] { return resident; });
+  guard.Sample();
+  resident = 93 * kMiB;
+  guard.Sample();
+  std::this_thread::sleep_for(MemoryGuard::kSettle + std::chrono::milliseconds(50));
+  guard.Sample();
+  EXPECT_TRUE(guard.over_limit());
+}
+
 TEST(MemoryGuardTest, NoBoundIsNeverOverButStillMeasures) {
   MemoryGuard guard(0, [] { return int64_t{1} << 40; });
   guard.Sample();
