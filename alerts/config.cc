@@ -112,18 +112,21 @@ AlertConfig DefaultAlertConfig() {
   }
   add("router_z_loss", kRouterCollapse, Direction::kRise).min_relative_change = 0.5;
   {
-    // Experts that die during training: the count (already a windowed
-    // statistic in the router detector) at least one above the run's own
-    // baseline after warm-up. No absolute bound: a random-init MoE often has
-    // experts that are dead from the first probe on and stay so (2 of 8 on
-    // small Qwen3-MoE and Mixtral runs); a dead-and-flat count is the
-    // model's state, not a collapse. A flat baseline has MAD 0, so the
-    // effect-size gate (one expert) decides; no trend (a count has none).
-    ChangeDetectorOptions& o = add("router_dead_experts", kRouterCollapse, Direction::kRise);
-    o.min_relative_change = 0.0;
-    o.min_absolute_change = 1.0;
-    o.trend = false;
-    o.gate_inflation = 0.0;
+    // Experts that died during training (router_experts_died: dead now,
+    // though once at half their uniform share or more), after warm-up. Not
+    // the dead-expert count itself: a random-init MoE often has experts that
+    // are dead from the first probe on and stay so (2 of 8 on small
+    // Qwen3-MoE and Mixtral runs), and on a small probe an expert that holds
+    // one or two tokens flips in and out of "dead" as training drifts; both
+    // are the model's state, not a collapse. router_dead_experts is still
+    // exported, and can drive the alert again (enabled: true).
+    ChangeDetectorOptions& o = add("router_experts_died", kRouterCollapse, Direction::kRise);
+    o.change_detection = false;
+    o.bound = 0.0;
+    ChangeDetectorOptions& dead = add("router_dead_experts", kRouterCollapse, Direction::kRise);
+    dead.change_detection = false;
+    dead.bound = 0.0;
+    config.signals.at("router_dead_experts").enabled = false;
   }
   {
     ChangeDetectorOptions& o = add("router_load_cv", kRouterImbalance, Direction::kRise);

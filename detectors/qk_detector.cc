@@ -291,7 +291,11 @@ void QKDetector::Process(const Sample& sample, Emitter& emitter) {
       attention = ComputeAttentionStats<double>(q64, k64, mask);
     }
     values[kAttentionEntropy].emplace_back(head, attention.mean_entropy);
-    values[kAttentionMaxLogit].emplace_back(head, attention.max_logit);
+    // Soft-capped logits (Gemma 2): the max of cap * tanh(x / cap) is the capped max.
+    values[kAttentionMaxLogit].emplace_back(
+        head, qk.logit_softcap > 0
+                  ? qk.logit_softcap * std::tanh(attention.max_logit / qk.logit_softcap)
+                  : attention.max_logit);
 
     HeadState& previous = state.heads[head];
     const bool has_previous = previous.q.shape == head_shape && previous.q.dtype == qk.q.dtype &&

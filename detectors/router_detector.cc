@@ -15,7 +15,7 @@
 namespace foreshock::detectors {
 namespace {
 
-constexpr std::array<SignalSpec, 14> kRouterSignals = {{
+constexpr std::array<SignalSpec, 15> kRouterSignals = {{
     {"router_entropy", "Routing entropy H(p_t)/log E, mean over probe tokens (1 = uniform).",
      SignalScope::kLayer},
     {"router_low_entropy_fraction",
@@ -31,6 +31,10 @@ constexpr std::array<SignalSpec, 14> kRouterSignals = {{
      SignalScope::kLayer},
     {"router_dead_experts",
      "Experts whose mean load over the dead-expert window is below 0.1/E.", SignalScope::kLayer},
+    {"router_experts_died",
+     "Dead experts (windowed load below 0.1/E) whose windowed load once reached 0.5/E: experts "
+     "that died during training, not those dead from initialization.",
+     SignalScope::kLayer},
     {"router_overloaded_experts", "Experts whose load exceeds capacity_factor/E.",
      SignalScope::kLayer},
     {"router_topk_margin", "Mean over tokens of the logit margin z_(k) - z_(k+1).",
@@ -91,6 +95,12 @@ class RouterDetector final : public Detector {
     emit("router_max_violation", stats.max_violation);
     emit("router_load_entropy", stats.load_entropy);
     emit("router_dead_experts", CountDeadExperts(state.loads));
+    const std::vector<double> mean_loads = MeanLoads(state.loads);
+    if (state.peak.size() != mean_loads.size()) state.peak.assign(mean_loads.size(), 0.0);
+    for (size_t e = 0; e < mean_loads.size(); ++e) {
+      state.peak[e] = std::max(state.peak[e], mean_loads[e]);
+    }
+    emit("router_experts_died", CountDiedExperts(mean_loads, state.peak));
     emit("router_overloaded_experts", stats.overloaded_experts);
     emit("router_topk_margin", stats.topk_margin_mean);
     emit("router_topk_margin_p10", stats.topk_margin_p10);
@@ -107,10 +117,12 @@ class RouterDetector final : public Detector {
     std::erase_if(states_, [&](const auto& entry) { return std::get<0>(entry.first) == run; });
   }
 
-  // State, version 1: U64 series count, then per series (in key order):
+  // State, version 2: U64 series count, then per series (in key order):
   //   run, I32 layer, probe_id, the previous decisions (I32 tokens, experts,
   //   top_k, Vector<i32> topk, Vector<float> probs, Vector<double> entropy),
-  //   U64 window length, per sample Vector<double> expert load (oldest first).
+  //   U64 window length, per sample Vector<double> expert load (oldest first),
+  //   Vector<double> peak windowed load per expert (version 2; version 1
+  //   checkpoints start it from the saved window's mean).
   void SaveState(codec::StateWriter& writer) const override {
     writer.PutU32(kStateVersion);
     writer.PutU64(states_.size());
@@ -128,6 +140,7 @@ class RouterDetector final : public Detector {
       writer.PutVector(d.entropy);
       writer.PutU64(state.loads.size());
       for (const std::vector<double>& load : state.loads) writer.PutVector(load);
+      writer.PutVector(state.peak);
     }
   }
 
@@ -146,14 +159,15 @@ class RouterDetector final : public Detector {
   struct State {
     RouterDecisions previous;
     std::deque<std::vector<double>> loads;  // the dead-expert window
+    std::vector<double> peak;  // highest windowed mean load per expert so far
   };
-  static constexpr uint32_t kStateVersion = 1;
+  static constexpr uint32_t kStateVersion = 2;
 
   bool ReadStates(codec::StateReader& reader, const SeriesFilter& keep,
                   std::map<Key, State>& restored) const {
     uint32_t version = 0;
     uint64_t count = 0;
-    if (!reader.GetVersion("router", kStateVersion, kStateVersion, version) ||
+    if (!reader.GetVersion("router", 1, kStateVersion, version) ||
         !reader.GetCount(count)) {
       return false;
     }
@@ -186,6 +200,14 @@ class RouterDetector final : public Detector {
           return reader.Fail("expert load does not match the expert count");
         }
         state.loads.push_back(std::move(load));
+      }
+      if (version >= 2) {
+        if (!reader.GetVector(state.peak)) return false;
+        if (!state.peak.empty() && state.peak.size() != static_cast<uint64_t>(d.experts)) {
+          return reader.Fail("peak expert load does not match the expert count");
+        }
+      } else {
+        state.peak = MeanLoads(state.loads);
       }
       // A shorter dead-expert window than when saved keeps the newest loads.
       while (state.loads.size() > window) state.loads.pop_front();

@@ -126,6 +126,25 @@ double MeanJensenShannon(const RouterDecisions& previous, const RouterDecisions&
   return total / current.tokens;
 }
 
+std::vector<double> MeanLoads(const std::deque<std::vector<double>>& window) {
+  if (window.empty()) return {};
+  std::vector<double> mean(window.front().size(), 0.0);
+  for (const auto& load : window) {
+    for (size_t e = 0; e < mean.size(); ++e) mean[e] += load[e];
+  }
+  for (double& m : mean) m /= static_cast<double>(window.size());
+  return mean;
+}
+
+int CountDiedExperts(const std::vector<double>& mean_loads, const std::vector<double>& peak) {
+  const double experts = static_cast<double>(mean_loads.size());
+  int died = 0;
+  for (size_t e = 0; e < mean_loads.size() && e < peak.size(); ++e) {
+    if (mean_loads[e] < 0.1 / experts && peak[e] >= 0.5 / experts) ++died;
+  }
+  return died;
+}
+
 int CountDeadExperts(const std::deque<std::vector<double>>& window) {
   if (window.empty()) return 0;
   const size_t experts = window.front().size();

@@ -66,4 +66,13 @@ double MeanJensenShannon(const RouterDecisions& previous, const RouterDecisions&
 // Experts whose mean load over `window` load vectors is below 0.1 / E.
 int CountDeadExperts(const std::deque<std::vector<double>>& window);
 
+// The mean load per expert over `window` (empty for an empty window).
+std::vector<double> MeanLoads(const std::deque<std::vector<double>>& window);
+
+// Experts that died during training: dead now (mean load over the window
+// below 0.1 / E) although their windowed mean load once reached half the
+// uniform share, 0.5 / E (`peak`: the highest windowed mean load per expert
+// so far). Dead from initialization, or hovering at the threshold, is not died.
+int CountDiedExperts(const std::vector<double>& mean_loads, const std::vector<double>& peak);
+
 }  // namespace foreshock::detectors

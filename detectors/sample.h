@@ -66,6 +66,9 @@ struct QKSample {
   // says (not the wire dtype of q and k).
   std::optional<DType> attention_dtype;
   std::optional<AttentionOutputCheck> output_check;
+  // > 0: the model soft-caps its logits at this value (cap * tanh(x / cap));
+  // attention_max_logit is then of the capped logits. 0: no cap.
+  double logit_softcap = 0;
 };
 
 struct RouterSample {

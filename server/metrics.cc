@@ -26,6 +26,7 @@ constexpr std::string_view kRejectionReasons[] = {
     reason::kHeadsMismatch,
     reason::kBadSeqLen,
     reason::kBadOutputCheck,
+    reason::kBadSoftcap,
     reason::kBadTopK,
     reason::kExpertsMismatch,
     reason::kNotMoeLayer,

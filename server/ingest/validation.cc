@@ -192,6 +192,10 @@ std::optional<Rejection> ValidateQK(v1::QKSample& qk, const StreamContext& conte
                                                         " is not a known DType"));
     }
   }
+  if (!std::isfinite(qk.logit_softcap()) || qk.logit_softcap() < 0) {
+    return Reject(reason::kBadSoftcap, absl::StrCat("logit_softcap ", qk.logit_softcap(),
+                                                    " must be finite and >= 0 (0: no cap)"));
+  }
   std::optional<detectors::AttentionOutputCheck> output_check;
   if (qk.has_output_check()) {
     const v1::AttentionOutputCheck& c = qk.output_check();
@@ -224,6 +228,7 @@ std::optional<Rejection> ValidateQK(v1::QKSample& qk, const StreamContext& conte
   sample.kv_head_of = std::move(kv_head_of);
   sample.attention_dtype = attention_dtype;
   sample.output_check = output_check;
+  sample.logit_softcap = qk.logit_softcap();
   // The names are dropped only when they say what no names say: every head
   // of the model, in order. Heads 0..n-1 of a larger model are a subset (a
   // rotation window), and a sample without names holds every head: the

@@ -127,6 +127,8 @@ inline constexpr char kBadSeqLen[] = "bad_seq_len";
 // QKSample.output_check with no elements, or a negative or inconsistent
 // (|mean signed error| above the rms error) figure.
 inline constexpr char kBadOutputCheck[] = "bad_output_check";
+// QKSample.logit_softcap negative or not finite.
+inline constexpr char kBadSoftcap[] = "bad_softcap";
 inline constexpr char kBadTopK[] = "bad_top_k";
 inline constexpr char kExpertsMismatch[] = "experts_mismatch";
 inline constexpr char kNotMoeLayer[] = "not_moe_layer";

@@ -421,15 +421,9 @@ AlertConfig DefaultsBeforeIssue13() {
   config.signals.erase("lr_over_held_max");  // no learning-rate alert then
   config.signals.erase("attention_output_bias");  // nor a rounding-bias alert
   config.signals.erase("loss_over_running_min");  // nor a loss-divergence alert (issue 26)
-  {
-    // Dead experts were a guard on any dead expert then (issue 26 changed it).
-    ChangeDetectorOptions& dead = config.signals.at("router_dead_experts").detector;
-    dead.change_detection = false;
-    dead.bound = 0.0;
-    dead.min_relative_change = 0.10;
-    dead.min_absolute_change = 0.0;
-    dead.trend = true;
-  }
+  // Any dead expert was a collapse then (issue 26: experts that died).
+  config.signals.erase("router_experts_died");
+  config.signals.at("router_dead_experts").enabled = true;
   for (auto& [name, signal] : config.signals) {
     signal.per_head = false;  // every signal was judged by its layer aggregate (issue 25)
     ChangeDetectorOptions& o = signal.detector;

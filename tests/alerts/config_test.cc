@@ -98,9 +98,9 @@ TEST(AlertConfigTest, DefaultsAreValidAndCoverEverySignalAlert) {
   // Healthy Adam sits at the edge of stability: a surge rule, no absolute bound.
   EXPECT_FALSE(config.signals.at("curvature_eos_ratio").detector.bound.has_value());
   EXPECT_TRUE(config.signals.at("attention_max_logit").detector.bound.has_value());
-  // Dead experts against the run's own baseline, never an absolute count.
-  EXPECT_TRUE(config.signals.at("router_dead_experts").detector.change_detection);
-  EXPECT_FALSE(config.signals.at("router_dead_experts").detector.bound.has_value());
+  // Experts that died during training fire, not the dead-expert count.
+  EXPECT_FALSE(config.signals.at("router_dead_experts").enabled);
+  EXPECT_TRUE(config.signals.at("router_experts_died").enabled);
 }
 
 TEST(AlertConfigTest, EmptyDocumentIsTheDefaults) {

@@ -95,6 +95,44 @@ TEST(RouterDetectorTest, EmitsContractSignalsAndFlipRateFromTheSecondSample) {
   EXPECT_FALSE(emitter.Has("router_flip_rate"));
 }
 
+TEST(RouterStatsTest, DiedExpertsWereOnceAliveAndAreDeadNow) {
+  // 4 experts: dead below 0.025, once alive at 0.125 or more.
+  const std::vector<double> now = {0.5, 0.45, 0.01, 0.0};
+  EXPECT_EQ(CountDiedExperts(now, {0.5, 0.5, 0.02, 0.3}), 1);  // expert 3 died
+  EXPECT_EQ(CountDiedExperts(now, {0.5, 0.5, 0.12, 0.0}), 0);  // never alive: not died
+  EXPECT_EQ(CountDiedExperts(now, {0.5, 0.5, 0.125, 0.2}), 2);
+}
+
+TEST(RouterDetectorTest, ExpertsDeadFromTheStartAreNotDiedOnesThatDieAre) {
+  // Issue 26: 2 of 8 experts dead from initialization are the model's state;
+  // an expert that carried tokens and then gets none has died.
+  auto detector = MakeDetector("router");
+  const int tokens = 16, experts = 8;
+  auto logits = [&](bool expert5_dead) {
+    std::vector<float> z(tokens * experts, 0.f);
+    for (int t = 0; t < tokens; ++t) {
+      z[t * experts + t % 6] = 5.f;  // top-2 spread over experts 0..5
+      z[t * experts + (t + 1) % 6] = 4.f;
+      z[t * experts + 6] = z[t * experts + 7] = -20.f;  // dead from the start
+      if (expert5_dead) z[t * experts + 5] = -20.f;
+    }
+    return z;
+  };
+  RecordingEmitter emitter;
+  for (int i = 0; i < 20; ++i) {
+    emitter.Clear();
+    detector->Process(RouterSampleOf(logits(false), tokens, experts, 2, 10 * i), emitter);
+    ASSERT_EQ(emitter.Value("router_dead_experts", 1), 2) << i;
+    ASSERT_EQ(emitter.Value("router_experts_died", 1), 0) << i;
+  }
+  for (int i = 20; i < 40; ++i) {
+    emitter.Clear();
+    detector->Process(RouterSampleOf(logits(true), tokens, experts, 2, 10 * i), emitter);
+  }
+  EXPECT_EQ(emitter.Value("router_dead_experts", 1), 3);
+  EXPECT_EQ(emitter.Value("router_experts_died", 1), 1);
+}
+
 TEST(RouterDetectorTest, NonFiniteLogitsAreCountedAndNotUsed) {
   auto detector = MakeDetector("router");
   RecordingEmitter emitter;

@@ -81,7 +81,7 @@ def test_experts_dead_from_initialization_raise_no_alert(foreshockd):
 def test_experts_that_die_during_training_are_a_collapse(foreshockd):
     alerts = _moe_run(foreshockd, "moe-dying", die_at=50)
     collapse = [a for a in alerts if a["alertname"] == "ForeshockRouterCollapse"]
-    assert collapse and collapse[0]["signal"] == "router_dead_experts", alerts
+    assert collapse and collapse[0]["signal"] == "router_experts_died", alerts
     assert int(collapse[0]["first_step"]) >= 50
     # A router alert alone is no evidence of a cause.
     assert collapse[0]["probable_cause"] == "unknown", collapse[0]

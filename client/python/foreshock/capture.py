@@ -544,6 +544,8 @@ class ProbeCollector:
         # sites): what the kernel computed in, which under autocast is not the
         # dtype of the Q/K it was handed (rotary with fp32 cos/sin promotes them).
         self.output_dtypes = {}
+        # layer -> the attention function's logit soft-cap (its `softcap` argument).
+        self.softcaps = {}
 
     def add_qk(self, store, layer, q, k, seq_len):
         if layer in store:
@@ -591,10 +593,11 @@ class ProbeCollector:
             _warn_once(site, "window", "foreshock: %s attends over a sliding window of %d "
                        "tokens, shorter than the probe's %d: the daemon's attention entropy and "
                        "max logit assume full causal attention", site.name, window, seq_len)
-        if kwargs.get("softcap") is not None:
-            _warn_once(site, "softcap", "foreshock: %s soft-caps its attention logits; the "
-                       "daemon's attention entropy and max logit are of the uncapped logits",
-                       site.name)
+        softcap = kwargs.get("softcap")
+        if isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and softcap > 0:
+            # Gemma 2: logits = cap * tanh(logits / cap); sent as QKSample.logit_softcap,
+            # the daemon's max logit is then of the capped logits.
+            self.softcaps[site.layer] = float(softcap)
         scaling = kwargs.get("scaling", site.scaling)
         q, _ = heads_tokens_from_bhtd(fold_scaling(query, scaling, site.head_dim))
         k, _ = heads_tokens_from_bhtd(key)

@@ -317,7 +317,8 @@ class Monitor:
                 q=encoding.encode_tensor(q, self.dtype), k=encoding.encode_tensor(k, self.dtype),
                 kv_head_of=kv_head_of, heads=heads,
                 attention_dtype=encoding.wire_dtype(
-                    self._attention_dtype(collector, layer, q, probe_autocast))))
+                    self._attention_dtype(collector, layer, q, probe_autocast)),
+                logit_softcap=collector.softcaps.get(layer, 0.0)))
             check = collector.output_checks.get(layer)
             if check is not None:
                 record.qk.output_check.CopyFrom(pb.AttentionOutputCheck(**check))

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <cmath>
 
 #include <string>
@@ -232,6 +234,25 @@ TEST_F(ValidationTest, OutputCheckIsOptionalAndMustBeConsistent) {
     ASSERT_TRUE(rejection) << bad.ShortDebugString();
     EXPECT_EQ(rejection->code, reason::kBadOutputCheck);
     EXPECT_NE(rejection->detail.find("output_check"), std::string::npos) << rejection->detail;
+  }
+}
+
+TEST_F(ValidationTest, TakesTheLogitSoftcapAndRejectsABadOne) {
+  {
+    v1::Record record = QK({2, 16, 8}, {2, 16, 8});
+    record.mutable_qk()->set_logit_softcap(50.0f);
+    detectors::Sample sample;
+    ASSERT_FALSE(ValidateRecord(record, context_, limits_, sample).has_value());
+    EXPECT_EQ(std::get<detectors::QKSample>(sample.payload).logit_softcap, 50.0);
+  }
+  for (float bad : {-1.0f, std::numeric_limits<float>::infinity(),
+                    std::numeric_limits<float>::quiet_NaN()}) {
+    v1::Record record = QK({2, 16, 8}, {2, 16, 8});
+    record.mutable_qk()->set_logit_softcap(bad);
+    const auto rejection = Validate(record);
+    ASSERT_TRUE(rejection) << bad;
+    EXPECT_EQ(rejection->code, reason::kBadSoftcap);
+    EXPECT_NE(rejection->detail.find("logit_softcap"), std::string::npos) << rejection->detail;
   }
 }
 
