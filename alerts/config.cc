@@ -135,8 +135,9 @@ AlertConfig DefaultAlertConfig() {
   // there is no absolute bound: an instability is a surge relative to the
   // run's own level, at least three times its trailing median on 3
   // estimates in a row. Samples are sparse (each costs HVPs), hence the
-  // short warm-up and window, whose baseline needs half of it (no small-sample
-  // inflation: the 3x gate already dominates). No trend: at the edge of
+  // short warm-up and window (24 estimates: long enough for a stable MAD),
+  // whose baseline needs half of it (no small-sample inflation: the 3x gate
+  // already dominates). No trend: at the edge of
   // stability rho has no healthy drift to follow, and a trend fitted on 12
   // noisy estimates chases a surge's first samples.
   {
@@ -153,8 +154,8 @@ AlertConfig DefaultAlertConfig() {
     // for the MAD to be stable) says how noisy this run's estimator is; a
     // surge must stand 3 of those above the median, on 3 estimates in a row,
     // as well as triple and add half the edge (tests/alerts/curvature_noise_test.cc:
-    // healthy runs with log-sd 0.6, AR(1) 0.5 over 400 estimates: 57 of 100
-    // fired -> 18; an LR ramp still fires at every cadence).
+    // healthy runs with log-sd 0.6, AR(1) 0.5 over 400 estimates: 62 of 100
+    // fired -> 19; an LR ramp still fires at every cadence).
     o.log_scale = true;
     o.z_threshold = 3.0;
     o.trend = false;
