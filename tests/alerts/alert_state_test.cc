@@ -439,6 +439,8 @@ AlertConfig DefaultsBeforeIssue13() {
   ChangeDetectorOptions& curvature = config.signals.at("curvature_eos_ratio").detector;
   curvature.warmup = 10;
   curvature.min_absolute_change = 0.0;  // added by issue 25
+  curvature.z_threshold = 5.0;          // log scale, z 3 and window 24: issue 25
+  curvature.window = 12;
   curvature.bound = 1.0;
   curvature.min_relative_change = 0.5;
   curvature.trend = true;
