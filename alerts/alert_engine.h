@@ -165,6 +165,10 @@ struct Alert {
   // Set when the run's lifecycle, not its signals, ended the episode:
   // kRunEnded or kRunResumed (docs/DESIGN.md §5.3). Empty otherwise.
   std::string resolved_reason;
+  // The run's attempt (docs/DESIGN.md §5.3) this alert's episode belongs to.
+  // Not a label: an earlier attempt's alerts stay listed (AllAlerts) beside
+  // the resumed attempt's alerts of the same name and layer.
+  int32_t attempt = 1;
 
   using KeyValues = std::vector<std::pair<std::string, std::string>>;
   // Sorted by name: alertname, layer, run, severity, signal.
@@ -216,7 +220,9 @@ class AlertEngine {
 
   // Pending and firing alerts of every run, by run, alertname and layer.
   std::vector<Alert> ActiveAlerts() const;
-  // Every alert of `run` that ever left inactive, by alertname and layer.
+  // Every alert of `run` that ever left inactive: the episodes earlier
+  // attempts ended with (closed when the run resumed; oldest attempt first),
+  // then the current attempt's, by alertname and layer. Alert::attempt says whose.
   std::vector<Alert> AllAlerts(std::string_view run) const;
   std::optional<FirstFiring> FirstFiringLayer(std::string_view run) const;
   ProbableCause RunProbableCause(std::string_view run) const;
@@ -268,8 +274,8 @@ class AlertEngine {
   // Restoring changes counters(): a caller exporting counter deltas must
   // take the restored values as its new baseline (or export them once).
   //
-  // Format: codec (detectors/state_codec.h), Header "FSAE" version 3
-  // (version 2 is still read); see alert_engine.cc for the layout.
+  // Format: codec (detectors/state_codec.h), Header "FSAE" version 4
+  // (versions 2 and 3 are still read); see alert_engine.cc for the layout.
   std::string SaveState() const;
   bool RestoreState(std::string_view bytes, std::string* error = nullptr);
 
