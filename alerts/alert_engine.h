@@ -17,10 +17,11 @@
 // (rise) -> ForeshockQKIncrementCollapse; attention_max_logit (rise, bound
 // 100) -> ForeshockAttentionLogitGrowth; attention_entropy (drop) ->
 // ForeshockAttentionEntropyCollapse; router_entropy (drop), router_flip_rate,
-// router_z_loss (rise), router_dead_experts (> 0) -> ForeshockRouterCollapse;
+// router_z_loss (rise), router_experts_died (> 0) -> ForeshockRouterCollapse;
 // router_load_cv, router_max_violation (rise) -> ForeshockRouterImbalance;
 // curvature_eos_ratio (surge, or > 1) -> ForeshockCurvatureAboveEdge; loss
-// (rise) -> ForeshockLossSpike. Non-finite events -> ForeshockNonFinite.
+// (rise) -> ForeshockLossSpike; loss_over_running_min (> 1.3) ->
+// ForeshockLossDiverging. Non-finite events -> ForeshockNonFinite.
 //
 // ## Alerts and lifecycle
 //
