@@ -11,6 +11,8 @@ namespace foreshock::alerts {
 namespace {
 
 constexpr size_t kFamilyCount = static_cast<size_t>(AlertFamily::kRoundingBias) + 1;
+// Earlier attempts' alerts kept per run (the oldest go first).
+constexpr size_t kMaxEarlierAlerts = 4096;
 // The fp32 hold lets go of a guard signal this many times beyond its bound
 // once the run has shown another sign of trouble (HeldForCorroboration).
 constexpr double kFarBeyondBound = 4.0;
@@ -130,6 +132,9 @@ struct AlertEngine::Series {
 
 struct AlertEngine::AlertRecord {
   Alert alert;
+  // Its episode belongs to an earlier attempt and is kept in the run's
+  // earlier_attempts; not listed again until a new episode opens.
+  bool archived = false;
   int layer = detectors::kNoLayer;
   std::vector<const Series*> series;  // the series that feed this alert
 };
@@ -169,6 +174,9 @@ struct AlertEngine::RunState {
   std::map<int, int64_t> layer_steps;
 
   LifecycleMark lifecycle;  // stored for the server (LifecycleMark)
+  // The alerts earlier attempts ended with (CloseEpisodes on a resume), each
+  // with its Alert::attempt, oldest first; bounded by kMaxEarlierAlerts.
+  std::deque<Alert> earlier_attempts;
 
   RunState() {
     family_onset.fill(-1);
@@ -363,6 +371,8 @@ void AlertEngine::Evaluate(RunState& run, AlertRecord& record, const Series& tri
     return text;
   };
   auto open_episode = [&] {
+    record.archived = false;
+    alert.attempt = run.lifecycle.attempt;
     ++alert.episode;
     alert.pending_step = alert.firing_step = alert.resolved_step = -1;
     alert.resolved_reason.clear();
@@ -794,6 +804,8 @@ std::vector<AlertTransition> AlertEngine::ObserveNonFinite(const NonFiniteEvent&
   Alert& alert = record.alert;
   if (alert.state == AlertState::kFiring) return out;
   const AlertState from = alert.state;
+  record.archived = false;
+  alert.attempt = run.lifecycle.attempt;
   ++alert.episode;
   alert.state = AlertState::kFiring;
   alert.pending_step = alert.resolved_step = -1;
@@ -854,9 +866,14 @@ std::vector<Alert> AlertEngine::AllAlerts(std::string_view run) const {
   std::vector<Alert> all;
   const auto it = runs_.find(run);
   if (it == runs_.end()) return all;
+  const RunState& state = *it->second;
+  all.assign(state.earlier_attempts.begin(), state.earlier_attempts.end());
   // The map orders by alertname, then layer (run-level, -1, first).
-  for (const auto& [key, record] : it->second->alerts) {
-    if (record.alert.episode > 0) all.push_back(record.alert);
+  for (const auto& [key, record] : state.alerts) {
+    if (record.alert.episode > 0 && !record.archived) {
+      all.push_back(record.alert);
+      all.back().attempt = state.lifecycle.attempt;
+    }
   }
   return all;
 }
@@ -917,6 +934,17 @@ std::vector<AlertTransition> AlertEngine::CloseEpisodes(std::string_view run_nam
     }
     alert.resolved_reason = std::string(reason);
     out.push_back(AlertTransition{alert, from, alert.state, step});
+  }
+  // A resumed attempt keeps what the ended one raised: a later episode of the
+  // same name and layer must not overwrite it in AllAlerts.
+  if (reason == kRunResumed) {
+    for (auto& [key, record] : run.alerts) {
+      if (record.alert.episode == 0 || record.archived) continue;
+      record.archived = true;
+      run.earlier_attempts.push_back(record.alert);
+      run.earlier_attempts.back().attempt = run.lifecycle.attempt;
+    }
+    while (run.earlier_attempts.size() > kMaxEarlierAlerts) run.earlier_attempts.pop_front();
   }
   for (auto& [signal, by_layer] : run.series) {
     for (auto& [layer, series] : by_layer) series.detector.ResetEpisode();
@@ -999,12 +1027,13 @@ void AlertEngine::SetLifecycleMark(std::string_view run, const LifecycleMark& ma
 //   U64 alerts, each String alertname, I32 layer, the Alert (PutAlert; v3
 //     adds String resolved_reason),
 //     U64 feeding series + String key of each, in the record's order
-//     (the order Evaluate scans them in)
+//     (the order Evaluate scans them in), (v4) Bool archived
+//   (v4) U64 earlier attempts' alerts, each I32 attempt, the Alert (PutAlert)
 
 namespace {
 
 constexpr std::string_view kEngineStateMagic = "FSAE";
-constexpr uint32_t kEngineStateVersion = 3;
+constexpr uint32_t kEngineStateVersion = 4;
 constexpr uint32_t kEngineStateOldestVersion = 2;  // without the lifecycle (v3)
 
 // Every configuration value the engine's behaviour depends on.
@@ -1165,6 +1194,12 @@ std::string AlertEngine::SaveState() const {
       PutAlert(w, record.alert);
       w.PutU64(record.series.size());
       for (const Series* series : record.series) w.PutString(series->key);
+      w.PutBool(record.archived);
+    }
+    w.PutU64(run.earlier_attempts.size());
+    for (const Alert& alert : run.earlier_attempts) {
+      w.PutI32(alert.attempt);
+      PutAlert(w, alert);
     }
   }
   return w.Take();
@@ -1292,6 +1327,19 @@ bool AlertEngine::RestoreState(std::string_view bytes, std::string* error) {
         if (series.config->alertname != alertname) return r.Fail("series feeds another alert");
         series.record = &record;
         record.series.push_back(&series);
+      }
+      if (version >= 4 && !r.GetBool(record.archived)) return false;
+      record.alert.attempt = run.lifecycle.attempt;
+    }
+    if (version >= 4) {
+      uint64_t earlier = 0;
+      if (!r.GetCount(earlier)) return false;
+      if (earlier > kMaxEarlierAlerts) return r.Fail("too many earlier attempts' alerts");
+      for (uint64_t i = 0; i < earlier; ++i) {
+        Alert alert;
+        if (!r.GetI32(alert.attempt) || !GetAlert(r, alert, version)) return false;
+        if (alert.attempt < 1) return r.Fail("alert attempt below 1");
+        run.earlier_attempts.push_back(std::move(alert));
       }
     }
     // Observe relies on every series having its alert.

@@ -21,10 +21,11 @@
 // (rise) -> ForeshockQKIncrementCollapse; attention_max_logit (rise, bound
 // 100) -> ForeshockAttentionLogitGrowth; attention_entropy (drop) ->
 // ForeshockAttentionEntropyCollapse; router_entropy (drop), router_flip_rate,
-// router_z_loss (rise), router_dead_experts (> 0) -> ForeshockRouterCollapse;
+// router_z_loss (rise), router_experts_died (> 0) -> ForeshockRouterCollapse;
 // router_load_cv, router_max_violation (rise) -> ForeshockRouterImbalance;
 // curvature_eos_ratio (surge, or > 1) -> ForeshockCurvatureAboveEdge; loss
-// (rise) -> ForeshockLossSpike. Non-finite events -> ForeshockNonFinite.
+// (rise) -> ForeshockLossSpike; loss_over_running_min (> 1.3) ->
+// ForeshockLossDiverging. Non-finite events -> ForeshockNonFinite.
 //
 // ## Alerts and lifecycle
 //
@@ -169,6 +170,10 @@ struct Alert {
   // Set when the run's lifecycle, not its signals, ended the episode:
   // kRunEnded or kRunResumed (docs/DESIGN.md §5.3). Empty otherwise.
   std::string resolved_reason;
+  // The run's attempt (docs/DESIGN.md §5.3) this alert's episode belongs to.
+  // Not a label: an earlier attempt's alerts stay listed (AllAlerts) beside
+  // the resumed attempt's alerts of the same name and layer.
+  int32_t attempt = 1;
 
   using KeyValues = std::vector<std::pair<std::string, std::string>>;
   // Sorted by name: alertname, layer, run, severity, signal.
@@ -220,7 +225,9 @@ class AlertEngine {
 
   // Pending and firing alerts of every run, by run, alertname and layer.
   std::vector<Alert> ActiveAlerts() const;
-  // Every alert of `run` that ever left inactive, by alertname and layer.
+  // Every alert of `run` that ever left inactive: the episodes earlier
+  // attempts ended with (closed when the run resumed; oldest attempt first),
+  // then the current attempt's, by alertname and layer. Alert::attempt says whose.
   std::vector<Alert> AllAlerts(std::string_view run) const;
   std::optional<FirstFiring> FirstFiringLayer(std::string_view run) const;
   ProbableCause RunProbableCause(std::string_view run) const;
@@ -272,8 +279,8 @@ class AlertEngine {
   // Restoring changes counters(): a caller exporting counter deltas must
   // take the restored values as its new baseline (or export them once).
   //
-  // Format: codec (detectors/state_codec.h), Header "FSAE" version 3
-  // (version 2 is still read); see alert_engine.cc for the layout.
+  // Format: codec (detectors/state_codec.h), Header "FSAE" version 4
+  // (versions 2 and 3 are still read); see alert_engine.cc for the layout.
   std::string SaveState() const;
   bool RestoreState(std::string_view bytes, std::string* error = nullptr);
 

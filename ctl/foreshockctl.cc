@@ -340,14 +340,16 @@ int RunAlerts(const Args& args, const Globals& g) {
     std::cout << (request.include_resolved() ? "no alerts\n" : "no active alerts\n");
     return kExitOk;
   }
-  Table table({"STATE", "ALERTNAME", "RUN", "LAYER", "SEVERITY", "FIRST_STEP", "FIRING_STEP",
-               "RESOLVED_STEP", "VALUE", "PROBABLE_CAUSE", "SUMMARY"});
+  Table table({"STATE", "ALERTNAME", "RUN", "ATTEMPT", "LAYER", "SEVERITY", "FIRST_STEP",
+               "FIRING_STEP", "RESOLVED_STEP", "VALUE", "PROBABLE_CAUSE", "SUMMARY"});
   for (const v1::Alert& a : response.alerts()) {
     // A resolution by the run's lifecycle, not its signals, says so: resolved:run_ended.
     const std::string state =
         a.resolved_reason().empty() ? a.state() : a.state() + ":" + a.resolved_reason();
-    table.AddRow({state, a.alertname(), a.run(), a.layer(), a.severity(),
-                  std::to_string(a.first_step()), StepOrDash(a.firing_step()),
+    // The attempt (1, 2 after a resume, ...); "-" from a daemon that does not say.
+    table.AddRow({state, a.alertname(), a.run(),
+                  a.attempt() > 0 ? std::to_string(a.attempt()) : std::string("-"), a.layer(),
+                  a.severity(), std::to_string(a.first_step()), StepOrDash(a.firing_step()),
                   StepOrDash(a.resolved_step()), ShortNumber(a.value()), Cause(a), a.summary()});
   }
   std::cout << table.Render();

@@ -147,6 +147,7 @@ v1::Alert AlertHub::ToProtoLocked(const alerts::Alert& alert) const {
   out.set_probable_cause_settled(alert.probable_cause_settled);
   out.set_probable_cause_evidence(alert.probable_cause_evidence);
   out.set_resolved_reason(alert.resolved_reason);
+  out.set_attempt(alert.attempt);
   out.set_suggested_action(alert.suggested_action);
   out.set_first_step(alert.first_step);
   out.set_firing_step(alert.firing_step);

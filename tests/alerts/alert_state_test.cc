@@ -507,9 +507,9 @@ TEST(AlertEngineStateTest, RefusesOtherBlobsAndVersions) {
   EXPECT_FALSE(engine.RestoreState("FSDP\x01\0\0\0", &error));
   EXPECT_NE(error.find("not a FSAE blob"), std::string::npos) << error;
   std::string state = AlertEngine().SaveState();
-  state[4] = 4;  // the version after the magic: one this build does not know
+  state[4] = 5;  // the version after the magic: one this build does not know
   EXPECT_FALSE(engine.RestoreState(state, &error));
-  EXPECT_NE(error.find("version 4"), std::string::npos) << error;
+  EXPECT_NE(error.find("version 5"), std::string::npos) << error;
   state[4] = 1;  // the first version, without the settle watermark: refused too
   EXPECT_FALSE(engine.RestoreState(state, &error));
   EXPECT_NE(error.find("version 1"), std::string::npos) << error;
@@ -517,7 +517,51 @@ TEST(AlertEngineStateTest, RefusesOtherBlobsAndVersions) {
   // layout is the same.
   state[4] = 2;
   EXPECT_TRUE(engine.RestoreState(state, &error)) << error;
+  state[4] = 3;  // and version 3 (before earlier attempts' alerts were kept)
+  EXPECT_TRUE(engine.RestoreState(state, &error)) << error;
   EXPECT_TRUE(engine.RestoreState(AlertEngine().SaveState(), &error)) << error;
+}
+
+// Issue 26: a crashed attempt's alerts were overwritten in AllAlerts (and so
+// `foreshockctl alerts --all`) by the resumed attempt's alerts of the same
+// name and layer. Every attempt's alerts are kept, each with its attempt,
+// also across a checkpoint.
+TEST(AlertEngineStateTest, EveryAttemptsAlertsAreKept) {
+  AlertEngine engine;
+  auto loss_spike = [&](int64_t from) {
+    for (int64_t s = from; s < from + 60; ++s) {
+      engine.Observe(SignalPoint{"r", s, "loss", kNoLayer, kAllHeads, 2.0});
+    }
+    for (int64_t s = from + 60; s < from + 66; ++s) {
+      engine.Observe(SignalPoint{"r", s, "loss", kNoLayer, kAllHeads, 5.0});
+    }
+  };
+  loss_spike(0);  // attempt 1 fires ForeshockLossSpike, then crashes
+  ASSERT_EQ(engine.AllAlerts("r").size(), 1u);
+  engine.RewindRun("r", 50);  // attempt 2 resumes from step 50
+  engine.SetLifecycleMark("r", LifecycleMark{2, 50, false});
+  loss_spike(200);  // and fires the same alert again
+  std::vector<Alert> all = engine.AllAlerts("r");
+  ASSERT_EQ(all.size(), 2u);
+  EXPECT_EQ(all[0].alertname, kLossSpike);
+  EXPECT_EQ(all[0].attempt, 1);
+  EXPECT_EQ(all[0].state, AlertState::kResolved);
+  EXPECT_EQ(all[0].resolved_reason, kRunResumed);
+  EXPECT_EQ(all[0].first_step, 60);
+  EXPECT_EQ(all[1].alertname, kLossSpike);
+  EXPECT_EQ(all[1].attempt, 2);
+  EXPECT_EQ(all[1].state, AlertState::kFiring);
+  EXPECT_EQ(all[1].first_step, 260);
+
+  AlertEngine restored;
+  std::string error;
+  ASSERT_TRUE(restored.RestoreState(engine.SaveState(), &error)) << error;
+  const std::vector<Alert> again = restored.AllAlerts("r");
+  ASSERT_EQ(again.size(), 2u);
+  EXPECT_EQ(again[0].attempt, 1);
+  EXPECT_EQ(again[0].first_step, 60);
+  EXPECT_EQ(again[1].attempt, 2);
+  EXPECT_EQ(restored.SaveState(), engine.SaveState());
 }
 
 }  // namespace

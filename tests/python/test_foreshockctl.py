@@ -201,8 +201,9 @@ def test_alerts_json_table_and_watch(foreshockd):
     out = ctl("alerts", "--run", "ctl-alert", "--all", "--endpoint", endpoint)
     assert out.returncode == 0
     header, *rows = out.stdout.splitlines()
-    assert header.split()[:4] == ["STATE", "ALERTNAME", "RUN", "LAYER"]
-    assert len(rows) == 1 and rows[0].split()[:3] == ["firing", "ForeshockNonFinite", "ctl-alert"]
+    assert header.split()[:5] == ["STATE", "ALERTNAME", "RUN", "ATTEMPT", "LAYER"]
+    assert len(rows) == 1 and rows[0].split()[:5] == ["firing", "ForeshockNonFinite", "ctl-alert",
+                                                       "1", "all"]
     # Columns line up: every row starts each column where the header does.
     assert rows[0].index("ForeshockNonFinite") == header.index("ALERTNAME")
 

@@ -320,6 +320,7 @@ def test_a_job_killed_after_a_fault_and_resumed_from_a_checkpoint(start_foreshoc
             (alert,) = list_alerts(daemon, run)
             assert alert.alertname == "ForeshockNonFinite" and alert.state == "resolved", where
             assert alert.resolved_reason == "run_resumed" and alert.first_step == 35, (where, alert)
+            assert alert.attempt == 1, (where, alert)  # the crashed attempt's, kept as such
             info = run_info(daemon, run)
             assert info.attempt == 2 and info.attempt_start_step == 30, (where, info)
             assert info.ended and info.active_alerts == 0, (where, info)
