@@ -96,6 +96,11 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--curvature-every", type=int, default=50,
                    help="estimate the preconditioned curvature every N steps (0: off)")
+    p.add_argument("--curvature-budget", type=float, default=0.0,
+                   help="largest fraction of training time the curvature estimates may take: "
+                        "due estimates are skipped beyond it (the client's default is 0.04); "
+                        "0 (the demo's default): a fixed cadence, every --curvature-every "
+                        "steps, so that evaluation runs are reproducible")
     p.add_argument("--curvature-seqs", type=int, default=2,
                    help="held-out sequences in the curvature batch (its Hessian is estimated)")
     p.add_argument("--curvature-hvps", type=int, default=3,
@@ -430,7 +435,8 @@ def run(args, tap=None, out=print):
             inputs, targets = curvature_batch[:, :-1], curvature_batch[:, 1:]
             monitor.curvature = CurvatureEstimator(
                 model, lambda m, b: F.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten()),
-                (inputs, targets), optimizer, every=args.curvature_every, hvps=args.curvature_hvps)
+                (inputs, targets), optimizer, every=args.curvature_every, hvps=args.curvature_hvps,
+                budget=args.curvature_budget or None)
         # The explicit one-line capture API (same Q/K as discovery finds here: no rotary).
         model.set_qk_hook(monitor.capture_qk)
         model.set_router_hook(monitor.capture_router)

@@ -345,3 +345,62 @@ def test_auto_keeps_double_backward_where_a_fixed_fd_step_drowns_in_rounding():
     estimate = scaled.estimate()
     assert estimate.hvp_mode in ("double_backward", "func")
     assert estimate.lambda_max == pytest.approx(2.0, rel=1e-3)
+
+
+def test_budget_rule_skips_due_steps_that_would_exceed_it():
+    """The cadence rule alone, with made-up times (no clock): an estimate is due
+    on a multiple of `every` only while the estimates so far plus one more,
+    costed as the last one, stay within budget x training time."""
+    model, batch = make_task()
+    estimator = CurvatureEstimator(model, loss_fn, batch, every=10, budget=0.05)
+    assert estimator.due(0, train_seconds=0.0)  # the first always runs
+    estimator.estimates, estimator.seconds_total, estimator._last_seconds = 1, 1.0, 1.0
+    assert not estimator.due(7, train_seconds=1e6)          # not a multiple of every
+    assert not estimator.due(10, train_seconds=39.0)        # 2 s > 5% of 39 s
+    assert estimator.skipped_for_budget == 1
+    assert estimator.due(20, train_seconds=40.0)            # 2 s = 5% of 40 s
+    assert estimator.due(30)                                # no training time: every 10
+    fixed = CurvatureEstimator(model, loss_fn, batch, every=10, budget=None)
+    fixed.estimates, fixed.seconds_total, fixed._last_seconds = 1, 1.0, 1.0
+    assert fixed.due(10, train_seconds=1e-3)
+    with pytest.raises(ValueError):
+        CurvatureEstimator(model, loss_fn, batch, budget=0)
+
+
+def test_monitor_keeps_curvature_within_its_budget_of_a_slow_step():
+    """Under a Monitor, an estimate dearer than the training step (a loss_fn
+    that sleeps 20 ms; steps of 10 ms) at every=1 would cost ~2x the training
+    time on a fixed cadence; with budget=0.1 the cadence stretches so
+    that the estimates stay within 10% of the training time the monitor
+    measures (plus at most one estimate: the first always runs, and an estimate
+    may cost more than the last one it was costed as), and it keeps estimating.
+    The bounds hold whatever the machine's load (both sides are measured)."""
+    import time
+    from foreshock import Monitor
+
+    def slow_loss(model, batch):
+        time.sleep(0.02)
+        return loss_fn(model, batch)
+
+    model, batch = make_task()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    estimator = CurvatureEstimator(model, slow_loss, batch, optimizer, every=1, budget=0.1,
+                                   hvp_mode="double_backward")
+    monitor = Monitor("127.0.0.1:1", run_id="r", job="j", curvature=estimator)
+    per_estimate = []
+    estimate = estimator.estimate
+    estimator.estimate = lambda: per_estimate.append(estimate()) or per_estimate[-1]
+    try:
+        steps = 150
+        for step in range(steps):
+            train_step(model, optimizer, batch)
+            time.sleep(0.01)
+            monitor.step(step, loss=1.0)
+        stats = monitor.stats()
+    finally:
+        monitor.close(timeout=0.5)
+    spent, train = stats["curvature_seconds_total"], stats["train_seconds_total"]
+    longest = max(e.seconds for e in per_estimate)
+    assert spent <= 0.1 * train + longest, (spent, train, longest)
+    assert 3 <= stats["curvature_estimates"] < steps // 3, stats
+    assert stats["curvature_skipped_for_budget"] == steps - stats["curvature_estimates"]

@@ -2,6 +2,7 @@
 
     estimator = CurvatureEstimator(model, loss_fn, probe_batch, optimizer, every=50, hvps=3)
     monitor = Monitor(..., curvature=estimator)       # sends a CurvatureSample every 50 steps
+                                                      # or less often: see `budget`
 
 The operator is A = P^{-1/2} H P^{-1/2} with P = diag(sqrt(v_hat) + eps) read from
 Adam's (bias-corrected) second moments, or plain H for SGD and before Adam has
@@ -163,7 +164,15 @@ class CurvatureEstimator:
       loss_fn: loss_fn(model, probe_batch) -> scalar loss on the probe batch.
       probe_batch: fixed input of every estimate (anything loss_fn accepts).
       optimizer: read for Adam's second moments, lr and beta1 (None: plain H, lr 0).
-      every: estimate when step % every == 0 (default 50).
+      every: estimate when step % every == 0 (default 50), at most; see budget.
+      budget: the largest fraction of training time the estimates may take
+        (default 0.04). Under a Monitor, which times the training steps between
+        its step() calls, a due step is skipped while the estimates so far plus
+        one more (costed as the last one) would exceed budget x the training
+        time so far: the cadence stretches to every k x `every` steps on a model
+        whose estimate is dear against its step (docs/PERFORMANCE.md). The
+        first estimate always runs. None: a fixed cadence, every `every` steps.
+        due(step) without the training time (a hand-written loop) ignores it.
       hvps: Hessian-vector products (Lanczos steps) per estimate, at least (default 3).
       max_hvps: at most this many per estimate: beyond `hvps`, Lanczos continues
         while the residual is above `tol` (default `hvps`: a fixed budget; e.g.
@@ -185,7 +194,7 @@ class CurvatureEstimator:
     AUTO_AGREEMENT = 0.05
 
     def __init__(self, model, loss_fn, probe_batch, optimizer=None, every=50, hvps=3,
-                 hvp_mode="auto", fd_eps=None, seed=0, max_hvps=None, tol=0.05):
+                 hvp_mode="auto", fd_eps=None, seed=0, max_hvps=None, tol=0.05, budget=0.04):
         if hvp_mode not in HVP_MODES:
             raise ValueError(f"hvp_mode must be one of {HVP_MODES}")
         if hvp_mode == "func" and _func_jvp is None:
@@ -197,6 +206,8 @@ class CurvatureEstimator:
         max_hvps = hvps if max_hvps is None else max_hvps
         if hvps < 1 or every < 1 or max_hvps < hvps:
             raise ValueError("hvps and every must be >= 1, and max_hvps >= hvps")
+        if budget is not None and not 0 < budget <= 1:
+            raise ValueError("budget must be a fraction of training time in (0, 1], or None")
         # DDP: differentiate its .module (no reducer hooks, no collectives); a
         # sharded model (FSDP2, FSDP1, ZeRO-3) is refused here (foreshock.distributed).
         from foreshock.distributed import model_for_curvature
@@ -211,6 +222,9 @@ class CurvatureEstimator:
         self.tol = tol
         self.hvp_mode = hvp_mode
         self.fd_eps = fd_eps
+        self.budget = budget
+        self.skipped_for_budget = 0  # due steps skipped to stay within the budget
+        self._last_seconds = 0.0
         names_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in names_params]
         self._names = [n for n, _ in names_params]
@@ -226,8 +240,19 @@ class CurvatureEstimator:
         self.seconds_total = 0.0
         self.estimates = 0
 
-    def due(self, step):
-        return step % self.every == 0
+    def due(self, step, train_seconds=None):
+        """Whether to estimate at this step: a multiple of `every` and, given the
+        training time so far (seconds outside the monitor, as Monitor.step()
+        measures it), within the budget: all estimates so far plus one more
+        costed as the last one at most budget x train_seconds."""
+        if step % self.every != 0:
+            return False
+        if self.budget is None or train_seconds is None or self.estimates == 0:
+            return True
+        if self.seconds_total + self._last_seconds <= self.budget * train_seconds:
+            return True
+        self.skipped_for_budget += 1
+        return False
 
     def reset(self):
         """Forgets the warm start (the next estimate starts from a random vector)."""
@@ -448,6 +473,7 @@ class CurvatureEstimator:
         lr = float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0
         seconds = time.perf_counter() - start
         self.seconds_total += seconds
+        self._last_seconds = seconds
         self.estimates += 1
         return CurvatureEstimate(
             lambda_max=lam, residual=residual, hvps=hvps, preconditioned=preconditioned,

@@ -105,7 +105,9 @@ class Monitor:
       router_dtype: wire dtype of router logits (fp32 by default: they are
         small, and bf16 ties would blur top-k flips).
       curvature: an optional foreshock.curvature.CurvatureEstimator; step()
-        runs it when it is due (its own `every`) and sends a CurvatureSample.
+        runs it when it is due (its own `every`, stretched to keep its time
+        within its `budget` of the training time step() measures between its
+        calls) and sends a CurvatureSample.
       token: bearer token for a daemon with --token_file (default
         $FORESHOCK_TOKEN); sent as `authorization: Bearer <token>`.
       tls_ca, tls_cert, tls_key: PEM files for a daemon with --tls_cert: the CA
@@ -206,6 +208,10 @@ class Monitor:
                             probe_failures=0)
         self._probe_seconds = 0.0
         self._curvature_seconds = 0.0
+        # Training time: the time between step() calls, outside step() itself
+        # (the probe and curvature run inside it); the curvature budget's base.
+        self._train_seconds = 0.0
+        self._step_clock = None
         self._queue = RecordQueue(queue_size, queue_bytes)
         hello = pb.Hello(run_id=run_id, job=job, rank=rank,
                          model=self.model_info.to_proto(), labels=labels)
@@ -226,6 +232,15 @@ class Monitor:
         Call it after optimizer.step(), so the probe sees the updated weights.
         Scalars may be floats or 0-d tensors (a tensor costs a device sync).
         """
+        now = time.perf_counter()
+        if self._step_clock is not None:
+            self._train_seconds += now - self._step_clock
+        try:
+            self._step(step, loss, grad_norm, lr)
+        finally:
+            self._step_clock = time.perf_counter()
+
+    def _step(self, step, loss, grad_norm, lr):
         record = pb.Record(step=step)
         record.scalars.SetInParent()  # an all-absent StepScalars still marks the step
         if loss is not None:
@@ -250,7 +265,7 @@ class Monitor:
                 if n == 1 or n % 100 == 0:
                     log.exception("foreshock: probe at step %d failed (%d so far); training "
                                   "continues without this probe", step, n)
-        if self.curvature is not None and self.curvature.due(step):
+        if self.curvature is not None and self.curvature.due(step, self._train_seconds):
             self.estimate_curvature(step)
 
     def estimate_curvature(self, step):
@@ -521,7 +536,9 @@ class Monitor:
         stats = self._sender.stats()
         stats.update(self._counts, queued=len(self._queue),
                      probe_seconds_total=self._probe_seconds,
-                     curvature_seconds_total=self._curvature_seconds)
+                     curvature_seconds_total=self._curvature_seconds,
+                     train_seconds_total=self._train_seconds,
+                     curvature_skipped_for_budget=getattr(self.curvature, "skipped_for_budget", 0))
         return stats
 
     def on_alert(self, callback):
