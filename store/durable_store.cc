@@ -460,17 +460,26 @@ void DurableSeriesStore::RecoverSegmentLocked(uint64_t sequence, const std::stri
   segment.valid_bytes = valid_end;
 
   const uint64_t read = segment.end_ordinal - segment.first_ordinal - orphan_points;
-  uint64_t lost = skipped_points + orphan_points + damaged_points;
-  // Without an end record (the newest segment after a crash) the loss is
-  // what the damaged records' frames say they held, unless a frame was
-  // unreadable too: then it is a floor, and the bytes say how much more.
-  std::string how_counted = damaged_points > 0 ? " (counted from the damaged records' frames)" : "";
-  bool lost_exact = !damage_uncounted;
+  uint64_t lost = skipped_points + orphan_points;
+  bool lost_exact = false;
+  // Without an end record (the newest segment after a crash) the loss counted
+  // for sure is a floor. The damaged records' frames still say how many
+  // points they held, but that count is read from damaged bytes (the flipped
+  // byte can be the count itself), so it is reported as an estimate beside
+  // the floor, never added to foreshock's lost-points figure.
+  std::string estimate;
+  if (damaged_points > 0) {
+    estimate = " (by the damaged records' own counts " + std::to_string(lost + damaged_points) +
+               (damage_uncounted ? " or more" : "") +
+               ", read from damaged bytes: an estimate)";
+  } else if (damage_uncounted) {
+    estimate = " (a damaged record's frame is unreadable: its points cannot be counted)";
+  }
   if (end_count && *end_count >= read) {
     // The end record counts every point written: the loss is known exactly.
     lost = *end_count - read;
     lost_exact = true;
-    how_counted.clear();
+    estimate.clear();
   }
   const bool damaged = damaged_regions > 0 || bad_records > 0 || lost > 0 || !have_header;
   std::string summary;
@@ -485,11 +494,7 @@ void DurableSeriesStore::RecoverSegmentLocked(uint64_t sequence, const std::stri
                    : std::string()) +
               ", " + std::to_string(damaged_bytes) + " bytes skipped, " +
               (lost_exact ? "" : "at least ") + std::to_string(lost) + " point(s) lost" +
-              how_counted +
-              (lost_exact ? std::string()
-                          : " (a damaged record's frame is unreadable: its points cannot be "
-                            "counted)") +
-              ", " + std::to_string(read) + " read";
+              estimate + ", " + std::to_string(read) + " read";
     if (!have_header) summary += "; no valid segment header";
   }
 

@@ -238,11 +238,14 @@ TEST(StoreDamageTest, AfterACrashTheReportCountsTheDamagedRecordsPoints) {
     ASSERT_TRUE(store.ok()) << store.status();
     const size_t missing = CheckSurvivors(**store, written, MayLose(layout, rec.begin, rec.end));
     EXPECT_GT(missing, 0u);
-    EXPECT_EQ((*store)->Stats().lost_points, missing);
+    // The counted loss stays a floor (a flipped byte can be a record's point
+    // count: DamageSweep); the report states the frames' own count beside it.
+    EXPECT_LE((*store)->Stats().lost_points, missing);
     ASSERT_FALSE((*store)->Problems().empty());
     const std::string report = (*store)->Problems().back();
-    EXPECT_NE(report.find(std::to_string(missing) + " point(s) lost"), std::string::npos) << report;
-    EXPECT_EQ(report.find("at least"), std::string::npos) << report;
+    EXPECT_NE(report.find("by the damaged records' own counts " + std::to_string(missing) + ","),
+              std::string::npos)
+        << report;
   }
   EXPECT_GT(checked, 0);
 }
