@@ -249,6 +249,14 @@ absl::Status Daemon::Start() {
   // gRPC sets SO_REUSEPORT by default: a second daemon on the same port would
   // silently share the traffic instead of failing to start.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Transport memory is outside --max_memory_mb's reach (a message is
+  // resident before ingest can refuse it), so it is bounded here: fixed
+  // per-stream windows instead of BDP-grown ones.
+  if (options_.grpc_stream_window_bytes > 0) {
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES,
+                               options_.grpc_stream_window_bytes);
+  }
   builder.RegisterService(ingest_.get());
   builder.RegisterService(query_.get());
   grpc_server_ = builder.BuildAndStart();

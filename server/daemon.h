@@ -63,6 +63,9 @@ struct DaemonOptions {
   size_t series_capacity = 4096;
   size_t max_queue_bytes = size_t{256} << 20;
   int max_message_bytes = 64 << 20;
+  // HTTP/2 receive window per stream, BDP probing off (--grpc_stream_window_kb);
+  // 0: gRPC's defaults.
+  int grpc_stream_window_bytes = 1 << 20;
   // Resident memory at which ingest refuses new data (server/ingest/memory_guard.h).
   // 0: no bound.
   int64_t max_memory_bytes = 0;

@@ -8,6 +8,7 @@ shapes so that they take seconds on a busy machine."""
 import json
 import os
 import subprocess
+import threading
 import time
 
 import grpc
@@ -132,24 +133,27 @@ def _scalar_batch_accepted(endpoint, run):
 
 def test_probe_flood_stays_bounded_scalars_get_through_and_ingest_recovers(
         start_foreshockd, tmp_path):
-    # The issue's flood, scaled down: 4 streams of 4 QK layers (32 heads x
-    # 64 tokens x 128 dims, bf16: 1 MiB a record) and a router sample on
-    # every step, with a checkpoint every second, against a bound 80 MiB
-    # above the idle daemon that the flood passes. Before: streams were
-    # ended (and reconnected, and resent their whole windows) instead of
-    # probes refused, the peak was 1.68x the bound (175 MB against 104), and
-    # a new run's stream was refused while memory stayed above the resume
-    # mark.
+    # The issue's flood, scaled down: 4 streams of 8 QK layers (32 heads x
+    # 64 tokens x 128 dims, bf16: 1 MiB a record, 8 MiB a batch) and a router
+    # sample on every step, with a checkpoint every second, against a bound
+    # 80 MiB above the idle daemon. The retained state of 4 runs x 8 layers
+    # alone passes the bound, so the flood does on a busy machine too (with 4
+    # layers it sometimes did not). Before: streams were ended (and
+    # reconnected, and resent their whole windows) instead of probes refused,
+    # the peak was 1.68x the bound, and a new run's stream was refused while
+    # memory stayed above the resume mark. With gRPC's BDP-grown windows, and
+    # both cores busy, the peak was 1.5x the bound (issue 27).
     limit_mb = _idle_rss_mb(start_foreshockd) + 80
+    streams, batch_mib = 4, 8
     daemon = start_foreshockd(f"--max_memory_mb={limit_mb}", "--max_queue_mb=16",
                               "--checkpoint_interval_s=1", "--workers=2")
     report_path = tmp_path / "flood.json"
     proc = subprocess.run(
         [_load_binary(), f"--target={daemon.endpoint}", f"--daemon_pid={daemon.process.pid}",
-         f"--json={report_path}", "--runs=4", "--ranks_per_run=1", "--layers_per_rank=4",
-         "--heads=32", "--tokens=64", "--head_dim=128", "--probe_every=1",
-         "--steps_per_s=4", "--duration_s=6", "--drain_timeout_s=30"],
-        capture_output=True, text=True, timeout=120)
+         f"--json={report_path}", f"--runs={streams}", "--ranks_per_run=1",
+         f"--layers_per_rank={batch_mib}", "--heads=32", "--tokens=64", "--head_dim=128",
+         "--probe_every=1", "--steps_per_s=4", "--duration_s=6", "--drain_timeout_s=60"],
+        capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(report_path.read_text())
     # Probes were refused at the bound, record by record; scalars never.
@@ -159,8 +163,13 @@ def test_probe_flood_stays_bounded_scalars_get_through_and_ingest_recovers(
     assert report["stream_errors"] == {}, report
     assert report["scalars_acked"] > 0, report
     assert report["verified"] and report["lost"] == 0 and report["duplicated"] == 0, report
-    # The bound held: peak resident memory within 1.2x of it, checkpoints included.
-    assert report["daemon_vmhwm_mb"] <= 1.2 * limit_mb, (report["daemon_vmhwm_mb"], limit_mb)
+    # The bound held, checkpoints included. What it cannot refuse is a
+    # message already read: the batch being parsed and its parsed copy, per
+    # sending stream (docs/OPERATIONS.md, "Memory"). At this small bound that
+    # term is larger than the 20% allowed at the issue's 1 GiB bound.
+    allowance_mb = max(0.2 * limit_mb, 2 * streams * batch_mib)
+    assert report["daemon_vmhwm_mb"] <= limit_mb + allowance_mb, (
+        report["daemon_vmhwm_mb"], limit_mb, allowance_mb)
     # After the flood: a new run's one-scalar batch is accepted at once, and
     # probes are accepted again within a few seconds.
     assert _scalar_batch_accepted(daemon.endpoint, "after-flood"), daemon.log_tail()
@@ -204,3 +213,40 @@ def test_metrics_series_are_bounded_per_daemon_and_the_rest_still_stored(start_f
             query_pb2.GetSeriesRequest(run="m2", signal="curvature_block_rayleigh", layer=255),
             timeout=10)
     assert [p.value for p in response.points] == [0.5]
+
+
+def test_transport_holds_at_most_a_window_per_stream(start_foreshockd):
+    # Issue 27: under CPU contention a flooding client's batches piled up in
+    # gRPC's transport buffers, which --max_memory_mb cannot refuse (the flood
+    # peaked at 1.5x the bound). Here the daemon cannot keep up by
+    # construction (one worker, a 1 MiB queue), and 8 streams each push 12
+    # batches of 4 MiB without waiting for acks. With BDP-grown windows the
+    # daemon held 326-375 MiB; with --grpc_stream_window_kb (1 MiB, BDP
+    # probing off) 110-113: per stream, the batch being read and its parsed
+    # copy, plus the window.
+    idle_mb = _idle_rss_mb(start_foreshockd)
+    daemon = start_foreshockd("--workers=1", "--max_queue_mb=1", "--max_memory_mb=0")
+    streams, batches, records_per_batch = 8, 12, 4  # records of 1 MiB, all layer 0
+    records = [_qk_record(step, 0, 32, 64, 128, seed=step)
+               for step in range(1, batches * records_per_batch + 1)]
+    batch_list = [records[i:i + records_per_batch] for i in range(0, len(records), records_per_batch)]
+    errors = []
+
+    def push(i):
+        try:
+            acks = _stream(daemon.endpoint, f"transport-{i}", batch_list, heads=32, timeout=300)
+            assert [a.accepted for a in acks] == [records_per_batch] * batches, acks
+        except AssertionError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=push, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    peak_mb = _status_kb(daemon.process.pid, "VmHWM") >> 10
+    batch_mb = records_per_batch
+    # Per stream: three batches' worth (the one being read, its parsed copy,
+    # the window), plus the queue, the retained state and slack.
+    assert peak_mb - idle_mb <= streams * 3 * batch_mb + 32, (peak_mb, idle_mb)
