@@ -12,19 +12,20 @@ std::optional<std::string> StateBudget::Admit(const std::string& run,
   RunState& state = runs_[run];
   const SeriesKey key{footprint.kind, footprint.layer, footprint.probe_id};
   auto series = state.series.find(key);
-  int64_t replaced = 0, added = 0;
-  if (series != state.series.end()) {
-    if (footprint.whole) {
-      for (const auto& [head, bytes] : series->second) replaced += bytes;
-    } else {
-      for (const auto& [head, bytes] : footprint.heads) {
-        if (auto it = series->second.find(head); it != series->second.end()) replaced += it->second;
-      }
+  // Each head's count only grows: a probe the detector then drops (one
+  // with a NaN) leaves the previous state in place, so a smaller probe
+  // cannot be trusted to have shrunk it. The count is exact again when the
+  // run's state is freed or recounted (Rebuild).
+  int64_t growth = 0;
+  for (const auto& [head, bytes] : footprint.heads) {
+    int64_t held = 0;
+    if (series != state.series.end()) {
+      if (auto it = series->second.find(head); it != series->second.end()) held = it->second;
     }
+    growth += std::max<int64_t>(0, bytes - held);
   }
-  for (const auto& [head, bytes] : footprint.heads) added += bytes;
-  const int64_t after = state.bytes - replaced + added;
-  if (limit_bytes_ > 0 && after > limit_bytes_ && after > state.bytes) {
+  const int64_t after = state.bytes + growth;
+  if (limit_bytes_ > 0 && growth > 0 && after > limit_bytes_) {
     const int64_t before = state.bytes;
     if (state.series.empty()) runs_.erase(run);
     return absl::StrCat(
@@ -35,9 +36,12 @@ std::optional<std::string> StateBudget::Admit(const std::string& run,
         " bytes). Probes that replace state of the same shape and step scalars are still "
         "accepted; send fewer layers, heads or tokens, or raise the budget");
   }
+  if (growth == 0 && series != state.series.end()) return std::nullopt;
   if (series == state.series.end()) series = state.series.emplace(key, std::map<int, int64_t>()).first;
-  if (footprint.whole) series->second.clear();
-  for (const auto& [head, bytes] : footprint.heads) series->second[head] = bytes;
+  for (const auto& [head, bytes] : footprint.heads) {
+    int64_t& held = series->second[head];
+    held = std::max(held, bytes);
+  }
   state.bytes = after;
   return std::nullopt;
 }

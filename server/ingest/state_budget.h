@@ -8,7 +8,8 @@
 // leave (sized by detectors/, from the sample's shape) and refuses a probe
 // that would grow the run's state past the budget: a new layer, probe_id
 // or head, or a larger shape. A probe that replaces state of the same size
-// or less is always admitted, and other runs are not affected. The ledger
+// or less is always admitted, and other runs are not affected. Counts only
+// grow until the run's state is freed (see Admit). The ledger
 // forgets a run when the detectors do (WorkerPool::OnRunStateDropped), and
 // is rebuilt from the detectors' own report after a restore.
 #pragma once

@@ -98,11 +98,15 @@ def test_a_run_over_its_state_budget_loses_new_probes_only_and_other_runs_go_on(
 
     # At its budget the run still sends what replaces its state (the same
     # layers, same shape), but not a larger shape of a layer it holds.
+    # A small probe with a NaN is accepted and dropped by the detector, which
+    # keeps the layer's larger state: it must not make room for a new layer.
     acks = stream(daemon.endpoint, "greedy",
                   [[qk(20, 0, seed=50)], [qk(21, 1, seed=51)], [qk(22, 0, tokens=2 * TOKENS)],
-                   [scalars(23)]], sender, first_seq=17)
-    assert [a.accepted for a in acks] == [1, 1, 0, 1], acks
+                   [scalars(23)], [qk(24, 2, tokens=8, nan=True)], [qk(25, 16, seed=52)]],
+                  sender, first_seq=17)
+    assert [a.accepted for a in acks] == [1, 1, 0, 1, 1, 0], acks
     assert refused(acks[2], 0)[0].startswith("state_limit:"), acks[2]
+    assert refused(acks[5], 0)[0].startswith("state_limit:"), acks[5]
     assert state_bytes(daemon, "greedy") == greedy_bytes
 
     # Another run: all its probes accepted, and a NaN in one fires its alert.
@@ -117,10 +121,10 @@ def test_a_run_over_its_state_budget_loses_new_probes_only_and_other_runs_go_on(
     assert fired, daemon.log_tail()
     assert prometheus.value(samples, "foreshock_run_state_bytes", run="good") >= 4 * LAYER_BYTES
     rejected = prometheus.value(samples, "foreshock_ingest_rejected_total", reason="state_limit")
-    assert rejected == 16 - held + 1, rejected
+    assert rejected == 16 - held + 2, rejected
 
     # The end of the run frees its state, and the gauge goes with it.
-    stream(daemon.endpoint, "greedy", [], sender, first_seq=21, goodbye=True)
+    stream(daemon.endpoint, "greedy", [], sender, first_seq=23, goodbye=True)
     assert wait_until(lambda: state_bytes(daemon, "greedy") is None, timeout_s=20), \
         daemon.log_tail()
     assert state_bytes(daemon, "good") >= 4 * LAYER_BYTES
