@@ -28,11 +28,12 @@ def _bf16(shape, seed, nan=False):
     return (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
 
 
-def qk(step, layer, tokens=TOKENS, seed=0, nan=False):
-    shape = [HEADS, tokens, HEAD_DIM]
+def qk(step, layer, tokens=TOKENS, seed=0, nan=False, heads=HEADS, head_dim=HEAD_DIM,
+       probe_id="p0"):
+    shape = [heads, tokens, head_dim]
     record = ingest_pb2.Record(step=step)
     record.qk.layer = layer
-    record.qk.probe_id = "p0"
+    record.qk.probe_id = probe_id
     record.qk.causal = True
     for tensor, s in ((record.qk.q, seed), (record.qk.k, seed + 1)):
         tensor.dtype = ingest_pb2.BFLOAT16
@@ -47,13 +48,13 @@ def scalars(step, loss=2.0):
     return record
 
 
-def stream(endpoint, run, batches, sender_id, first_seq=1, goodbye=False):
+def stream(endpoint, run, batches, sender_id, first_seq=1, goodbye=False, heads=HEADS):
     """One stream: a Hello (sender_id, first_seq) and `batches` (lists of
     Records) numbered from first_seq, optionally a goodbye batch; the Acks."""
     def requests():
         yield ingest_pb2.StreamRequest(hello=ingest_pb2.Hello(
             run_id=run, job="state-budget", first_seq=first_seq, sender_id=sender_id,
-            model=ingest_pb2.ModelInfo(n_heads=HEADS, n_layers=64)))
+            model=ingest_pb2.ModelInfo(n_heads=heads, n_layers=64)))
         seq = first_seq
         for records in batches:
             yield ingest_pb2.StreamRequest(batch=ingest_pb2.Batch(seq=seq, records=records))
