@@ -302,6 +302,11 @@ absl::Status Daemon::Start() {
     spdlog::info("memory bound: ingest pauses at {} MiB resident (--max_memory_mb), now {} MiB",
                  options_.max_memory_bytes >> 20, memory_->resident_bytes() >> 20);
   }
+  if (options_.max_state_bytes_per_run > 0) {
+    spdlog::info("detector state: at most {} MiB per run (--max_state_mb_per_run); further new "
+                 "probe layers of a run are refused (state_limit)",
+                 options_.max_state_bytes_per_run >> 20);
+  }
   if (durable_ && options_.checkpoint_interval.count() > 0) {
     checkpoint_thread_ = std::thread([this] { CheckpointLoop(); });
   }
