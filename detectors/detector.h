@@ -19,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "detectors/retained_state.h"
 #include "detectors/sample.h"
 #include "detectors/state_codec.h"
 
@@ -127,6 +128,12 @@ class Detector {
   // as newly created. Options are the detector's current ones, not the saved.
   virtual bool RestoreState(codec::StateReader& reader, const SeriesFilter& keep) { return true; }
   bool RestoreState(codec::StateReader& reader) { return RestoreState(reader, SeriesFilter()); }
+
+  // The per-series probe state it holds, head by head, sized with the
+  // functions of retained_state.h (the daemon's per-run state budget counts
+  // it again from this after a restore). Detectors whose state is a few
+  // numbers per run report nothing.
+  virtual void VisitRetained(const RetainedVisitor& visit) const {}
 };
 
 struct DetectorInfo {

@@ -198,6 +198,20 @@ class QKDetector final : public Detector {
   void SaveState(codec::StateWriter& writer) const override;
   bool RestoreState(codec::StateReader& reader, const SeriesFilter& keep) override;
 
+  void VisitRetained(const RetainedVisitor& visit) const override {
+    for (const auto& [key, state] : series_) {
+      const auto& [run, layer, probe_id] = key;
+      for (const auto& [head, head_state] : state.heads) {
+        if (head_state.q.shape.size() != 2 || head_state.k == nullptr) continue;
+        // The K copy's owners are the query heads that attended with it.
+        visit(run, kKind, layer, probe_id, head,
+              QKHeadRetainedBytes(head_state.q.shape[0], head_state.q.shape[1], head_state.q.dtype,
+                                  head_state.k->dtype, head_state.k.use_count(),
+                                  options_.qk_track_top_vector));
+      }
+    }
+  }
+
  private:
   using SeriesKey = std::tuple<std::string, int, std::string>;  // run, layer, probe_id
   struct HeadState {

@@ -144,6 +144,15 @@ class RouterDetector final : public Detector {
     }
   }
 
+  void VisitRetained(const RetainedVisitor& visit) const override {
+    for (const auto& [key, state] : states_) {
+      const auto& [run, layer, probe_id] = key;
+      const RouterDecisions& d = state.previous;
+      visit(run, kKind, layer, probe_id, -1,
+            RouterRetainedBytes(d.tokens, d.experts, d.top_k, options_.router_dead_window));
+    }
+  }
+
   bool RestoreState(codec::StateReader& reader, const SeriesFilter& keep) override {
     std::map<Key, State> restored;
     if (!ReadStates(reader, keep, restored)) {

@@ -106,11 +106,17 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
     return static_cast<int64_t>(gate->in_flight_bytes() + gate->waiting());
   });
   ingest_->SetMemoryGuard(memory_.get());
+  state_budget_ = std::make_unique<StateBudget>(options_.max_state_bytes_per_run);
+  pool_->OnRunStateDropped([budget = state_budget_.get()](const std::string& run) {
+    budget->ForgetRun(run);
+  });
+  ingest_->SetStateBudget(state_budget_.get());
   http_ = std::make_unique<HttpServer>(registry_, [this] {
     metrics_->queue_bytes.Add({}).Set(static_cast<double>(gate_->in_flight_bytes()));
     metrics_->memory_resident_bytes.Add({}).Set(static_cast<double>(memory_->resident_bytes()));
     metrics_->memory_limit_bytes.Add({}).Set(static_cast<double>(memory_->limit_bytes()));
     alerts_->ExportCounters();
+    ExportStateGauges();
     for (int i = 0; i < pool_->size(); ++i) {
       metrics_->queue_depth.Add({{"worker", std::to_string(i)}})
           .Set(static_cast<double>(pool_->QueueDepth(i)));
@@ -142,6 +148,20 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
   });
 }
 
+void Daemon::ExportStateGauges() {
+  std::lock_guard<std::mutex> lock(state_gauges_mu_);
+  std::set<std::string> runs;
+  for (const auto& [run, bytes] : state_budget_->Runs()) {
+    metrics_->run_state_bytes.Add({{"run", run}}).Set(static_cast<double>(bytes));
+    runs.insert(run);
+  }
+  // A run whose state was freed (ended, new attempt) leaves the family.
+  for (const std::string& run : state_gauge_runs_) {
+    if (!runs.count(run)) metrics_->run_state_bytes.Remove(&metrics_->run_state_bytes.Add({{"run", run}}));
+  }
+  state_gauge_runs_ = std::move(runs);
+}
+
 void Daemon::RestoreFromStore() {
   // Runs: their Hellos (job name, model shape) and how far they got.
   for (const std::string& bytes : store_->Events(kHelloEvents)) {
@@ -171,6 +191,8 @@ void Daemon::RestoreFromStore() {
   }
   // Runs that ended or resumed after those checkpoints (server/pipeline/run_lifecycle.h).
   lifecycle_->Restore();
+  // The state budget counts what the detectors hold now, as they report it.
+  state_budget_->Rebuild([this](const detectors::RetainedVisitor& visit) { pool_->VisitRetained(visit); });
   if (durable_) {
     const store::DurableStoreStats stats = durable_->Stats();
     spdlog::info("data directory {}: {} segment(s), {} series, {} points recovered",
@@ -287,6 +309,11 @@ absl::Status Daemon::Start() {
   if (options_.max_memory_bytes > 0) {
     spdlog::info("memory bound: ingest pauses at {} MiB resident (--max_memory_mb), now {} MiB",
                  options_.max_memory_bytes >> 20, memory_->resident_bytes() >> 20);
+  }
+  if (options_.max_state_bytes_per_run > 0) {
+    spdlog::info("detector state: at most {} MiB per run (--max_state_mb_per_run); further new "
+                 "probe layers of a run are refused (state_limit)",
+                 options_.max_state_bytes_per_run >> 20);
   }
   if (durable_ && options_.checkpoint_interval.count() > 0) {
     checkpoint_thread_ = std::thread([this] { CheckpointLoop(); });

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <memory>
+#include <set>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -16,6 +17,7 @@
 #include "server/security/auth.h"
 #include "server/http/http_server.h"
 #include "server/ingest/memory_guard.h"
+#include "server/ingest/state_budget.h"
 #include "server/pipeline/series_store.h"
 #include "server/ingest/validation.h"
 #include "store/durable_store.h"
@@ -69,6 +71,9 @@ struct DaemonOptions {
   // Resident memory at which ingest refuses new data (server/ingest/memory_guard.h).
   // 0: no bound.
   int64_t max_memory_bytes = 0;
+  // Detector state one run's probes may retain (server/ingest/state_budget.h);
+  // further probes that would grow it are rejected (state_limit). 0: no bound.
+  int64_t max_state_bytes_per_run = 0;
   IngestLimits limits;
   // Distinct (signal, layer, head) series a run may create; observations
   // of further new series are dropped and counted (server/ingest/series_limit.h).
@@ -140,12 +145,16 @@ class Daemon {
   std::unique_ptr<RunLifecycle> lifecycle_;   // run ends and resumes; before ingest_
   std::unique_ptr<IngestService> ingest_;
   std::unique_ptr<MemoryGuard> memory_;
+  std::unique_ptr<StateBudget> state_budget_;
+  std::mutex state_gauges_mu_;
+  std::set<std::string> state_gauge_runs_;  // runs with a foreshock_run_state_bytes series
   std::unique_ptr<grpc::Server> grpc_server_;
   std::unique_ptr<HttpServer> http_;
   int grpc_port_ = 0;
   bool shut_down_ = false;
 
   void RestoreFromStore();
+  void ExportStateGauges();  // foreshock_run_state_bytes, at each scrape
   void CheckpointLoop();
   std::thread checkpoint_thread_;
   std::mutex checkpoint_mu_;

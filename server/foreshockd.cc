@@ -195,6 +195,19 @@ ABSL_FLAG(int64_t, max_memory_mb, -1,
           "cannot free). Data already accepted is processed and stored. Set it below the "
           "container's or unit's memory limit. -1: 85% of the cgroup memory limit when there "
           "is one, else half of the machine's memory. 0: no bound.");
+ABSL_FLAG(int64_t, max_state_mb_per_run, -1,
+          "Detector state, in MiB, that one run's probes may keep in the daemon: the QK "
+          "detector keeps the previous Q and K of every (layer, probe_id, head) for the next "
+          "increment, the router detector the previous routing and a window of expert loads, "
+          "for as long as the run lives. A QK or router record that would grow its run's state "
+          "past this (a new layer, probe_id or head, or a larger shape) is rejected in the Ack "
+          "with reason state_limit (counted in foreshock_ingest_rejected_total{reason="
+          "\"state_limit\"}); records that replace state of the same shape, step scalars and "
+          "curvature samples are still accepted, and other runs are not affected. The state "
+          "is freed when the run ends or starts a new attempt; foreshock_run_state_bytes{run} "
+          "shows it. -1: a quarter of --max_memory_mb, so that one run cannot hold the daemon "
+          "at its memory bound and starve the other runs' probes (no bound when "
+          "--max_memory_mb is 0). 0: no bound.");
 ABSL_FLAG(int64_t, shutdown_grace_ms, 5000,
           "On SIGTERM or SIGINT, how long open streams may stay open before they are "
           "cancelled. Everything already accepted is processed before exit.");
@@ -323,6 +336,11 @@ int main(int argc, char** argv) {
     options.max_memory_bytes = mb << 20;
   } else {
     options.max_memory_bytes = foreshock::server::MemoryGuard::DefaultLimitBytes();
+  }
+  if (const int64_t mb = absl::GetFlag(FLAGS_max_state_mb_per_run); mb >= 0) {
+    options.max_state_bytes_per_run = mb << 20;
+  } else {
+    options.max_state_bytes_per_run = options.max_memory_bytes / 4;
   }
   options.max_message_bytes = static_cast<int>(std::clamp<int64_t>(absl::GetFlag(FLAGS_max_message_mb), 1, 2047)) << 20;
   options.grpc_stream_window_bytes =

@@ -51,6 +51,7 @@ constexpr std::string_view kRejectionReasons[] = {
     reason::kRankInUse,
     reason::kMessageTooLarge,
     reason::kMemoryLimit,
+    reason::kStateLimit,
     reason::kDiskFull,
     reason::kStoreUnavailable,
     reason::kHelloTimeout,

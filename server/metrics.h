@@ -78,6 +78,10 @@ namespace foreshock::server {
     "--max_memory_mb in bytes (0: no bound). At it, ingest refuses probes (QK, router) with "  \
     "reason memory_limit, scalars still accepted, until memory falls below 90% of it or "     \
     "settles with nothing queued.")                                                             \
+  X(run_state_bytes, "run_state_bytes",                                                         \
+    "Detector state the run's probes retain (previous QK and router samples), by run; a "      \
+    "probe that would grow it past --max_state_mb_per_run is rejected with reason "            \
+    "state_limit.")                                                                             \
   X(metrics_signal_series, "metrics_signal_series",                                             \
     "Signal series (detector values by run, layer, head) in /metrics; at most "              \
     "--max_metrics_series.")                                                                    \

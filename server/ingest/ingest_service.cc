@@ -405,6 +405,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     v1::Ack& ack = *ack_.mutable_ack();
     ack.set_seq(batch.seq());
     items_.clear();
+    item_index_.clear();
     size_t bytes = 0;
 
     if (last_seq_ && batch.seq() <= *last_seq_) {
@@ -455,10 +456,8 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         }
         min_step = std::min(min_step, item.sample.step);
         max_step = std::max(max_step, item.sample.step);
-        metrics.records_accepted(item.sample.kind()).Increment();
-        item.bytes = SampleBytes(item.sample);
-        bytes += item.bytes;
         items_.push_back(std::move(item));
+        item_index_.push_back(i);
       }
       if (raised_max_step) service_.NoteStep(context_->run_id, run_max_step_);
       // A new attempt's first records say where it resumed; the run is
@@ -466,6 +465,13 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       if (!items_.empty() && lifecycle_registered_) {
         service_.lifecycle_->BeforeRecords(context_->run_id, context_->rank, lifecycle_sender_,
                                            min_step, max_step);
+      }
+      // After the rewind, which forgets the previous attempt's state.
+      AdmitState(ack);
+      for (WorkItem& item : items_) {
+        metrics.records_accepted(item.sample.kind()).Increment();
+        item.bytes = SampleBytes(item.sample);
+        bytes += item.bytes;
       }
     }
     ack.set_accepted(static_cast<uint32_t>(items_.size()));
@@ -487,6 +493,30 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       metrics.streams_waiting_for_queue.Add({}).Decrement();
       Admitted();
     }
+  }
+
+  // --max_state_mb_per_run: drops from items_ the probes that would grow the
+  // run's detector state past its budget (their memory goes with them).
+  void AdmitState(v1::Ack& ack) {
+    StateBudget* budget = service_.state_budget_;
+    if (budget == nullptr) return;
+    size_t kept = 0;
+    for (size_t j = 0; j < items_.size(); ++j) {
+      std::optional<std::string> refusal;
+      if (auto footprint = detectors::RetainedBy(items_[j].sample, service_.pool_.options())) {
+        refusal = budget->Admit(context_->run_id, *footprint);
+      }
+      if (refusal) {
+        auto* r = ack.add_rejections();
+        r->set_index(item_index_[j]);
+        r->set_reason(absl::StrCat(reason::kStateLimit, ": ", *refusal));
+        service_.metrics_.CountRejection(reason::kStateLimit);
+        continue;
+      }
+      if (kept != j) items_[kept] = std::move(items_[j]);
+      ++kept;
+    }
+    items_.resize(kept);
   }
 
   static bool IsProbe(const v1::Record& record) {
@@ -842,6 +872,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   // The batch in progress (only one: the next read starts after admission).
   std::vector<WorkItem> items_;
+  std::vector<int> item_index_;  // each item's record index in the batch
   size_t batch_bytes_ = 0;
   v1::StreamResponse ack_;
 

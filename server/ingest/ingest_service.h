@@ -25,6 +25,7 @@
 #include "server/ingest/admission.h"
 #include "server/ingest/delivery.h"
 #include "server/ingest/memory_guard.h"
+#include "server/ingest/state_budget.h"
 #include "server/security/auth.h"
 #include "server/metrics.h"
 #include "server/ingest/stream_recorder.h"
@@ -70,6 +71,10 @@ class IngestService final
   // in the Ack (memory_limit) and everything else is still accepted. Call
   // before the server starts. Null: no bound.
   void SetMemoryGuard(MemoryGuard* guard) { memory_ = guard; }
+  // --max_state_mb_per_run: a probe that would grow its run's detector state
+  // past the budget is rejected in the Ack (state_limit). Call before the
+  // server starts. Null: not counted.
+  void SetStateBudget(StateBudget* budget) { state_budget_ = budget; }
 
   // Null unless recording.
   StreamRecorder* recorder() { return recorder_.get(); }
@@ -179,6 +184,7 @@ class IngestService final
   std::unordered_map<std::string, RunSlot> runs_;  // admitted or recovered runs
   DeliveryTracker* delivery_ = nullptr;
   MemoryGuard* memory_ = nullptr;
+  StateBudget* state_budget_ = nullptr;
   const SeriesStore* store_ = nullptr;
   RunLifecycle* lifecycle_ = nullptr;
   const Authorizer* authorizer_ = nullptr;

@@ -156,6 +156,9 @@ inline constexpr char kTooManyStreams[] = "too_many_streams";
 inline constexpr char kTooManyRuns[] = "too_many_runs";
 inline constexpr char kMessageTooLarge[] = "message_too_large";
 inline constexpr char kMemoryLimit[] = "memory_limit";
+// Record-level: a probe that would grow its run's detector state past
+// --max_state_mb_per_run (server/ingest/state_budget.h).
+inline constexpr char kStateLimit[] = "state_limit";
 // The store cannot write (a full disk: disk_full; another I/O error:
 // store_unavailable). The batch is not acknowledged; clients resend it after
 // the retry hint, and the daemon resumes by itself when writes succeed.

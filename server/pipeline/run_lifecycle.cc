@@ -241,6 +241,10 @@ void RunLifecycle::OnGoodbye(const std::string& run_id, int32_t rank, uint64_t s
                  "alerts resolve (run_ended)",
                  run_id, last_step, run.attempt);
     if (alerts_ != nullptr) alerts_->CloseRunEpisodes(run_id, alerts::kRunEnded, MarkOf(run));
+    // Every sample of the attempt is processed (each goodbye counts after
+    // its sender's batches): its detector state has no further use (a new
+    // attempt starts afresh), so it is freed now, not held for a day.
+    if (pool_ != nullptr) pool_->ReleaseRunState(run_id);
   }
   MaybeCheckpointLocked();
 }
@@ -429,6 +433,8 @@ void RunLifecycle::Restore() {
         ++reapplied;
       }
     }
+    // A checkpoint taken before the end still holds the run's detector state.
+    if (run.ended && pool_ != nullptr) pool_->ReleaseRunState(name);
     if (tracker_ != nullptr && !run.boundaries.empty()) {
       // The tracker restored the highest step stored, superseded or not.
       const int64_t visible = VisibleLastStep(name, run.boundaries);

@@ -95,6 +95,22 @@ void WorkerPool::ForgetRun(const std::string& run) {
     for (auto& [info, detector] : worker->detectors) detector->ForgetRun(run);
     worker->rank_scalars.ForgetRun(run);  // steps still open belong to the abandoned attempt
   }
+  if (on_state_dropped_) on_state_dropped_(run);
+}
+
+void WorkerPool::ReleaseRunState(const std::string& run) {
+  for (auto& worker : workers_) {
+    std::lock_guard<std::mutex> lock(worker->detectors_mu);
+    for (auto& [info, detector] : worker->detectors) detector->ForgetRun(run);
+  }
+  if (on_state_dropped_) on_state_dropped_(run);
+}
+
+void WorkerPool::VisitRetained(const detectors::RetainedVisitor& visit) const {
+  for (const auto& worker : workers_) {
+    std::lock_guard<std::mutex> lock(worker->detectors_mu);
+    for (const auto& [info, detector] : worker->detectors) detector->VisitRetained(visit);
+  }
 }
 
 size_t WorkerPool::QueueDepth(int worker) const {

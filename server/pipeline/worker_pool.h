@@ -125,6 +125,19 @@ class WorkerPool {
   // Each worker finishes the item it is processing first; items still queued
   // are processed afterwards, so call it before dispatching the new samples.
   void ForgetRun(const std::string& run);
+  // Drops the detectors' state of `run` (not the open steps of its ranks'
+  // scalars): the run ended, so no later sample pairs with it. Called once
+  // every sample of the run is processed.
+  void ReleaseRunState(const std::string& run);
+  // Called with the run after ForgetRun and ReleaseRunState (the per-run
+  // state budget forgets it too). Set before the first Dispatch.
+  void OnRunStateDropped(std::function<void(const std::string&)> hook) {
+    on_state_dropped_ = std::move(hook);
+  }
+  // Every worker's detectors' retained probe state (Detector::VisitRetained),
+  // one worker at a time under its detector lock.
+  void VisitRetained(const detectors::RetainedVisitor& visit) const;
+  const detectors::DetectorOptions& options() const { return options_; }
 
   int size() const { return static_cast<int>(workers_.size()); }
   size_t QueueDepth(int worker) const;
@@ -195,6 +208,7 @@ class WorkerPool {
   const detectors::DetectorOptions options_;
   ObservationSink& sink_;
   std::function<void(size_t)> on_done_;
+  std::function<void(const std::string&)> on_state_dropped_;
   std::vector<std::unique_ptr<Worker>> workers_;
 };
 

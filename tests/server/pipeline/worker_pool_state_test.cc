@@ -372,3 +372,40 @@ TEST(WorkerPoolStateTest, EmptyPoolStateRoundTrips) {
 
 }  // namespace
 }  // namespace foreshock::server
+
+namespace foreshock::server {
+namespace {
+
+// Per run, the bytes of probe state the pool's detectors report (VisitRetained).
+std::map<std::string, int64_t> RetainedByRun(const WorkerPool& pool) {
+  std::map<std::string, int64_t> runs;
+  pool.VisitRetained([&](std::string_view run, detectors::SampleKind, int, std::string_view, int,
+                         int64_t bytes) { runs[std::string(run)] += bytes; });
+  return runs;
+}
+
+TEST(WorkerPoolStateTest, RetainedStateIsReportedAcrossARestoreAndDroppedWithItsRun) {
+  const Scenario scenario = MakeScenario(3, 0);
+  Pool original(3);
+  std::vector<std::string> dropped;
+  original.pool.OnRunStateDropped([&](const std::string& run) { dropped.push_back(run); });
+  original.Feed(scenario.a);
+  const auto before = RetainedByRun(original.pool);
+  ASSERT_EQ(before.size(), 3u);  // r1, r2, run-3: QK and router series each
+  for (const auto& [run, bytes] : before) EXPECT_GT(bytes, 0) << run;
+
+  // A restarted daemon, another pool size: the same state, so the same count.
+  Pool restored(2);
+  std::string error;
+  ASSERT_TRUE(restored.pool.RestoreDetectorState(original.pool.SaveDetectorState(), &error)) << error;
+  EXPECT_EQ(RetainedByRun(restored.pool), before);
+
+  // A run that ended frees its state; one that starts a new attempt too.
+  original.pool.ReleaseRunState("r1");
+  original.pool.ForgetRun("run-3");
+  EXPECT_EQ(dropped, (std::vector<std::string>{"r1", "run-3"}));
+  EXPECT_EQ(RetainedByRun(original.pool), (std::map<std::string, int64_t>{{"r2", before.at("r2")}}));
+}
+
+}  // namespace
+}  // namespace foreshock::server

@@ -1,0 +1,61 @@
+// --max_state_mb_per_run: the detector state one run may pin.
+//
+// The QK and router detectors keep the previous probe of every (run, layer,
+// probe_id), head by head (detectors/retained_state.h), for as long as the
+// run lives. Without a bound one run streaming large probes over many
+// layers holds the daemon at --max_memory_mb, and then every run's probes
+// are refused. This ledger counts, per run, the state its admitted probes
+// leave (sized by detectors/, from the sample's shape) and refuses a probe
+// that would grow the run's state past the budget: a new layer, probe_id
+// or head, or a larger shape. A probe that replaces state of the same size
+// or less is always admitted, and other runs are not affected. Counts only
+// grow until the run's state is freed (see Admit). The ledger
+// forgets a run when the detectors do (WorkerPool::OnRunStateDropped), and
+// is rebuilt from the detectors' own report after a restore.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "detectors/retained_state.h"
+
+namespace foreshock::server {
+
+class StateBudget {
+ public:
+  // `limit_bytes` per run; 0: counted (for the gauge), never refused.
+  explicit StateBudget(int64_t limit_bytes) : limit_bytes_(limit_bytes) {}
+
+  // Counts what `footprint` leaves for `run` and returns nullopt, or, when
+  // that would grow the run's state past the budget, counts nothing and
+  // says why.
+  std::optional<std::string> Admit(const std::string& run,
+                                   const detectors::RetainedFootprint& footprint);
+  void ForgetRun(const std::string& run);
+  // Replaces every count with what `visit_all` reports (after a restore).
+  void Rebuild(const std::function<void(const detectors::RetainedVisitor&)>& visit_all);
+
+  int64_t limit_bytes() const { return limit_bytes_; }
+  int64_t RunBytes(const std::string& run) const;
+  std::vector<std::pair<std::string, int64_t>> Runs() const;  // runs holding state, by name
+
+ private:
+  using SeriesKey = std::tuple<detectors::SampleKind, int, std::string>;  // kind, layer, probe_id
+  struct RunState {
+    int64_t bytes = 0;
+    std::map<SeriesKey, std::map<int, int64_t>> series;  // bytes by head (-1: a router series)
+  };
+  const int64_t limit_bytes_;
+  mutable std::mutex mu_;
+  std::unordered_map<std::string, RunState> runs_;
+};
+
+}  // namespace foreshock::server
