@@ -9,7 +9,10 @@ causal) with a hook point for `monitor.capture_qk`, and a fault path:
 - low-precision attention (`set_lowprec`): biased BF16 truncation toward zero
   of the attention probabilities and/or output, with a strength knob, through
   a custom autograd Function whose backward takes FlashAttention's
-  D = rowsum(dO * O) from the low-precision O (Qiu & Yao's mechanism).
+  D = rowsum(dO * O) from the low-precision O (Qiu & Yao's mechanism);
+- the published mechanism itself (`set_lowprec_rtn`): an emulated bf16
+  FlashAttention forward, round to nearest, whose P-bar V is biased where P-bar
+  holds several exact ones (row-max ties), with the same backward.
 
 Text: the license texts under /usr/share/common-licenses, in two corpora
 ("gnu" and "permissive") so a run can switch text as a benign control.
@@ -189,19 +192,99 @@ class LowPrecisionAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_o):
-        q, k, v, p, p_mm, o = ctx.saved_tensors
-        d_v = p_mm.transpose(-2, -1) @ d_o
-        d_p = d_o @ v.transpose(-2, -1)
-        d_row = (d_o * o).sum(dim=-1, keepdim=True)  # D from the low-precision O
-        d_s = p * (d_p - d_row)  # P recomputed in full precision, as FlashAttention does
-        d_q = (d_s @ k) * ctx.scale
-        d_k = (d_s.transpose(-2, -1) @ q) * ctx.scale
-        return d_q, d_k, d_v, None, None, None, None
+        return _flash_backward(ctx, d_o) + (None, None, None, None)
 
 
-def causal_attention(q, k, v, lowprec_strength=0.0, on_probs=True, on_out=True, precision=None):
+def _flash_backward(ctx, d_o):
+    """FlashAttention's backward from saved (q, k, v, p, p_mm, o): d_q, d_k, d_v."""
+    q, k, v, p, p_mm, o = ctx.saved_tensors
+    d_v = p_mm.transpose(-2, -1) @ d_o
+    d_p = d_o @ v.transpose(-2, -1)
+    d_row = (d_o * o).sum(dim=-1, keepdim=True)  # D from the low-precision O
+    d_s = p * (d_p - d_row)  # P recomputed in full precision, as FlashAttention does
+    d_q = (d_s @ k) * ctx.scale
+    d_k = (d_s.transpose(-2, -1) @ q) * ctx.scale
+    return d_q, d_k, d_v
+
+
+# Rows of the last FlashRTNAttention forwards with >= 2 exact ones in P-bar (row-max
+# ties), and all rows: train.py logs the share.
+RTN_TIE_STATS = {"rows": 0, "tie_rows": 0}
+
+
+def kernel_logits(q, k, tie_window=0.0):
+    """The emulated bf16 kernel's S: Q and K in bf16, Q K^T * scale rounded to nearest
+    bf16, causal -inf; entries within tie_window of their row's max set to the max
+    (row-max ties made frequent; 0: only the ties bf16 itself makes)."""
+    scale = q.shape[-1] ** -0.5
+    s = round_bf16((round_bf16(q) @ round_bf16(k).transpose(-2, -1)) * scale)
+    s = s.masked_fill(~causal_mask(q.shape[-2], q.device), float("-inf"))
+    if tie_window > 0:
+        m = s.amax(dim=-1, keepdim=True)
+        s = torch.where(s >= m - tie_window, m, s)
+    return s
+
+
+def flash_rtn_bf16(s, v, block=16):
+    """The forward of a bf16 FlashAttention kernel, emulated in fp32 storage with
+    round-to-nearest-even bf16 wherever that kernel holds bf16 (the pure-PyTorch
+    FlashAttention-2 of Qiu & Yao's "Why low-precision transformer training fails",
+    whose training diverges): over key blocks of `block`, with the running row max m,
+    P-bar = exp(S - m) rounded to bf16 (entries at a row-max tie are exactly 1), the
+    block's P-bar V rounded to bf16 (exact products, fp32 accumulation, bf16 output),
+    the running output rescaled and accumulated in bf16; the row sum l in fp32 (as
+    FlashAttention-2 keeps it: in bf16, 1 + P-bar's next entry lands on half-unit ties
+    too and biases l up, O toward zero); then O = acc / l rounded to bf16.
+    s: kernel_logits; v: [.., T, d]. Returns O."""
+    v = round_bf16(v)
+    t = s.shape[-1]
+    m = torch.full(s.shape[:-1] + (1,), float("-inf"), dtype=s.dtype, device=s.device)
+    l = torch.zeros_like(m)
+    acc = torch.zeros(s.shape[:-1] + (v.shape[-1],), dtype=s.dtype, device=s.device)
+    for j in range(0, t, block):
+        s_j = s[..., j:j + block]
+        m_new = torch.maximum(m, s_j.amax(dim=-1, keepdim=True))
+        alpha = torch.exp(m - m_new)  # 0 on the first block (m = -inf; block 0 holds key 0)
+        p_bar = round_bf16(torch.exp(s_j - m_new))
+        l = alpha * l + p_bar.sum(dim=-1, keepdim=True)  # fp32, as FlashAttention-2 keeps it
+        acc = round_bf16(round_bf16(alpha * acc) + round_bf16(p_bar @ v[..., j:j + block, :]))
+        m = m_new
+    return round_bf16(acc / l)
+
+
+class FlashRTNAttention(torch.autograd.Function):
+    """Causal attention through the emulated bf16 FlashAttention forward
+    (`flash_rtn_bf16`, round to nearest, row-max ties in P-bar), with its error
+    multiplied by `strength`: O = O_ref + strength * (O_bf16 - O_ref), O_ref = the exact
+    softmax(S) V of the same kernel logits S. Strength 1 is the emulated kernel. The
+    backward is FlashAttention's (as LowPrecisionAttention's): D = rowsum(dO * O) from
+    this O, P recomputed in full precision, straight through the logits' rounding."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, strength, tie_window, block=16):
+        s = kernel_logits(q, k, tie_window)
+        ties = (s == s.amax(dim=-1, keepdim=True)).sum(dim=-1) >= 2
+        RTN_TIE_STATS["rows"] += ties.numel()
+        RTN_TIE_STATS["tie_rows"] += int(ties.sum())
+        p = torch.softmax(s, dim=-1)
+        o_ref = p @ v
+        o = o_ref + strength * (flash_rtn_bf16(s, v, block) - o_ref)
+        ctx.save_for_backward(q, k, v, p, p, o)
+        ctx.scale = q.shape[-1] ** -0.5
+        return o
+
+    @staticmethod
+    def backward(ctx, d_o):
+        return _flash_backward(ctx, d_o) + (None, None, None)
+
+
+def causal_attention(q, k, v, lowprec_strength=0.0, on_probs=True, on_out=True, precision=None,
+                     rtn_strength=0.0, rtn_tie_window=0.0):
     """softmax(Q K^T / sqrt(d), causal) V for [B, H, T, d] inputs. precision "bf16"/"fp16":
-    P and O rounded to nearest (healthy low precision) unless the lowprec fault is on."""
+    P and O rounded to nearest (healthy low precision) unless the lowprec fault is on.
+    rtn_strength: the emulated bf16 FlashAttention (FlashRTNAttention) instead."""
+    if rtn_strength:
+        return FlashRTNAttention.apply(q, k, v, rtn_strength, rtn_tie_window)
     if lowprec_strength:
         return LowPrecisionAttention.apply(q, k, v, lowprec_strength, on_probs, on_out)
     if precision in ROUNDERS:
@@ -263,6 +346,8 @@ class CausalSelfAttention(nn.Module):
         self.lowprec_on_probs = True
         self.lowprec_on_out = True
         self.precision = None  # "bf16"/"fp16": healthy round-to-nearest P and O
+        self.rtn_strength = 0.0  # > 0: the emulated bf16 FlashAttention fault
+        self.rtn_tie_window = 0.0
 
     def forward(self, x):
         b, t, c = x.shape
@@ -275,7 +360,8 @@ class CausalSelfAttention(nn.Module):
             group = self.n_head // self.n_kv_head
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         y = causal_attention(q, k, v, self.lowprec_strength, self.lowprec_on_probs,
-                             self.lowprec_on_out, self.precision)
+                             self.lowprec_on_out, self.precision, self.rtn_strength,
+                             self.rtn_tie_window)
         if self.out_hook is not None:  # the output as this kernel computed it, [B, H, T, d]
             self.out_hook(self.layer_idx, q, k_kv, v_kv, y)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
@@ -401,3 +487,11 @@ class TinyMoEGPT(nn.Module):
             block.attn.lowprec_strength = strength if on else 0.0
             block.attn.lowprec_on_probs = on_probs
             block.attn.lowprec_on_out = on_out
+
+    def set_lowprec_rtn(self, strength, tie_window=0.0, layers=None):
+        """Turns the emulated bf16 FlashAttention fault (FlashRTNAttention) on
+        (strength > 0: the multiplier of its rounding error) or off (0)."""
+        for i, block in enumerate(self.blocks):
+            on = layers is None or i in layers
+            block.attn.rtn_strength = strength if on else 0.0
+            block.attn.rtn_tie_window = tie_window

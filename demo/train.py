@@ -6,6 +6,9 @@
 
 Faults (docs/DESIGN.md §6.2), injected at --fault-step:
   lowprec  biased BF16 truncation of attention P and O (--fault-strength, --lowprec-on)
+  lowprec_rtn an emulated bf16 FlashAttention forward, round to nearest: P-bar V biased
+           where P-bar has several exact ones (row-max ties; --rtn-tie-window makes them
+           frequent), its error times --fault-strength (1 = the emulated kernel)
   lr       learning rate times --lr-factor (at once, or a geometric ramp over --lr-ramp-steps)
   lr_const learning rate times --lr-factor at once from --fault-step, held (a constant
            too-high LR)
@@ -74,12 +77,17 @@ def parse_args(argv=None):
     # tiny model no faster at best and ~30x slower when the other core was busy.
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--fault", choices=("none", "lowprec", "lr", "lr_const", "both", "nan",
-                                       "lr_hidden", "lr_peak"),
+                                       "lr_hidden", "lr_peak", "lowprec_rtn"),
                    default="none",
                    help="nan: a NaN written into one weight at --fault-step (a numerical fault)")
     p.add_argument("--fault-step", type=int, default=300)
     p.add_argument("--fault-strength", type=float, default=64.0,
-                   help="lowprec: multiplier of the BF16 truncation bias (1 = plain truncation)")
+                   help="lowprec: multiplier of the BF16 truncation bias (1 = plain truncation); "
+                        "lowprec_rtn: multiplier of the emulated kernel's rounding error (1 = "
+                        "the kernel)")
+    p.add_argument("--rtn-tie-window", type=float, default=0.0,
+                   help="lowprec_rtn: attention logits within this of their row's max are set "
+                        "to it, so that P-bar has several exact ones (0: only bf16's own ties)")
     p.add_argument("--lowprec-on", choices=("probs", "out", "both"), default="both",
                    help="lowprec: which attention tensors are truncated")
     p.add_argument("--lr-factor", type=float, default=10.0)
@@ -278,7 +286,7 @@ def reported_attention_dtype(args):
     otherwise; without either, the client reports the captured Q's dtype (fp32)."""
     if args.attention_dtype:
         return args.attention_dtype
-    return "bf16" if args.fault in ("lowprec", "both") else None
+    return "bf16" if args.fault in ("lowprec", "both", "lowprec_rtn") else None
 
 
 def monitor_labels(args):
@@ -465,6 +473,7 @@ def run(args, tap=None, out=print):
 
     losses, grad_norms, train_seconds, monitor_seconds = [], [], [], []
     watch = DivergenceWatch(args.warmup)
+    tie_stats_start = None  # lowprec_rtn: RTN_TIE_STATS at the fault step
     batch_size = args.batch_size
     steps_run = args.steps
     try:
@@ -474,6 +483,9 @@ def run(args, tap=None, out=print):
                 model.set_lowprec(args.fault_strength,
                                   on_probs=args.lowprec_on in ("probs", "both"),
                                   on_out=args.lowprec_on in ("out", "both"))
+            if step == args.fault_step and args.fault == "lowprec_rtn":
+                model.set_lowprec_rtn(args.fault_strength, args.rtn_tie_window)
+                tie_stats_start = dict(tmg.RTN_TIE_STATS)
             if step == args.fault_step and args.fault == "nan":
                 with torch.no_grad():
                     model.head.weight[0, 0] = float("nan")
@@ -540,7 +552,14 @@ def run(args, tap=None, out=print):
         mean_nonprobe_monitor_s=(sum(monitor_seconds[s] for s in other_steps) / len(other_steps)
                                  if monitor is not None and other_steps else 0.0),
         stats=stats, recorder=recorder, model=model, alert_events=alert_events,
-        divergence_step=divergence_step(losses, args.warmup))
+        divergence_step=divergence_step(losses, args.warmup), rtn_tie_share=None)
+    if tie_stats_start is not None:
+        # Attention rows (training, probe and curvature forwards) with a row-max tie.
+        rows = tmg.RTN_TIE_STATS["rows"] - tie_stats_start["rows"]
+        ties = tmg.RTN_TIE_STATS["tie_rows"] - tie_stats_start["tie_rows"]
+        result["rtn_tie_share"] = ties / max(1, rows)
+        out(f"lowprec_rtn: {ties} of {rows} attention rows since step {args.fault_step} had "
+            f"several exact ones in P-bar (row-max ties), {100 * ties / max(1, rows):.2f}%")
     out(f"\nmean train step {1e3 * result['mean_step_s']:.1f} ms; monitor.step "
         f"{1e3 * result['mean_probe_s']:.2f} ms on probe steps (every {args.every}), "
         f"{1e3 * result['mean_nonprobe_monitor_s']:.3f} ms otherwise")

@@ -50,6 +50,11 @@ def lowprec(strength, on="both"):
     return ["--fault", "lowprec", "--fault-strength", strength, "--lowprec-on", on]
 
 
+def lowprec_rtn(strength, tie_window):
+    return ["--fault", "lowprec_rtn", "--fault-strength", strength,
+            "--rtn-tie-window", tie_window]
+
+
 def lr_ramp(factor, ramp):
     return ["--fault", "lr", "--lr-factor", factor, "--lr-ramp-steps", ramp]
 
@@ -183,6 +188,19 @@ KNOB_BLIND = {
                   "learning_rate_too_high"),
     # Precision strength sweep (x the bf16 truncation error).
     **{f"lowprec_x{k}": (300, lowprec(k), "low_precision_attention") for k in (1, 2, 4, 8, 24)},
+    # The published mechanism (Qiu & Yao): an emulated bf16 FlashAttention forward,
+    # round to nearest, P-bar V biased at row-max ties; logits within 0.1 of their
+    # row's max made ties (~30% of rows on gpt4-text-bf16, against ~2% from bf16
+    # alone); its rounding error x1 (the kernel itself) to x24.
+    **{f"lowprec_rtn_x{k}": (300, lowprec_rtn(k, 0.1), "low_precision_attention")
+       for k in (1, 2, 4, 8, 24)},
+    # Beyond realistic strengths, to find where it starts to hurt (x1-x24 neither
+    # diverged nor moved the loss on gpt4-text-bf16 in 1,000 steps).
+    **{f"lowprec_rtn_x{k}": (300, lowprec_rtn(k, 0.1), "low_precision_attention")
+       for k in (48, 128, 512)},
+    # The same kernel with only the ties bf16 logits make themselves.
+    **{f"lowprec_rtn_noties_x{k}": (300, lowprec_rtn(k, 0.0), "low_precision_attention")
+       for k in (24, 128)},
     # Other mechanisms: no load-balance loss (router collapse); Adam eps 1e-12 at a low beta2.
     "no_balance": (0, ["--no-balance-loss"], None),
     "adam_eps": (0, ["--adam-eps", 1e-12, "--beta2", 0.9], None),

@@ -100,7 +100,7 @@ class Daemon:
 
 # -- the plan -------------------------------------------------------------------
 
-def plan(config_names, seeds, smoke=False, frozen=False, knob_blind=False):
+def plan(config_names, seeds, smoke=False, frozen=False, knob_blind=False, fault_window=None):
     """The runs: dicts with run_id, config, scenario, seed, injection_step,
     expected_cause and the train.py flags (without endpoint)."""
     if smoke:
@@ -110,8 +110,8 @@ def plan(config_names, seeds, smoke=False, frozen=False, knob_blind=False):
     runs = []
     for name in config_names:
         c = configs.CONFIGS[name]
-        fault_steps = {s: min(MAX_STEPS, inj + c.get("fault_window", FAULT_WINDOW))
-                       for s, (inj, _) in c["faults"].items()}
+        window = fault_window or c.get("fault_window", FAULT_WINDOW)
+        fault_steps = {s: min(MAX_STEPS, inj + window) for s, (inj, _) in c["faults"].items()}
         control_steps = c.get("control_steps") or min(CONTROL_CAP, max(fault_steps.values()))
         for seed in seeds:
             # Controls run their whole length: a benign event may trip the divergence
@@ -123,11 +123,11 @@ def plan(config_names, seeds, smoke=False, frozen=False, knob_blind=False):
                 runs.append(make_run(c, scenario, seed, fault_steps[scenario], inj,
                                      flags + ["--fault-step", str(inj)]))
             if knob_blind:
-                runs += knob_blind_runs(c, seed, control_steps)
+                runs += knob_blind_runs(c, seed, control_steps, window)
     return runs
 
 
-def knob_blind_runs(c, seed, control_steps):
+def knob_blind_runs(c, seed, control_steps, window=FAULT_WINDOW):
     """configs.KNOB_BLIND's scenarios for configuration `c` (issue 25 item 2)."""
     runs = []
     for scenario, (inj, flags, cause) in configs.KNOB_BLIND.items():
@@ -138,7 +138,7 @@ def knob_blind_runs(c, seed, control_steps):
         if scenario == "no_balance" and "none" in c["flags"]:
             continue  # no MoE layer
         if fault:  # labelled expected_cause by make_run (configs.EXPECTED_CAUSE)
-            steps = min(MAX_STEPS, inj + c.get("fault_window", FAULT_WINDOW))
+            steps = min(MAX_STEPS, inj + window)
             run = make_run(c, scenario, seed, steps, inj, flags + ["--fault-step", str(inj)])
             run["kind"] = "fault"
         else:
@@ -146,6 +146,13 @@ def knob_blind_runs(c, seed, control_steps):
             run["kind"] = "control"
         runs.append(run)
     return runs
+
+
+def control_length(run, steps):
+    """`run` (a control) cut to `steps` steps."""
+    argv = list(run["train_flags"])
+    argv[argv.index("--steps") + 1] = str(steps)
+    return dict(run, steps=steps, train_flags=argv)
 
 
 def make_run(c, scenario, seed, steps, inj, flags, stop=STOP_AFTER_DIVERGENCE):
@@ -260,6 +267,7 @@ def worker(spec_path, out_path):
                mean_step_ms=round(1e3 * result["mean_step_s"], 2),
                mean_probe_ms=round(1e3 * result["mean_probe_s"], 2),
                final_loss=result["losses"][-1] if result["losses"] else None,
+               rtn_tie_share=result.get("rtn_tie_share"),
                client_stats={k: v for k, v in stats.items() if isinstance(v, (int, float))})
     with open(out_path, "w") as f:
         json.dump(out, f)
@@ -338,6 +346,11 @@ def main(argv=None):
     p.add_argument("--knob-blind", action="store_true",
                    help="also the faults the knob cannot reveal and the benign LR events of "
                         "configs.KNOB_BLIND (issue 25 item 2)")
+    p.add_argument("--fault-window", type=int, default=None,
+                   help="a fault run lasts its injection step + this many steps if it never "
+                        f"diverges (default {FAULT_WINDOW}); --control-steps likewise for controls")
+    p.add_argument("--control-steps", type=int, default=None,
+                   help="healthy and benign runs' length (default: the configuration's)")
     p.add_argument("--frozen", action="store_true",
                    help="the frozen CI corpus's runs (FROZEN_RUNS; tests/eval/frozen/)")
     p.add_argument("--foreshockd", default=os.path.join(ROOT, "build", "server", "foreshockd"))
@@ -349,7 +362,11 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     runs = plan(args.only or list(configs.CONFIGS), args.seeds, smoke=args.smoke,
-                frozen=args.frozen, knob_blind=args.knob_blind)
+                frozen=args.frozen, knob_blind=args.knob_blind,
+                fault_window=args.fault_window)
+    if args.control_steps:
+        runs = [control_length(r, args.control_steps) if r["kind"] == "control" else r
+                for r in runs]
     if args.scenarios:
         runs = [r for r in runs if r["scenario"] in args.scenarios]
     if args.weight_qk:
