@@ -14,6 +14,8 @@
 #include <Eigen/QR>
 #include <Eigen/SVD>
 
+#include "detectors/qk_gram.h"
+
 namespace foreshock::detectors {
 namespace {
 
@@ -552,10 +554,10 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar
   b.rightCols(d) = k.template cast<double>() - k_prev.template cast<double>();
 
   // Gram matrices (SYRK, lower triangles): dS1 dS1^T = A G_B A^T / d.
-  gram_a.setZero(m, m);
-  gram_b.setZero(m, m);
-  gram_a.selfadjointView<Eigen::Lower>().rankUpdate(a.transpose());
-  gram_b.selfadjointView<Eigen::Lower>().rankUpdate(b.transpose());
+  gram_a.resize(m, m);
+  gram_b.resize(m, m);
+  GramLowerTriangle(a.data(), n, m, m, gram_a.data(), m);
+  GramLowerTriangle(b.data(), n, m, m, gram_b.data(), m);
   // The Grams' diagonals are the squared column norms (exact zeros stay zero:
   // squares of floats cannot underflow double).
   const double max_dq = gram_a.diagonal().head(d).maxCoeff();

@@ -1,6 +1,7 @@
 // The factored increment spectrum against the dense reference (dS1 formed as
 // an n x n matrix in double, Eigen BDCSVD), plus hand-computed spectra.
 #include "detectors/qk_spectrum.h"
+#include "detectors/qk_gram.h"
 
 #include <algorithm>
 #include <cmath>
@@ -477,6 +478,45 @@ TEST(FactoredSpectrum, TopVectorOnlyWhenRequested) {
   EXPECT_EQ(ComputeQKIncrementSpectrum<double>(q_prev, k_prev, q, k_prev, {.compute_top_vector = true})
                 .top_vector.size(),
             20u);
+}
+
+// The Gram kernel against sums in long double, on shapes that exercise every
+// tile edge (columns not a multiple of 8 or 6, rows across the 32-row
+// chunks), a padded stride and leading dimension, exact zero columns (must
+// stay exactly zero: the Gram route tests them) and extreme scales.
+TEST(GramLowerTriangle, MatchesLongDoubleSums) {
+  std::mt19937 rng(17);
+  for (int rows : {0, 1, 5, 31, 32, 33, 100, 257}) {
+    for (int cols : {1, 2, 5, 7, 8, 9, 13, 16, 63, 128, 130}) {
+      for (double scale : {1.0, 1e-150, 1e150}) {
+        SCOPED_TRACE(testing::Message() << "rows " << rows << " cols " << cols << " scale " << scale);
+        const int stride = cols + 3, ld = cols + 2;
+        std::vector<double> x(static_cast<size_t>(std::max(rows, 1) * stride), 7.0);  // padding stays 7
+        std::normal_distribution<double> normal;
+        for (int i = 0; i < rows; ++i)
+          for (int j = 0; j < cols; ++j) x[i * stride + j] = j % 5 == 3 ? 0.0 : scale * normal(rng);
+        std::vector<double> gram(static_cast<size_t>(ld * cols), -1.0);
+        GramLowerTriangle(x.data(), rows, cols, stride, gram.data(), ld);
+        for (int j = 0; j < cols; ++j) {
+          for (int i = j; i < cols; ++i) {
+            long double sum = 0, bound = 0;
+            for (int k = 0; k < rows; ++k) {
+              sum += static_cast<long double>(x[k * stride + i]) * x[k * stride + j];
+              bound += std::abs(static_cast<long double>(x[k * stride + i]) * x[k * stride + j]);
+            }
+            const double got = gram[j * ld + i];
+            if (i % 5 == 3 || j % 5 == 3 || rows == 0) {
+              ASSERT_EQ(got, 0.0) << i << "," << j;
+            } else {
+              ASSERT_LE(std::abs(got - static_cast<double>(sum)), 1e-15 * (rows + 1) * static_cast<double>(bound))
+                  << i << "," << j;
+            }
+          }
+          for (int i = cols; i < ld; ++i) ASSERT_EQ(gram[j * ld + i], -1.0) << "wrote past cols";
+        }
+      }
+    }
+  }
 }
 
 TEST(TopVectorOverlap, IgnoresSign) {
