@@ -1,15 +1,17 @@
 // The factored increment spectrum against the dense reference (dS1 formed as
 // an n x n matrix in double, Eigen BDCSVD), plus hand-computed spectra.
 #include "detectors/qk_spectrum.h"
-#include "detectors/qk_gram.h"
+#include "detectors/qk_linalg.h"
 
 #include <algorithm>
+#include <limits>
 #include <cmath>
 #include <ostream>
 #include <random>
 #include <string>
 #include <tuple>
 
+#include <Eigen/Eigenvalues>
 #include <Eigen/SVD>
 #include <gtest/gtest.h>
 
@@ -515,6 +517,127 @@ TEST(GramLowerTriangle, MatchesLongDoubleSums) {
           for (int i = cols; i < ld; ++i) ASSERT_EQ(gram[j * ld + i], -1.0) << "wrote past cols";
         }
       }
+    }
+  }
+}
+
+// The congruence kernel against Eigen's triangular products, on sizes that
+// leave partial tiles (not multiples of 8 or 6) and span several k chunks.
+TEST(UpperCongruence, MatchesEigenProducts) {
+  std::mt19937 rng(23);
+  for (int m : {1, 2, 5, 8, 13, 31, 64, 100, 128, 130}) {
+    SCOPED_TRACE(testing::Message() << "m " << m);
+    const Eigen::MatrixXd x = Gaussian(m, m, rng);
+    const Eigen::MatrixXd g = x + x.transpose();  // symmetric, indefinite
+    Eigen::MatrixXd u = Gaussian(m, m, rng);
+    u.triangularView<Eigen::StrictlyLower>().setZero();
+    RowMajorMatrix<double> w(m, m);
+    Eigen::MatrixXd c = Eigen::MatrixXd::Constant(m, m, 99.0);
+    UpperCongruence(u.data(), g.data(), m, w.data(), c.data());
+    const Eigen::MatrixXd w_expected = g * u.transpose();
+    const Eigen::MatrixXd c_expected = u * w_expected;
+    const double scale = u.norm() * u.norm() * g.norm();
+    ASSERT_LE((w - w_expected).norm(), 1e-14 * u.norm() * g.norm() * m);
+    for (int j = 0; j < m; ++j)
+      for (int i = j; i < m; ++i) ASSERT_NEAR(c(i, j), c_expected(i, j), 1e-14 * scale) << i << "," << j;
+  }
+}
+
+// Root-free QL against Eigen's implicit QR on the same tridiagonal (an
+// independent algorithm), on the hard cases: repeated and clustered
+// eigenvalues, splits (zero off-diagonals), zero diagonals, rank deficiency,
+// graded entries and scales whose fourth powers leave double's range.
+TEST(TridiagonalEigenvalues, MatchesEigenOnHardCases) {
+  std::mt19937 rng(29);
+  std::normal_distribution<double> normal;
+  struct Case {
+    std::string name;
+    std::vector<double> diag, off;
+  };
+  std::vector<Case> cases;
+  for (int n : {1, 2, 3, 10, 128}) {
+    Case c{"random n=" + std::to_string(n), {}, {}};
+    for (int i = 0; i < n; ++i) c.diag.push_back(normal(rng));
+    for (int i = 0; i + 1 < n; ++i) c.off.push_back(normal(rng));
+    cases.push_back(c);
+  }
+  {
+    Case c{"repeated: identity plus tiny couplings", std::vector<double>(64, 1.0), std::vector<double>(63, 1e-17)};
+    cases.push_back(c);
+  }
+  {
+    Case c{"clustered: Wilkinson W+ 41", {}, std::vector<double>(40, 1.0)};
+    for (int i = 0; i < 41; ++i) c.diag.push_back(std::abs(20 - i));
+    cases.push_back(c);
+  }
+  {
+    Case c{"splits: every third coupling zero", {}, {}};
+    for (int i = 0; i < 60; ++i) c.diag.push_back(i % 4 == 0 ? 2.0 : normal(rng));
+    for (int i = 0; i < 59; ++i) c.off.push_back(i % 3 == 0 ? 0.0 : normal(rng));
+    cases.push_back(c);
+  }
+  {
+    Case c{"zero diagonal (Golub-Kahan form)", std::vector<double>(50, 0.0), {}};
+    for (int i = 0; i < 49; ++i) c.off.push_back(1.0 + 0.01 * i);
+    cases.push_back(c);
+  }
+  {
+    // T = B^T B for an upper bidiagonal B with zero diagonal entries: PSD
+    // with exact zero eigenvalues, as C is for a rank-deficient increment.
+    const int n = 40;
+    std::vector<double> b(n), e(n - 1);
+    for (int i = 0; i < n; ++i) b[i] = i % 5 == 2 ? 0.0 : normal(rng);
+    for (int i = 0; i + 1 < n; ++i) e[i] = normal(rng);
+    Case c{"rank-deficient PSD", std::vector<double>(n), std::vector<double>(n - 1)};
+    for (int i = 0; i < n; ++i) c.diag[i] = b[i] * b[i] + (i > 0 ? e[i - 1] * e[i - 1] : 0.0);
+    for (int i = 0; i + 1 < n; ++i) c.off[i] = b[i] * e[i];
+    cases.push_back(c);
+  }
+  {
+    Case c{"graded 1 .. 1e-30", {}, {}};
+    for (int i = 0; i < 31; ++i) c.diag.push_back(std::pow(10.0, -i));
+    for (int i = 0; i < 30; ++i) c.off.push_back(std::pow(10.0, -i - 0.5));
+    cases.push_back(c);
+  }
+  cases.push_back({"zero matrix", std::vector<double>(8, 0.0), std::vector<double>(7, 0.0)});
+  // The first shift (1, from the leading block [[2, 1], [1, 2]]) equals the
+  // last diagonal entry: the sweep starts with gamma = 0 (dsterf's c = 0).
+  cases.push_back({"sweep starting at gamma = 0", {2, 2, 1}, {1, 1}});
+  cases.push_back({"sweep starting at gamma = 0, n=6", {2, 2, 3, -1, 0.5, 1}, {1, 1, 0.5, 2, 1}});
+  // Scales by powers of two, so that the reference is the unscaled matrix's
+  // eigenvalues scaled exactly (Eigen's tridiagonal QR does not rescale, and
+  // squares of 2^-1000 underflow).
+  for (int exponent : {-1000, -500, 500, 1000}) {
+    Case c{"random scaled by 2^" + std::to_string(exponent), {}, {}};
+    for (int i = 0; i < 30; ++i) c.diag.push_back(normal(rng));
+    for (int i = 0; i < 29; ++i) c.off.push_back(normal(rng));
+    cases.push_back(c);
+  }
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const int n = static_cast<int>(c.diag.size());
+    const size_t at = c.name.find("2^");
+    const int exponent = at == std::string::npos ? 0 : std::stoi(c.name.substr(at + 2));
+    std::vector<double> values = c.diag, scratch = c.off;
+    for (double& x : values) x = std::ldexp(x, exponent);
+    for (double& x : scratch) x = std::ldexp(x, exponent);
+    ASSERT_TRUE(TridiagonalEigenvalues(values, scratch));
+    std::sort(values.begin(), values.end());
+    Eigen::VectorXd expected(n);
+    if (n == 1) {
+      expected[0] = c.diag[0];
+    } else {
+      Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> solver;
+      solver.computeFromTridiagonal(Eigen::Map<const Eigen::VectorXd>(c.diag.data(), n),
+                                    Eigen::Map<const Eigen::VectorXd>(c.off.data(), n - 1), Eigen::EigenvaluesOnly);
+      expected = solver.eigenvalues();  // ascending
+    }
+    for (int i = 0; i < n; ++i) expected[i] = std::ldexp(expected[i], exponent);
+    double norm = 0;
+    for (int i = 0; i < n; ++i) norm = std::max(norm, std::abs(expected[i]));
+    for (int i = 0; i < n; ++i) {
+      ASSERT_TRUE(std::isfinite(values[i])) << i;
+      EXPECT_NEAR(values[i], expected[i], 8 * n * std::numeric_limits<double>::epsilon() * norm) << i;
     }
   }
 }
