@@ -6,6 +6,7 @@
 #include <vector>
 
 #include <Eigen/Core>
+#include <Eigen/Eigenvalues>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -269,6 +270,82 @@ void UpperCongruence(const double* u, const double* g, Index m, double* w, doubl
   Eigen::Map<Eigen::MatrixXd> core(c, m, m);
   product.noalias() = symmetric * upper.triangularView<Eigen::Upper>().transpose();
   core.noalias() = upper.triangularView<Eigen::Upper>() * product;
+#endif
+}
+
+void TridiagonalizeLower(double* a, Index n, double* h) {
+  if (n < 2) return;
+#ifdef FORESHOCK_QK_AVX2
+  // Step t: reflector t from column t (rows t + 1..), v_t stored there with a
+  // unit first entry; w_t = tau (A22 v_t) - (tau^2 / 2)(v_t' A22 v_t) v_t;
+  // update A22 -= v_t w_t' + w_t v_t'. The update of step t - 1 is applied
+  // to column t first (it holds reflector t), then to columns t + 1.. in the
+  // same pass that forms A22 v_t from the updated entries.
+  thread_local std::vector<double> w_now, w_prev, y, zeros;
+  w_now.assign(static_cast<size_t>(n), 0.0);
+  w_prev.assign(static_cast<size_t>(n), 0.0);
+  y.assign(static_cast<size_t>(n), 0.0);
+  zeros.assign(static_cast<size_t>(n), 0.0);
+  const double* pv = zeros.data();  // v_{t-1} (column t - 1 of a); zeros before step 0
+  double pending_beta = 0;
+  for (Index t = 0; t <= n - 1; ++t) {
+    double* ct = a + t * n;
+    const double* pw = w_prev.data();
+    // Column t (rows t..) gets step t - 1's update.
+    for (Index k = t; k < n; ++k) ct[k] -= pv[k] * pw[t] + pw[k] * pv[t];
+    if (t > 0) a[(t - 1) * n + t] = pending_beta;  // v_{t-1}'s unit entry is no longer read
+    if (t == n - 1) break;
+    const Index below = n - t - 1;
+    double tau, beta;
+    Eigen::Map<Eigen::VectorXd>(ct + t + 1, below).makeHouseholderInPlace(tau, beta);
+    ct[t + 1] = 1;
+    h[t] = tau;
+    pending_beta = beta;
+    const double* v = ct;  // v_t(k) = a(k, t), k > t
+    std::fill(y.begin() + t + 1, y.end(), 0.0);
+    double* yd = y.data();
+    for (Index j = t + 1; j < n; ++j) {
+      double* cj = a + j * n;
+      const double pvj = pv[j], pwj = pw[j], vj = v[j];
+      const double diagonal = cj[j] - 2 * pv[j] * pw[j];
+      cj[j] = diagonal;
+      double dot = diagonal * vj;  // y(j) gets the diagonal once, the rest below
+      const __m256d vpw = _mm256_set1_pd(pwj), vpv = _mm256_set1_pd(pvj), vv = _mm256_set1_pd(vj);
+      __m256d dots = _mm256_setzero_pd();
+      Index k = j + 1;
+      for (; k + 4 <= n; k += 4) {
+        __m256d x = _mm256_loadu_pd(cj + k);
+        x = _mm256_fnmadd_pd(_mm256_loadu_pd(pv + k), vpw, x);
+        x = _mm256_fnmadd_pd(_mm256_loadu_pd(pw + k), vpv, x);
+        _mm256_storeu_pd(cj + k, x);
+        _mm256_storeu_pd(yd + k, _mm256_fmadd_pd(x, vv, _mm256_loadu_pd(yd + k)));
+        dots = _mm256_fmadd_pd(x, _mm256_loadu_pd(v + k), dots);
+      }
+      for (; k < n; ++k) {
+        const double x = cj[k] - pv[k] * pwj - pw[k] * pvj;
+        cj[k] = x;
+        yd[k] += x * vj;
+        dot += x * v[k];
+      }
+      const __m128d half = _mm_add_pd(_mm256_castpd256_pd128(dots), _mm256_extractf128_pd(dots, 1));
+      yd[j] += dot + _mm_cvtsd_f64(_mm_add_sd(half, _mm_unpackhi_pd(half, half)));
+    }
+    // w_t = tau y - (tau / 2)(tau y . v) v, rows t + 1..
+    double wv = 0;
+    for (Index k = t + 1; k < n; ++k) {
+      w_now[k] = tau * yd[k];
+      wv += w_now[k] * v[k];
+    }
+    const double alpha = -0.5 * tau * wv;
+    for (Index k = t + 1; k < n; ++k) w_now[k] += alpha * v[k];
+    w_now[t] = 0;  // pw[t + 1 - 1]: read as pw[j] only for j > t
+    std::swap(w_now, w_prev);
+    pv = v;
+  }
+#else
+  Eigen::Map<Eigen::MatrixXd> matrix(a, n, n);
+  Eigen::Map<Eigen::VectorXd> coefficients(h, n - 1);
+  Eigen::internal::tridiagonalization_inplace(matrix, coefficients);
 #endif
 }
 

@@ -24,6 +24,16 @@ void GramLowerTriangle(const double* x, std::ptrdiff_t rows, std::ptrdiff_t cols
 // of each product: m^3/2 + m^3/6 multiply-adds instead of 2 m^3.
 void UpperCongruence(const double* u, const double* g, std::ptrdiff_t m, double* w, double* c);
 
+// Householder reduction to tridiagonal form of the symmetric n x n matrix
+// whose lower triangle is in `a` (column-major, leading dimension n), in the
+// layout of Eigen's internal::tridiagonalization_inplace, so that the same
+// HouseholderSequence applies: diagonal on a's diagonal, off-diagonal on its
+// first subdiagonal, reflector i's essential part below that, its coefficient
+// in h[i] (n - 1 of them). With AVX2 each step's rank-2 update and the next
+// step's symmetric matrix-vector product share one pass over the trailing
+// matrix (Eigen makes two); otherwise Eigen's routine.
+void TridiagonalizeLower(double* a, std::ptrdiff_t n, double* h);
+
 // Eigenvalues (unsorted) of the symmetric tridiagonal matrix with diagonal
 // `diag` and off-diagonal `off` (size n - 1): diag receives them, off is
 // destroyed. Root-free QL (Pal-Walker-Kahan, LAPACK dsterf); absolute accuracy

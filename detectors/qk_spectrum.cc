@@ -563,7 +563,7 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar
   std::vector<double> diagonal(static_cast<size_t>(rank)), off(static_cast<size_t>(std::max<Index>(rank - 1, 0)));
   if (rank >= 2) {
     householder.resize(rank - 1);
-    Eigen::internal::tridiagonalization_inplace(core, householder);
+    TridiagonalizeLower(core.data(), rank, householder.data());
   }
   for (Index i = 0; i < rank; ++i) diagonal[i] = core(i, i);
   for (Index i = 0; i + 1 < rank; ++i) off[i] = core(i + 1, i);

@@ -642,6 +642,68 @@ TEST(TridiagonalEigenvalues, MatchesEigenOnHardCases) {
   }
 }
 
+// The fused tridiagonal reduction: T and the reflectors (read with Eigen's
+// HouseholderSequence, as the top vector reads them) must reproduce the input,
+// Q T Q^T = A, and T's eigenvalues must be A's (Eigen's dense solver on A).
+// Hard cases: zero, diagonal (every reflector trivial), rank one, repeated
+// eigenvalues (identity plus rank one), a PSD Gram of rank 3, and extreme scales.
+TEST(TridiagonalizeLower, ReproducesTheMatrixAndItsEigenvalues) {
+  std::mt19937 rng(31);
+  struct Case {
+    std::string name;
+    Eigen::MatrixXd a;
+  };
+  std::vector<Case> cases;
+  for (int n : {1, 2, 3, 4, 5, 7, 33, 128}) {
+    const Eigen::MatrixXd x = Gaussian(n, n, rng);
+    cases.push_back({"random n=" + std::to_string(n), x + x.transpose()});
+  }
+  cases.push_back({"zero", Eigen::MatrixXd::Zero(20, 20)});
+  {
+    Eigen::MatrixXd diagonal = Eigen::MatrixXd::Zero(20, 20);
+    for (int i = 0; i < 20; ++i) diagonal(i, i) = i - 7.5;
+    cases.push_back({"diagonal", diagonal});
+  }
+  {
+    const Eigen::MatrixXd u = Gaussian(40, 1, rng);
+    cases.push_back({"rank one", u * u.transpose()});
+    cases.push_back({"identity plus rank one", Eigen::MatrixXd::Identity(40, 40) + u * u.transpose()});
+  }
+  {
+    const Eigen::MatrixXd x = Gaussian(128, 3, rng);
+    cases.push_back({"PSD of rank 3", x * x.transpose()});
+  }
+  for (double scale : {1e-150, 1e150}) {
+    const Eigen::MatrixXd x = Gaussian(64, 64, rng);
+    cases.push_back({"scaled by " + std::to_string(std::log10(scale)), scale * (x + x.transpose())});
+  }
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const int n = static_cast<int>(c.a.rows());
+    Eigen::MatrixXd packed = c.a;
+    packed.triangularView<Eigen::StrictlyUpper>().setConstant(std::nan(""));  // must not be read
+    Eigen::VectorXd h(std::max(n - 1, 1));
+    TridiagonalizeLower(packed.data(), n, h.data());
+    Eigen::MatrixXd t = Eigen::MatrixXd::Zero(n, n);
+    for (int i = 0; i < n; ++i) t(i, i) = packed(i, i);
+    for (int i = 0; i + 1 < n; ++i) t(i + 1, i) = t(i, i + 1) = packed(i + 1, i);
+    Eigen::MatrixXd q = Eigen::MatrixXd::Identity(n, n);
+    if (n >= 2) {
+      const Eigen::VectorXd coefficients = h.head(n - 1);  // the sequence keeps references
+      packed.triangularView<Eigen::StrictlyUpper>().setZero();
+      Eigen::HouseholderSequence<Eigen::MatrixXd, Eigen::VectorXd> reflectors(packed, coefficients);
+      reflectors.setLength(n - 1).setShift(1);
+      q.applyOnTheLeft(reflectors);
+    }
+    const double norm = std::max(c.a.norm(), std::numeric_limits<double>::min());
+    EXPECT_LE((q * t * q.transpose() - c.a).norm(), 1e-13 * n * norm) << "Q T Q^T != A";
+    EXPECT_LE((q.transpose() * q - Eigen::MatrixXd::Identity(n, n)).norm(), 1e-13 * n) << "Q not orthogonal";
+    const Eigen::VectorXd expected = Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd>(c.a, Eigen::EigenvaluesOnly).eigenvalues();
+    const Eigen::VectorXd actual = Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd>(t, Eigen::EigenvaluesOnly).eigenvalues();
+    for (int i = 0; i < n; ++i) EXPECT_NEAR(actual[i], expected[i], 1e-13 * n * norm) << i;
+  }
+}
+
 TEST(TopVectorOverlap, IgnoresSign) {
   const std::vector<double> a = {0.6, 0.8, 0.0};
   const std::vector<double> b = {-0.6, -0.8, 0.0};
