@@ -304,31 +304,68 @@ void TridiagonalizeLower(double* a, Index n, double* h) {
     const double* v = ct;  // v_t(k) = a(k, t), k > t
     std::fill(y.begin() + t + 1, y.end(), 0.0);
     double* yd = y.data();
-    for (Index j = t + 1; j < n; ++j) {
+    auto horizontal_sum = [](__m256d x) {
+      const __m128d half = _mm_add_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
+      return _mm_cvtsd_f64(_mm_add_sd(half, _mm_unpackhi_pd(half, half)));
+    };
+    Index j = t + 1;
+    // Columns in pairs: the loads of pv, pw, v and the load and store of y
+    // serve both (the loop is bound by loads and stores, not by FMAs).
+    for (; j + 1 < n; j += 2) {
+      double* c0 = a + j * n;
+      double* c1 = c0 + n;
+      const double pv0 = pv[j], pw0 = pw[j], v0 = v[j];
+      const double pv1 = pv[j + 1], pw1 = pw[j + 1], v1 = v[j + 1];
+      const double diagonal0 = c0[j] - 2 * pv0 * pw0;
+      c0[j] = diagonal0;
+      const double below0 = c0[j + 1] - pv1 * pw0 - pw1 * pv0;  // a(j + 1, j)
+      c0[j + 1] = below0;
+      const double diagonal1 = c1[j + 1] - 2 * pv1 * pw1;
+      c1[j + 1] = diagonal1;
+      double dot0 = diagonal0 * v0 + below0 * v1;
+      double dot1 = diagonal1 * v1;
+      yd[j + 1] += below0 * v0;
+      const __m256d pw0v = _mm256_set1_pd(pw0), pv0v = _mm256_set1_pd(pv0), v0v = _mm256_set1_pd(v0);
+      const __m256d pw1v = _mm256_set1_pd(pw1), pv1v = _mm256_set1_pd(pv1), v1v = _mm256_set1_pd(v1);
+      __m256d dots0 = _mm256_setzero_pd(), dots1 = _mm256_setzero_pd();
+      Index k = j + 2;
+      for (; k + 4 <= n; k += 4) {
+        const __m256d pvk = _mm256_loadu_pd(pv + k), pwk = _mm256_loadu_pd(pw + k), vk = _mm256_loadu_pd(v + k);
+        __m256d x0 = _mm256_loadu_pd(c0 + k), x1 = _mm256_loadu_pd(c1 + k);
+        x0 = _mm256_fnmadd_pd(pwk, pv0v, _mm256_fnmadd_pd(pvk, pw0v, x0));
+        x1 = _mm256_fnmadd_pd(pwk, pv1v, _mm256_fnmadd_pd(pvk, pw1v, x1));
+        _mm256_storeu_pd(c0 + k, x0);
+        _mm256_storeu_pd(c1 + k, x1);
+        __m256d yk = _mm256_fmadd_pd(x0, v0v, _mm256_loadu_pd(yd + k));
+        _mm256_storeu_pd(yd + k, _mm256_fmadd_pd(x1, v1v, yk));
+        dots0 = _mm256_fmadd_pd(x0, vk, dots0);
+        dots1 = _mm256_fmadd_pd(x1, vk, dots1);
+      }
+      for (; k < n; ++k) {
+        const double x0 = c0[k] - pv[k] * pw0 - pw[k] * pv0;
+        const double x1 = c1[k] - pv[k] * pw1 - pw[k] * pv1;
+        c0[k] = x0;
+        c1[k] = x1;
+        yd[k] += x0 * v0 + x1 * v1;
+        dot0 += x0 * v[k];
+        dot1 += x1 * v[k];
+      }
+      yd[j] += dot0 + horizontal_sum(dots0);
+      yd[j + 1] += dot1 + horizontal_sum(dots1);
+    }
+    for (; j < n; ++j) {  // the last column when their count is odd
       double* cj = a + j * n;
       const double pvj = pv[j], pwj = pw[j], vj = v[j];
       const double diagonal = cj[j] - 2 * pv[j] * pw[j];
       cj[j] = diagonal;
       double dot = diagonal * vj;  // y(j) gets the diagonal once, the rest below
-      const __m256d vpw = _mm256_set1_pd(pwj), vpv = _mm256_set1_pd(pvj), vv = _mm256_set1_pd(vj);
-      __m256d dots = _mm256_setzero_pd();
-      Index k = j + 1;
-      for (; k + 4 <= n; k += 4) {
-        __m256d x = _mm256_loadu_pd(cj + k);
-        x = _mm256_fnmadd_pd(_mm256_loadu_pd(pv + k), vpw, x);
-        x = _mm256_fnmadd_pd(_mm256_loadu_pd(pw + k), vpv, x);
-        _mm256_storeu_pd(cj + k, x);
-        _mm256_storeu_pd(yd + k, _mm256_fmadd_pd(x, vv, _mm256_loadu_pd(yd + k)));
-        dots = _mm256_fmadd_pd(x, _mm256_loadu_pd(v + k), dots);
-      }
-      for (; k < n; ++k) {
+      for (Index k = j + 1; k < n; ++k) {
         const double x = cj[k] - pv[k] * pwj - pw[k] * pvj;
         cj[k] = x;
         yd[k] += x * vj;
         dot += x * v[k];
       }
-      const __m128d half = _mm_add_pd(_mm256_castpd256_pd128(dots), _mm256_extractf128_pd(dots, 1));
-      yd[j] += dot + _mm_cvtsd_f64(_mm_add_sd(half, _mm_unpackhi_pd(half, half)));
+      yd[j] += dot;
     }
     // w_t = tau y - (tau / 2)(tau y . v) v, rows t + 1..
     double wv = 0;
