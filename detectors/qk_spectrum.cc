@@ -14,6 +14,8 @@
 #include <Eigen/QR>
 #include <Eigen/SVD>
 
+#include "detectors/qk_linalg.h"
+
 namespace foreshock::detectors {
 namespace {
 
@@ -196,75 +198,6 @@ void Normalize(std::vector<double>& x) {
   if (norm > 0) {
     for (double& v : x) v /= norm;
   }
-}
-
-// Eigenvalues of the symmetric tridiagonal matrix with diagonal `diag` and
-// off-diagonal `off`; `diag` receives them (unsorted), `off` is destroyed.
-// Pal-Walker-Kahan root-free QL, the iteration of LAPACK dsterf: no square
-// roots in the sweep, so it is about 3x faster than Eigen's Givens QR (values
-// only). Deflation is absolute (|e| <= eps ||T||): the caller wants accuracy
-// relative to the largest eigenvalue, not to each one. Returns false if some
-// eigenvalue needs more than 30 sweeps on average (not seen in practice).
-bool TridiagonalEigenvalues(std::vector<double>& diag, std::vector<double>& off) {
-  const int n = static_cast<int>(diag.size());
-  double norm = 0;
-  for (int i = 0; i < n; ++i) {
-    const double left = i > 0 ? std::abs(off[i - 1]) : 0.0;
-    const double right = i + 1 < n ? std::abs(off[i]) : 0.0;
-    norm = std::max(norm, std::abs(diag[i]) + left + right);
-  }
-  if (!(norm > 0)) return true;
-  std::vector<double>& e2 = off;  // squared off-diagonal from here on
-  for (double& e : e2) e *= e;
-  const double tolerance = std::numeric_limits<double>::epsilon() * norm;
-  const double negligible = tolerance * tolerance;
-  int sweeps = 0;
-  for (int l = 0; l < n;) {
-    int m = l;
-    while (m + 1 < n && e2[m] > negligible) ++m;
-    if (m == l) {  // diag[l] has converged
-      ++l;
-      continue;
-    }
-    if (m == l + 1) {  // a 2 x 2 block: closed form
-      const double mean = 0.5 * (diag[l] + diag[l + 1]);
-      const double half_gap = 0.5 * (diag[l] - diag[l + 1]);
-      const double radius = std::sqrt(half_gap * half_gap + e2[l]);
-      diag[l] = mean + radius;
-      diag[l + 1] = mean - radius;
-      e2[l] = 0;
-      l += 2;
-      continue;
-    }
-    if (++sweeps > 30 * n) return false;
-    // Shift: the eigenvalue of the leading 2 x 2 block nearer diag[l].
-    const double p = diag[l];
-    const double root_e = std::sqrt(e2[l]);
-    double sigma = (diag[l + 1] - p) / (2 * root_e);
-    sigma = p - root_e / (sigma + std::copysign(std::sqrt(sigma * sigma + 1), sigma));
-    double c = 1, s = 0, gamma = diag[m] - sigma, pp = gamma * gamma;
-    for (int i = m - 1; i >= l; --i) {
-      const double bb = e2[i];
-      const double rr = pp + bb;  // > 0: bb > negligible
-      if (i != m - 1) e2[i + 1] = s * rr;
-      // dsterf's p = gamma^2 / c with c = pp / rr, as gamma^2 * (rr / pp): the
-      // reciprocal of pp starts with that of rr, so the two divisions overlap
-      // (the sweep is a chain of dependent operations, latency-bound).
-      const double inverse_pp = pp != 0 ? 1.0 / pp : 0.0;
-      const double inverse_rr = 1.0 / rr;
-      const double old_c = c;
-      c = pp * inverse_rr;
-      s = bb * inverse_rr;
-      const double old_gamma = gamma;
-      const double alpha = diag[i];
-      gamma = c * (alpha - sigma) - s * old_gamma;
-      diag[i + 1] = old_gamma + (alpha - gamma);
-      pp = pp != 0 ? gamma * gamma * (rr * inverse_pp) : old_c * bb;
-    }
-    e2[l] = s * pp;
-    diag[l] = sigma + gamma;
-  }
-  return true;
 }
 
 // Rank-revealing Cholesky of a symmetric positive semidefinite `g` (m x m,
@@ -538,7 +471,8 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar
   // at n = 256, d = 64 the factors are 256 KB each, which malloc would map and
   // page-fault afresh every call.
   thread_local Eigen::Matrix<double, Dynamic, Dynamic, Eigen::RowMajor> a, b;
-  thread_local Eigen::MatrixXd gram_a, gram_b, product, core;
+  thread_local Eigen::MatrixXd gram_a, gram_b, product, core, upper_factor;
+  thread_local Eigen::Matrix<double, Dynamic, Dynamic, Eigen::RowMajor> product_rows;
   thread_local Eigen::VectorXd householder;
 
   // A = [dQ | Q0], B = [K0 | dK] in double: the difference of two floats is
@@ -552,10 +486,10 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar
   b.rightCols(d) = k.template cast<double>() - k_prev.template cast<double>();
 
   // Gram matrices (SYRK, lower triangles): dS1 dS1^T = A G_B A^T / d.
-  gram_a.setZero(m, m);
-  gram_b.setZero(m, m);
-  gram_a.selfadjointView<Eigen::Lower>().rankUpdate(a.transpose());
-  gram_b.selfadjointView<Eigen::Lower>().rankUpdate(b.transpose());
+  gram_a.resize(m, m);
+  gram_b.resize(m, m);
+  GramLowerTriangle(a.data(), n, m, m, gram_a.data(), m);
+  GramLowerTriangle(b.data(), n, m, m, gram_b.data(), m);
   // The Grams' diagonals are the squared column norms (exact zeros stay zero:
   // squares of floats cannot underflow double).
   const double max_dq = gram_a.diagonal().head(d).maxCoeff();
@@ -593,10 +527,9 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar
 
   // G_A = F F^T. Plain Cholesky (F = L, in place) when every column of A
   // keeps a share of its norm above the tolerance once the columns before it
-  // are projected out; otherwise the rank-revealing pivoted factor, so that
-  // dependent columns (rank-deficient Q0, dQ = 0, repeated columns) are
-  // dropped instead of contributing rounding noise. The tolerance is ~100x
-  // the Gram's relative rounding error (n eps) at n = 1024.
+  // are projected out; otherwise the rank-revealing pivoted factor, so that dependent columns (rank-deficient Q0, dQ = 0,
+  // repeated columns) are dropped instead of contributing rounding noise. The
+  // tolerance is ~100x the Gram's relative rounding error (n eps) at n = 1024.
   constexpr double kRankTolerance = 1e-12;
   const Eigen::VectorXd gram_a_diagonal = gram_a.diagonal();
   gram_a.triangularView<Eigen::StrictlyUpper>() = gram_a.transpose();  // survives the in-place LLT
@@ -608,11 +541,15 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar
   for (Index j = 0; full_rank && j < m; ++j) {
     full_rank = gram_a(j, j) * gram_a(j, j) > kRankTolerance * gram_a_diagonal[j];
   }
-  // C = F^T G_B F (r x r); its eigenvalues are d sigma_i^2. product = G_B F.
+  // C = F^T G_B F (r x r); its eigenvalues are d sigma_i^2. G_B F is kept for
+  // the top vector (row-major on the full-rank path, as UpperCongruence writes it).
   Index rank = m;
   if (full_rank) {
-    product.noalias() = gram_b * gram_a.triangularView<Eigen::Lower>();
-    core.noalias() = gram_a.triangularView<Eigen::Lower>().transpose() * product;
+    upper_factor = gram_a.transpose();  // U = F^T = L^T
+    upper_factor.triangularView<Eigen::StrictlyLower>().setZero();
+    product_rows.resize(m, m);
+    core.resize(m, m);
+    UpperCongruence(upper_factor.data(), gram_b.data(), m, product_rows.data(), core.data());
   } else {
     gram_a.triangularView<Eigen::Lower>() = gram_a.transpose();  // G_A back from the upper triangle
     gram_a.diagonal() = gram_a_diagonal;
@@ -626,7 +563,7 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar
   std::vector<double> diagonal(static_cast<size_t>(rank)), off(static_cast<size_t>(std::max<Index>(rank - 1, 0)));
   if (rank >= 2) {
     householder.resize(rank - 1);
-    Eigen::internal::tridiagonalization_inplace(core, householder);
+    TridiagonalizeLower(core.data(), rank, householder.data());
   }
   for (Index i = 0; i < rank; ++i) diagonal[i] = core(i, i);
   for (Index i = 0; i + 1 < rank; ++i) off[i] = core(i + 1, i);
@@ -697,7 +634,7 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar
       reflectors.setLength(rank - 1).setShift(1);
       v.applyOnTheLeft(reflectors);
     }
-    const Eigen::VectorXd y = product.leftCols(rank) * v;
+    const Eigen::VectorXd y = full_rank ? Eigen::VectorXd(product_rows * v) : Eigen::VectorXd(product.leftCols(rank) * v);
     const Eigen::VectorXd u = a * y;
     spectrum.top_vector.assign(u.data(), u.data() + n);
     Normalize(spectrum.top_vector);

@@ -13,6 +13,7 @@
 
 #include "detectors/attention_stats.h"
 #include "detectors/detector.h"
+#include "detectors/qk_linalg.h"
 #include "detectors/qk_spectrum.h"
 
 namespace foreshock::detectors {
@@ -218,6 +219,26 @@ void BM_QKDetectorProcess(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * heads);
 }
 BENCHMARK(BM_QKDetectorProcess)->Args({8, 256, 64})->ArgNames({"heads", "n", "d"})->Unit(benchmark::kMillisecond);
+
+// The Gram route's n x 2d Gram: our kernel (GramLowerTriangle) against
+// Eigen's SYRK (rankUpdate), which it replaced.
+void BM_Gram(benchmark::State& state) {
+  const int n = static_cast<int>(state.range(0)), m = static_cast<int>(state.range(1));
+  const bool eigen = state.range(2) != 0;
+  std::mt19937 rng(3);
+  const RowMajorMatrix<double> x = Gaussian(n, m, 1.0, rng).cast<double>();
+  Eigen::MatrixXd gram(m, m);
+  for (auto _ : state) {
+    if (eigen) {
+      gram.setZero();
+      gram.selfadjointView<Eigen::Lower>().rankUpdate(x.transpose());
+    } else {
+      GramLowerTriangle(x.data(), n, m, m, gram.data(), m);
+    }
+    benchmark::DoNotOptimize(gram.data());
+  }
+}
+BENCHMARK(BM_Gram)->ArgsProduct({{256, 512}, {128}, {0, 1}})->ArgNames({"n", "m", "eigen"})->Unit(benchmark::kMicrosecond);
 
 // Which SVD for the core (size 2d when n >= 2d): ours (bidiagonalization +
 // Golub-Reinsch values + inverse iteration, ComputeSmallSvd), Eigen's BDCSVD

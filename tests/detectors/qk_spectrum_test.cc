@@ -1,14 +1,17 @@
 // The factored increment spectrum against the dense reference (dS1 formed as
 // an n x n matrix in double, Eigen BDCSVD), plus hand-computed spectra.
 #include "detectors/qk_spectrum.h"
+#include "detectors/qk_linalg.h"
 
 #include <algorithm>
+#include <limits>
 #include <cmath>
 #include <ostream>
 #include <random>
 #include <string>
 #include <tuple>
 
+#include <Eigen/Eigenvalues>
 #include <Eigen/SVD>
 #include <gtest/gtest.h>
 
@@ -477,6 +480,228 @@ TEST(FactoredSpectrum, TopVectorOnlyWhenRequested) {
   EXPECT_EQ(ComputeQKIncrementSpectrum<double>(q_prev, k_prev, q, k_prev, {.compute_top_vector = true})
                 .top_vector.size(),
             20u);
+}
+
+// The Gram kernel against sums in long double, on shapes that exercise every
+// tile edge (columns not a multiple of 8 or 6, rows across the 32-row
+// chunks), a padded stride and leading dimension, exact zero columns (must
+// stay exactly zero: the Gram route tests them) and extreme scales.
+TEST(GramLowerTriangle, MatchesLongDoubleSums) {
+  std::mt19937 rng(17);
+  for (int rows : {0, 1, 5, 31, 32, 33, 100, 257}) {
+    for (int cols : {1, 2, 5, 7, 8, 9, 13, 16, 63, 128, 130}) {
+      for (double scale : {1.0, 1e-150, 1e150}) {
+        SCOPED_TRACE(testing::Message() << "rows " << rows << " cols " << cols << " scale " << scale);
+        const int stride = cols + 3, ld = cols + 2;
+        std::vector<double> x(static_cast<size_t>(std::max(rows, 1) * stride), 7.0);  // padding stays 7
+        std::normal_distribution<double> normal;
+        for (int i = 0; i < rows; ++i)
+          for (int j = 0; j < cols; ++j) x[i * stride + j] = j % 5 == 3 ? 0.0 : scale * normal(rng);
+        std::vector<double> gram(static_cast<size_t>(ld * cols), -1.0);
+        GramLowerTriangle(x.data(), rows, cols, stride, gram.data(), ld);
+        for (int j = 0; j < cols; ++j) {
+          for (int i = j; i < cols; ++i) {
+            long double sum = 0, bound = 0;
+            for (int k = 0; k < rows; ++k) {
+              sum += static_cast<long double>(x[k * stride + i]) * x[k * stride + j];
+              bound += std::abs(static_cast<long double>(x[k * stride + i]) * x[k * stride + j]);
+            }
+            const double got = gram[j * ld + i];
+            if (i % 5 == 3 || j % 5 == 3 || rows == 0) {
+              ASSERT_EQ(got, 0.0) << i << "," << j;
+            } else {
+              ASSERT_LE(std::abs(got - static_cast<double>(sum)), 1e-15 * (rows + 1) * static_cast<double>(bound))
+                  << i << "," << j;
+            }
+          }
+          for (int i = cols; i < ld; ++i) ASSERT_EQ(gram[j * ld + i], -1.0) << "wrote past cols";
+        }
+      }
+    }
+  }
+}
+
+// The congruence kernel against Eigen's triangular products, on sizes that
+// leave partial tiles (not multiples of 8 or 6) and span several k chunks.
+TEST(UpperCongruence, MatchesEigenProducts) {
+  std::mt19937 rng(23);
+  for (int m : {1, 2, 5, 8, 13, 31, 64, 100, 128, 130}) {
+    SCOPED_TRACE(testing::Message() << "m " << m);
+    const Eigen::MatrixXd x = Gaussian(m, m, rng);
+    const Eigen::MatrixXd g = x + x.transpose();  // symmetric, indefinite
+    Eigen::MatrixXd u = Gaussian(m, m, rng);
+    u.triangularView<Eigen::StrictlyLower>().setZero();
+    RowMajorMatrix<double> w(m, m);
+    Eigen::MatrixXd c = Eigen::MatrixXd::Constant(m, m, 99.0);
+    UpperCongruence(u.data(), g.data(), m, w.data(), c.data());
+    const Eigen::MatrixXd w_expected = g * u.transpose();
+    const Eigen::MatrixXd c_expected = u * w_expected;
+    const double scale = u.norm() * u.norm() * g.norm();
+    ASSERT_LE((w - w_expected).norm(), 1e-14 * u.norm() * g.norm() * m);
+    for (int j = 0; j < m; ++j)
+      for (int i = j; i < m; ++i) ASSERT_NEAR(c(i, j), c_expected(i, j), 1e-14 * scale) << i << "," << j;
+  }
+}
+
+// Root-free QL against Eigen's implicit QR on the same tridiagonal (an
+// independent algorithm), on the hard cases: repeated and clustered
+// eigenvalues, splits (zero off-diagonals), zero diagonals, rank deficiency,
+// graded entries and scales whose fourth powers leave double's range.
+TEST(TridiagonalEigenvalues, MatchesEigenOnHardCases) {
+  std::mt19937 rng(29);
+  std::normal_distribution<double> normal;
+  struct Case {
+    std::string name;
+    std::vector<double> diag, off;
+  };
+  std::vector<Case> cases;
+  for (int n : {1, 2, 3, 10, 128}) {
+    Case c{"random n=" + std::to_string(n), {}, {}};
+    for (int i = 0; i < n; ++i) c.diag.push_back(normal(rng));
+    for (int i = 0; i + 1 < n; ++i) c.off.push_back(normal(rng));
+    cases.push_back(c);
+  }
+  {
+    Case c{"repeated: identity plus tiny couplings", std::vector<double>(64, 1.0), std::vector<double>(63, 1e-17)};
+    cases.push_back(c);
+  }
+  {
+    Case c{"clustered: Wilkinson W+ 41", {}, std::vector<double>(40, 1.0)};
+    for (int i = 0; i < 41; ++i) c.diag.push_back(std::abs(20 - i));
+    cases.push_back(c);
+  }
+  {
+    Case c{"splits: every third coupling zero", {}, {}};
+    for (int i = 0; i < 60; ++i) c.diag.push_back(i % 4 == 0 ? 2.0 : normal(rng));
+    for (int i = 0; i < 59; ++i) c.off.push_back(i % 3 == 0 ? 0.0 : normal(rng));
+    cases.push_back(c);
+  }
+  {
+    Case c{"zero diagonal (Golub-Kahan form)", std::vector<double>(50, 0.0), {}};
+    for (int i = 0; i < 49; ++i) c.off.push_back(1.0 + 0.01 * i);
+    cases.push_back(c);
+  }
+  {
+    // T = B^T B for an upper bidiagonal B with zero diagonal entries: PSD
+    // with exact zero eigenvalues, as C is for a rank-deficient increment.
+    const int n = 40;
+    std::vector<double> b(n), e(n - 1);
+    for (int i = 0; i < n; ++i) b[i] = i % 5 == 2 ? 0.0 : normal(rng);
+    for (int i = 0; i + 1 < n; ++i) e[i] = normal(rng);
+    Case c{"rank-deficient PSD", std::vector<double>(n), std::vector<double>(n - 1)};
+    for (int i = 0; i < n; ++i) c.diag[i] = b[i] * b[i] + (i > 0 ? e[i - 1] * e[i - 1] : 0.0);
+    for (int i = 0; i + 1 < n; ++i) c.off[i] = b[i] * e[i];
+    cases.push_back(c);
+  }
+  {
+    Case c{"graded 1 .. 1e-30", {}, {}};
+    for (int i = 0; i < 31; ++i) c.diag.push_back(std::pow(10.0, -i));
+    for (int i = 0; i < 30; ++i) c.off.push_back(std::pow(10.0, -i - 0.5));
+    cases.push_back(c);
+  }
+  cases.push_back({"zero matrix", std::vector<double>(8, 0.0), std::vector<double>(7, 0.0)});
+  // The first shift (1, from the leading block [[2, 1], [1, 2]]) equals the
+  // last diagonal entry: the sweep starts with gamma = 0 (dsterf's c = 0).
+  cases.push_back({"sweep starting at gamma = 0", {2, 2, 1}, {1, 1}});
+  cases.push_back({"sweep starting at gamma = 0, n=6", {2, 2, 3, -1, 0.5, 1}, {1, 1, 0.5, 2, 1}});
+  // Scales by powers of two, so that the reference is the unscaled matrix's
+  // eigenvalues scaled exactly (Eigen's tridiagonal QR does not rescale, and
+  // squares of 2^-1000 underflow).
+  for (int exponent : {-1000, -500, 500, 1000}) {
+    Case c{"random scaled by 2^" + std::to_string(exponent), {}, {}};
+    for (int i = 0; i < 30; ++i) c.diag.push_back(normal(rng));
+    for (int i = 0; i < 29; ++i) c.off.push_back(normal(rng));
+    cases.push_back(c);
+  }
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const int n = static_cast<int>(c.diag.size());
+    const size_t at = c.name.find("2^");
+    const int exponent = at == std::string::npos ? 0 : std::stoi(c.name.substr(at + 2));
+    std::vector<double> values = c.diag, scratch = c.off;
+    for (double& x : values) x = std::ldexp(x, exponent);
+    for (double& x : scratch) x = std::ldexp(x, exponent);
+    ASSERT_TRUE(TridiagonalEigenvalues(values, scratch));
+    std::sort(values.begin(), values.end());
+    Eigen::VectorXd expected(n);
+    if (n == 1) {
+      expected[0] = c.diag[0];
+    } else {
+      Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> solver;
+      solver.computeFromTridiagonal(Eigen::Map<const Eigen::VectorXd>(c.diag.data(), n),
+                                    Eigen::Map<const Eigen::VectorXd>(c.off.data(), n - 1), Eigen::EigenvaluesOnly);
+      expected = solver.eigenvalues();  // ascending
+    }
+    for (int i = 0; i < n; ++i) expected[i] = std::ldexp(expected[i], exponent);
+    double norm = 0;
+    for (int i = 0; i < n; ++i) norm = std::max(norm, std::abs(expected[i]));
+    for (int i = 0; i < n; ++i) {
+      ASSERT_TRUE(std::isfinite(values[i])) << i;
+      EXPECT_NEAR(values[i], expected[i], 8 * n * std::numeric_limits<double>::epsilon() * norm) << i;
+    }
+  }
+}
+
+// The fused tridiagonal reduction: T and the reflectors (read with Eigen's
+// HouseholderSequence, as the top vector reads them) must reproduce the input,
+// Q T Q^T = A, and T's eigenvalues must be A's (Eigen's dense solver on A).
+// Hard cases: zero, diagonal (every reflector trivial), rank one, repeated
+// eigenvalues (identity plus rank one), a PSD Gram of rank 3, and extreme scales.
+TEST(TridiagonalizeLower, ReproducesTheMatrixAndItsEigenvalues) {
+  std::mt19937 rng(31);
+  struct Case {
+    std::string name;
+    Eigen::MatrixXd a;
+  };
+  std::vector<Case> cases;
+  for (int n : {1, 2, 3, 4, 5, 7, 33, 128}) {
+    const Eigen::MatrixXd x = Gaussian(n, n, rng);
+    cases.push_back({"random n=" + std::to_string(n), x + x.transpose()});
+  }
+  cases.push_back({"zero", Eigen::MatrixXd::Zero(20, 20)});
+  {
+    Eigen::MatrixXd diagonal = Eigen::MatrixXd::Zero(20, 20);
+    for (int i = 0; i < 20; ++i) diagonal(i, i) = i - 7.5;
+    cases.push_back({"diagonal", diagonal});
+  }
+  {
+    const Eigen::MatrixXd u = Gaussian(40, 1, rng);
+    cases.push_back({"rank one", u * u.transpose()});
+    cases.push_back({"identity plus rank one", Eigen::MatrixXd::Identity(40, 40) + u * u.transpose()});
+  }
+  {
+    const Eigen::MatrixXd x = Gaussian(128, 3, rng);
+    cases.push_back({"PSD of rank 3", x * x.transpose()});
+  }
+  for (double scale : {1e-150, 1e150}) {
+    const Eigen::MatrixXd x = Gaussian(64, 64, rng);
+    cases.push_back({"scaled by " + std::to_string(std::log10(scale)), scale * (x + x.transpose())});
+  }
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const int n = static_cast<int>(c.a.rows());
+    Eigen::MatrixXd packed = c.a;
+    packed.triangularView<Eigen::StrictlyUpper>().setConstant(std::nan(""));  // must not be read
+    Eigen::VectorXd h(std::max(n - 1, 1));
+    TridiagonalizeLower(packed.data(), n, h.data());
+    Eigen::MatrixXd t = Eigen::MatrixXd::Zero(n, n);
+    for (int i = 0; i < n; ++i) t(i, i) = packed(i, i);
+    for (int i = 0; i + 1 < n; ++i) t(i + 1, i) = t(i, i + 1) = packed(i + 1, i);
+    Eigen::MatrixXd q = Eigen::MatrixXd::Identity(n, n);
+    if (n >= 2) {
+      const Eigen::VectorXd coefficients = h.head(n - 1);  // the sequence keeps references
+      packed.triangularView<Eigen::StrictlyUpper>().setZero();
+      Eigen::HouseholderSequence<Eigen::MatrixXd, Eigen::VectorXd> reflectors(packed, coefficients);
+      reflectors.setLength(n - 1).setShift(1);
+      q.applyOnTheLeft(reflectors);
+    }
+    const double norm = std::max(c.a.norm(), std::numeric_limits<double>::min());
+    EXPECT_LE((q * t * q.transpose() - c.a).norm(), 1e-13 * n * norm) << "Q T Q^T != A";
+    EXPECT_LE((q.transpose() * q - Eigen::MatrixXd::Identity(n, n)).norm(), 1e-13 * n) << "Q not orthogonal";
+    const Eigen::VectorXd expected = Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd>(c.a, Eigen::EigenvaluesOnly).eigenvalues();
+    const Eigen::VectorXd actual = Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd>(t, Eigen::EigenvaluesOnly).eigenvalues();
+    for (int i = 0; i < n; ++i) EXPECT_NEAR(actual[i], expected[i], 1e-13 * n * norm) << i;
+  }
 }
 
 TEST(TopVectorOverlap, IgnoresSign) {
