@@ -36,7 +36,8 @@ void TridiagonalizeLower(double* a, std::ptrdiff_t n, double* h);
 
 // Eigenvalues (unsorted) of the symmetric tridiagonal matrix with diagonal
 // `diag` and off-diagonal `off` (size n - 1): diag receives them, off is
-// destroyed. Root-free QL (Pal-Walker-Kahan, LAPACK dsterf); absolute accuracy
+// destroyed. Root-free QL (Pal-Walker-Kahan, LAPACK dsterf), three sweeps per
+// shift run side by side (the sweep is latency-bound); absolute accuracy
 // ~eps ||T||. Returns false if the sweeps do not converge (not seen).
 bool TridiagonalEigenvalues(std::vector<double>& diag, std::vector<double>& off);
 

@@ -599,6 +599,39 @@ TEST(TridiagonalEigenvalues, MatchesEigenOnHardCases) {
     for (int i = 0; i < 30; ++i) c.off.push_back(std::pow(10.0, -i - 0.5));
     cases.push_back(c);
   }
+  // Tridiagonals of PSD matrices with chosen spectra (Eigen's reduction of
+  // V diag(lambda) V^T, V a random orthogonal matrix), as the core C gives
+  // them: a 128 x 128 with three large eigenvalues over a tight cluster and
+  // exact zeros; one with every eigenvalue repeated in pairs; one graded.
+  for (int kind = 0; kind < 3; ++kind) {
+    const int n = kind == 1 ? 64 : 128;
+    Eigen::MatrixXd random(n, n);
+    for (int i = 0; i < n; ++i) {
+      for (int j = 0; j < n; ++j) random(i, j) = normal(rng);
+    }
+    const Eigen::HouseholderQR<Eigen::MatrixXd> qr(random);
+    const Eigen::MatrixXd v = qr.householderQ();
+    Eigen::VectorXd lambda(n);
+    for (int i = 0; i < n; ++i) {
+      if (kind == 0) lambda[i] = i < 3 ? 10.0 * (i + 1) : (i < 100 ? 1e-3 * (1 + 1e-9 * i) : 0.0);
+      if (kind == 1) lambda[i] = 1.0 + i / 2;
+      if (kind == 2) lambda[i] = std::pow(10.0, -0.25 * i);
+    }
+    const Eigen::MatrixXd matrix = v * lambda.asDiagonal() * v.transpose();
+    const Eigen::Tridiagonalization<Eigen::MatrixXd> reduced(matrix);
+    const std::string names[] = {"PSD: 3 large over a cluster and zeros, n=128", "PSD: pairs of equal eigenvalues, n=64",
+                                 "PSD: graded 1 .. 1e-32, n=128"};
+    Case c{names[kind], {}, {}};
+    c.diag.assign(reduced.diagonal().data(), reduced.diagonal().data() + n);
+    c.off.assign(reduced.subDiagonal().data(), reduced.subDiagonal().data() + n - 1);
+    cases.push_back(c);
+  }
+  for (int n : {4, 5, 7}) {  // short blocks: the sweeps start and end within a few rows
+    Case c{"random short n=" + std::to_string(n), {}, {}};
+    for (int i = 0; i < n; ++i) c.diag.push_back(normal(rng));
+    for (int i = 0; i + 1 < n; ++i) c.off.push_back(normal(rng));
+    cases.push_back(c);
+  }
   cases.push_back({"zero matrix", std::vector<double>(8, 0.0), std::vector<double>(7, 0.0)});
   // The first shift (1, from the leading block [[2, 1], [1, 2]]) equals the
   // last diagonal entry: the sweep starts with gamma = 0 (dsterf's c = 0).
