@@ -5,6 +5,7 @@
 #include <limits>
 #include <vector>
 
+#include <Eigen/Cholesky>
 #include <Eigen/Core>
 #include <Eigen/Eigenvalues>
 
@@ -270,6 +271,61 @@ void UpperCongruence(const double* u, const double* g, Index m, double* w, doubl
   Eigen::Map<Eigen::MatrixXd> core(c, m, m);
   product.noalias() = symmetric * upper.triangularView<Eigen::Upper>().transpose();
   core.noalias() = upper.triangularView<Eigen::Upper>() * product;
+#endif
+}
+
+bool CholeskyLower(const double* g, Index m, double* l, double* u) {
+  if (m <= 0) return true;
+#ifdef FORESHOCK_QK_AVX2
+  // Left-looking by panels of kTileColumns columns: the panel's update from
+  // every column before it, L(kb.., K) = sum_p L(kb.., p) L(K, p)^T over
+  // p < kb, is one tile product (inner dimension kb, long enough to run
+  // fast); inside the panel, column by column.
+  for (Index kb = 0; kb < m; kb += kTileColumns) {
+    const Index width = std::min<Index>(kTileColumns, m - kb);
+    double* panel = l + kb * m + kb;  // L(kb.., kb..), leading dimension m
+    if (kb > 0) {
+      TileProduct(Operands{l + kb, m, l + kb, m}, m - kb, width, [](Index, Index) { return Index{0}; }, kb,
+                  [](Index i0, Index j0) { return i0 + 8 > j0; }, panel, m);
+    }
+    for (Index j = kb; j < kb + width; ++j) {
+      double* column = l + j * m;
+      const double* source = g + j * m;
+      if (kb > 0) {
+        for (Index i = j; i < m; ++i) column[i] = source[i] - column[i];
+      } else {
+        for (Index i = j; i < m; ++i) column[i] = source[i];
+      }
+      for (Index p = kb; p < j; ++p) {
+        const double factor = l[p * m + j];
+        const double* earlier = l + p * m;
+        for (Index i = j; i < m; ++i) column[i] -= factor * earlier[i];
+      }
+      const double pivot = column[j];
+      if (!(pivot > 0) || !std::isfinite(pivot)) return false;  // not (numerically) positive definite
+      const double root = std::sqrt(pivot);
+      const double inverse = 1.0 / root;
+      column[j] = root;
+      for (Index i = j + 1; i < m; ++i) column[i] *= inverse;
+    }
+    // Rows kb.. of U = L^T, a panel row (width entries, contiguous in U) at a
+    // time: U's columns are 8m bytes apart, which one L1 set per column would
+    // take entry by entry.
+    for (Index i = kb; i < m; ++i) {
+      const Index last = std::min(kb + width, i + 1);
+      for (Index j = kb; j < last; ++j) u[i * m + j] = l[j * m + i];
+    }
+  }
+  for (Index k = 0; k + 1 < m; ++k) std::fill(u + k * m + k + 1, u + (k + 1) * m, 0.0);
+  return true;
+#else
+  Eigen::Map<const Eigen::MatrixXd> gram(g, m, m);
+  Eigen::Map<Eigen::MatrixXd> lower(l, m, m), upper(u, m, m);
+  const Eigen::LLT<Eigen::MatrixXd, Eigen::Lower> llt(gram.selfadjointView<Eigen::Lower>());
+  if (llt.info() != Eigen::Success) return false;
+  lower = llt.matrixL();
+  upper = lower.transpose();
+  return true;
 #endif
 }
 

@@ -24,6 +24,16 @@ void GramLowerTriangle(const double* x, std::ptrdiff_t rows, std::ptrdiff_t cols
 // of each product: m^3/2 + m^3/6 multiply-adds instead of 2 m^3.
 void UpperCongruence(const double* u, const double* g, std::ptrdiff_t m, double* w, double* c);
 
+// Cholesky factor G = L L^T of the symmetric m x m matrix whose lower
+// triangle is in g (column-major, leading dimension m; g is not changed):
+// l receives L (column-major, leading dimension m, above the diagonal
+// unspecified) and u receives U = L^T (column-major, strict lower triangle
+// zero), the layout UpperCongruence reads. Returns false, with l and u
+// unspecified, when a pivot is not positive and finite (G not numerically
+// positive definite). With AVX2 a left-looking factorization on the tile
+// kernel; otherwise Eigen's LLT.
+bool CholeskyLower(const double* g, std::ptrdiff_t m, double* l, double* u);
+
 // Householder reduction to tridiagonal form of the symmetric n x n matrix
 // whose lower triangle is in `a` (column-major, leading dimension n), in the
 // layout of Eigen's internal::tridiagonalization_inplace, so that the same

@@ -471,7 +471,7 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar
   // at n = 256, d = 64 the factors are 256 KB each, which malloc would map and
   // page-fault afresh every call.
   thread_local Eigen::Matrix<double, Dynamic, Dynamic, Eigen::RowMajor> a, b;
-  thread_local Eigen::MatrixXd gram_a, gram_b, product, core, upper_factor;
+  thread_local Eigen::MatrixXd gram_a, gram_b, product, core, lower_factor, upper_factor;
   thread_local Eigen::Matrix<double, Dynamic, Dynamic, Eigen::RowMajor> product_rows;
   thread_local Eigen::VectorXd householder;
 
@@ -525,34 +525,28 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar
   }
   second_order_sum = std::max(second_order_sum, 0.0);
 
-  // G_A = F F^T. Plain Cholesky (F = L, in place) when every column of A
+  // G_A = F F^T. Plain Cholesky (F = L; CholeskyLower also writes L^T for the congruence) when every column of A
   // keeps a share of its norm above the tolerance once the columns before it
   // are projected out; otherwise the rank-revealing pivoted factor, so that dependent columns (rank-deficient Q0, dQ = 0,
   // repeated columns) are dropped instead of contributing rounding noise. The
   // tolerance is ~100x the Gram's relative rounding error (n eps) at n = 1024.
   constexpr double kRankTolerance = 1e-12;
   const Eigen::VectorXd gram_a_diagonal = gram_a.diagonal();
-  gram_a.triangularView<Eigen::StrictlyUpper>() = gram_a.transpose();  // survives the in-place LLT
-  bool full_rank;
-  {
-    Eigen::LLT<Eigen::Ref<Eigen::MatrixXd>, Eigen::Lower> llt(gram_a);
-    full_rank = llt.info() == Eigen::Success;
-  }
+  lower_factor.resize(m, m);
+  upper_factor.resize(m, m);
+  bool full_rank = CholeskyLower(gram_a.data(), m, lower_factor.data(), upper_factor.data());
   for (Index j = 0; full_rank && j < m; ++j) {
-    full_rank = gram_a(j, j) * gram_a(j, j) > kRankTolerance * gram_a_diagonal[j];
+    full_rank = lower_factor(j, j) * lower_factor(j, j) > kRankTolerance * gram_a_diagonal[j];
   }
   // C = F^T G_B F (r x r); its eigenvalues are d sigma_i^2. G_B F is kept for
   // the top vector (row-major on the full-rank path, as UpperCongruence writes it).
   Index rank = m;
   if (full_rank) {
-    upper_factor = gram_a.transpose();  // U = F^T = L^T
-    upper_factor.triangularView<Eigen::StrictlyLower>().setZero();
     product_rows.resize(m, m);
     core.resize(m, m);
     UpperCongruence(upper_factor.data(), gram_b.data(), m, product_rows.data(), core.data());
   } else {
-    gram_a.triangularView<Eigen::Lower>() = gram_a.transpose();  // G_A back from the upper triangle
-    gram_a.diagonal() = gram_a_diagonal;
+    gram_a.triangularView<Eigen::StrictlyUpper>() = gram_a.transpose();
     const Eigen::MatrixXd factor = PivotedCholeskyFactor(gram_a, kRankTolerance);
     rank = factor.cols();
     product.noalias() = gram_b * factor;

@@ -543,6 +543,96 @@ TEST(UpperCongruence, MatchesEigenProducts) {
   }
 }
 
+// The tile-kernel Cholesky against Eigen's LLT: L entry by entry (row i's
+// entries are at most sqrt(G_ii), so errors are measured against that, which
+// covers graded matrices), U exactly L^T with a zero strict lower triangle,
+// and g untouched. Sizes around the 6-column panels and the 8-row tiles;
+// grading over 1e+-40, scales 1e+-150, a nearly singular G; then the
+// matrices it must reject (a zero column, an indefinite or zero matrix, NaN).
+TEST(CholeskyLower, MatchesEigenLltAndRejectsNonDefinite) {
+  using Index = Eigen::Index;
+  std::mt19937 rng(31);
+  struct Case {
+    std::string name;
+    Eigen::MatrixXd g;
+  };
+  std::vector<Case> cases;
+  for (int m : {1, 2, 5, 6, 7, 8, 13, 31, 64, 128, 130}) {
+    const Eigen::MatrixXd x = Gaussian(3 * m, m, rng);
+    cases.push_back({"random m=" + std::to_string(m), x.transpose() * x});
+  }
+  {
+    const Eigen::MatrixXd x = Gaussian(256, 128, rng);
+    Eigen::VectorXd grading(128);
+    for (int i = 0; i < 128; ++i) grading[i] = std::pow(10.0, 40.0 * std::sin(i));
+    cases.push_back({"graded 1e+-40", grading.asDiagonal() * (x.transpose() * x) * grading.asDiagonal()});
+  }
+  for (double scale : {1e-150, 1e150}) {
+    const Eigen::MatrixXd x = Gaussian(200, 100, rng);
+    cases.push_back({"scaled " + std::to_string(std::log10(scale)), scale * (x.transpose() * x)});
+  }
+  {
+    // Two nearly equal columns: PD with a pivot ~1e-12 of the rest.
+    Eigen::MatrixXd x = Gaussian(300, 64, rng);
+    x.col(40) = x.col(3) + 1e-6 * x.col(40);
+    cases.push_back({"nearly singular", x.transpose() * x});
+  }
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const Index m = c.g.rows();
+    Eigen::MatrixXd g = c.g;
+    g.triangularView<Eigen::StrictlyUpper>().setConstant(std::nan(""));  // only the lower triangle is read
+    const Eigen::MatrixXd g_before = g;
+    Eigen::MatrixXd l = Eigen::MatrixXd::Constant(m, m, 7.0), u = Eigen::MatrixXd::Constant(m, m, 7.0);
+    ASSERT_TRUE(CholeskyLower(g.data(), m, l.data(), u.data()));
+    const Eigen::LLT<Eigen::MatrixXd, Eigen::Lower> llt(c.g);
+    ASSERT_EQ(llt.info(), Eigen::Success);
+    const Eigen::MatrixXd expected = llt.matrixL();
+    // Entries below a tiny pivot are ill-determined (~eps cond(G)^(1/2));
+    // there L L^T = G (backward stability) and the pivot itself are checked.
+    const bool ill_conditioned = c.name == "nearly singular";
+    const Eigen::MatrixXd lower = l.triangularView<Eigen::Lower>();
+    const Eigen::MatrixXd product = lower * lower.transpose();
+    for (Index i = 0; i < m; ++i) {
+      const double row_scale = std::sqrt(c.g(i, i));
+      for (Index j = 0; j <= i; ++j) {
+        const double scale = row_scale * std::sqrt(c.g(j, j));
+        ASSERT_NEAR(product(i, j), c.g(i, j), 1e-14 * static_cast<double>(m) * scale) << i << "," << j;
+        if (!ill_conditioned) ASSERT_NEAR(l(i, j), expected(i, j), 1e-9 * row_scale) << i << "," << j;
+        ASSERT_EQ(u(j, i), l(i, j)) << i << "," << j;
+      }
+      for (Index j = 0; j < i; ++j) ASSERT_EQ(u(i, j), 0.0) << i << "," << j;
+    }
+    if (ill_conditioned) EXPECT_NEAR(l(40, 40), expected(40, 40), 1e-2 * expected(40, 40));
+    for (Index j = 0; j < m; ++j) {
+      for (Index i = j; i < m; ++i) ASSERT_EQ(g(i, j), g_before(i, j));
+    }
+  }
+  auto rejects = [](Eigen::MatrixXd g) {
+    const Index m = g.rows();
+    Eigen::MatrixXd l(m, m), u(m, m);
+    return !CholeskyLower(g.data(), m, l.data(), u.data());
+  };
+  {
+    Eigen::MatrixXd x = Gaussian(100, 50, rng);
+    x.col(20).setZero();  // exact zero pivot at 20, in the middle of a panel
+    EXPECT_TRUE(rejects(x.transpose() * x));
+  }
+  {
+    const Eigen::MatrixXd x = Gaussian(100, 50, rng);
+    Eigen::MatrixXd g = x.transpose() * x;
+    g(37, 37) = -g(37, 37);
+    EXPECT_TRUE(rejects(g));
+    g = x.transpose() * x;
+    g(44, 44) = std::nan("");
+    EXPECT_TRUE(rejects(g));
+    g = x.transpose() * x;
+    g(45, 10) = g(10, 45) = 10 * std::sqrt(g(10, 10) * g(45, 45));  // 2 x 2 minor indefinite
+    EXPECT_TRUE(rejects(g));
+  }
+  EXPECT_TRUE(rejects(Eigen::MatrixXd::Zero(9, 9)));
+}
+
 // Root-free QL against Eigen's implicit QR on the same tridiagonal (an
 // independent algorithm), on the hard cases: repeated and clustered
 // eigenvalues, splits (zero off-diagonals), zero diagonals, rank deficiency,
