@@ -324,6 +324,8 @@ bool CholeskyLower(const double* g, Index m, double* l, double* u) {
   const Eigen::LLT<Eigen::MatrixXd, Eigen::Lower> llt(gram.selfadjointView<Eigen::Lower>());
   if (llt.info() != Eigen::Success) return false;
   lower = llt.matrixL();
+  // Eigen's LLT tests pivot <= 0, which a NaN pivot passes.
+  if (!lower.allFinite()) return false;
   upper = lower.transpose();
   return true;
 #endif
