@@ -22,6 +22,7 @@
 #include "server/security/auth.h"
 #include "server/daemon.h"
 #include "server/pipeline/series_store.h"
+#include "tests/server/ingest/raw_stream.h"
 #include "tests/server/metric_reader.h"
 
 namespace foreshock::server {
@@ -33,44 +34,7 @@ using foreshock::testing::MetricValue;
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-// One ingest stream driven by hand: a token, a Hello or not, then silence.
-struct RawStream {
-  grpc::ClientContext context;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::StreamRequest, v1::StreamResponse>> rw;
-
-  RawStream(v1::Ingest::Stub& stub, const std::string& token = "",
-            std::chrono::seconds deadline = std::chrono::seconds(10)) {
-    if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
-    context.set_deadline(std::chrono::system_clock::now() + deadline);
-    rw = stub.Stream(&context);
-  }
-  // Sends the Hello; true when the HelloAck came back.
-  bool Hello(const v1::Hello& hello) {
-    v1::StreamRequest request;
-    *request.mutable_hello() = hello;
-    v1::StreamResponse response;
-    return rw->Write(request) && rw->Read(&response) && response.has_hello_ack();
-  }
-  ~RawStream() {
-    if (finished) return;
-    context.TryCancel();
-    Wait();
-  }
-  // Reads until the daemon ends the stream; its status.
-  grpc::Status Wait() {
-    v1::StreamResponse response;
-    while (rw->Read(&response)) {
-    }
-    finished = true;
-    return rw->Finish();
-  }
-  bool finished = false;
-  std::string Trailer(const std::string& key) {
-    const auto& trailers = context.GetServerTrailingMetadata();
-    auto it = trailers.find(key);
-    return it == trailers.end() ? "" : std::string(it->second.data(), it->second.size());
-  }
-};
+using test_support::RawStream;
 
 v1::Hello MakeHello(const std::string& run, int n_layers = 4, int rank = 0) {
   v1::Hello hello;

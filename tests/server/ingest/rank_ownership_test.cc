@@ -30,6 +30,7 @@
 #include "foreshock/v1/query.grpc.pb.h"
 #include "server/daemon.h"
 #include "server/security/auth.h"
+#include "tests/server/ingest/raw_stream.h"
 #include "tests/server/metric_reader.h"
 
 namespace foreshock::server {
@@ -41,53 +42,7 @@ using foreshock::testing::MetricValue;
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-// One ingest stream driven by hand.
-struct RawStream {
-  grpc::ClientContext context;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::StreamRequest, v1::StreamResponse>> rw;
-  bool finished = false;
-  uint64_t next_seq = 1;
-
-  explicit RawStream(v1::Ingest::Stub& stub, const std::string& token = "") {
-    if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-    rw = stub.Stream(&context);
-  }
-  ~RawStream() {
-    if (finished) return;
-    context.TryCancel();
-    Wait();
-  }
-  // Sends the Hello; true when the HelloAck came back.
-  bool Hello(const v1::Hello& hello) {
-    v1::StreamRequest request;
-    *request.mutable_hello() = hello;
-    v1::StreamResponse response;
-    return rw->Write(request) && rw->Read(&response) && response.has_hello_ack();
-  }
-  // Sends one batch; the accepted count of its Ack, or -1 without one.
-  int Send(const std::vector<v1::Record>& records, bool goodbye = false) {
-    v1::StreamRequest request;
-    request.mutable_batch()->set_seq(next_seq++);
-    for (const v1::Record& r : records) *request.mutable_batch()->add_records() = r;
-    if (goodbye) request.mutable_batch()->mutable_goodbye();
-    v1::StreamResponse response;
-    if (!rw->Write(request) || !rw->Read(&response) || !response.has_ack()) return -1;
-    return static_cast<int>(response.ack().accepted());
-  }
-  grpc::Status Wait() {
-    v1::StreamResponse response;
-    while (rw->Read(&response)) {
-    }
-    finished = true;
-    return rw->Finish();
-  }
-  std::string Trailer(const std::string& key) {
-    const auto& trailers = context.GetServerTrailingMetadata();
-    auto it = trailers.find(key);
-    return it == trailers.end() ? "" : std::string(it->second.data(), it->second.size());
-  }
-};
+using test_support::RawStream;
 
 v1::Hello MakeHello(const std::string& run, int rank, uint64_t sender, int world_size = 0,
                     const std::string& job = "ownership-test") {
