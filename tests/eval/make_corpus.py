@@ -358,12 +358,18 @@ def main(argv=None):
     p.add_argument("--weight-qk", action="store_true",
                    help="train.py --weight-qk: each run also streams its weight-side QK factors "
                         "as run RUN_ID-wqk (tests/eval/weight_qk.py evaluates them)")
+    p.add_argument("--plan", default=None,
+                   help="record the runs of this draw file instead (tests/eval/preregistered.py draw)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     args = p.parse_args(argv)
 
-    runs = plan(args.only or list(configs.CONFIGS), args.seeds, smoke=args.smoke,
-                frozen=args.frozen, knob_blind=args.knob_blind,
-                fault_window=args.fault_window)
+    if args.plan:
+        with open(args.plan) as f:
+            runs = json.load(f)["runs"]
+    else:
+        runs = plan(args.only or list(configs.CONFIGS), args.seeds, smoke=args.smoke,
+                    frozen=args.frozen, knob_blind=args.knob_blind,
+                    fault_window=args.fault_window)
     if args.control_steps:
         runs = [control_length(r, args.control_steps) if r["kind"] == "control" else r
                 for r in runs]
@@ -393,7 +399,9 @@ def main(argv=None):
                                     "(demo/train.py divergence_step)",
                     configs={name: {k: v for k, v in c.items() if k != "name"}
                              for name, c in configs.CONFIGS.items()}
-                    if not (args.smoke or args.frozen) else {})
+                    if not (args.smoke or args.frozen or args.plan) else {})
+    if args.plan:
+        manifest["plan"] = os.path.relpath(os.path.abspath(args.plan), ROOT)
     print(f"{len(runs)} runs planned, {len(runs) - len(todo)} already done, {len(todo)} to run",
           flush=True)
     if not todo:

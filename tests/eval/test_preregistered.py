@@ -1,0 +1,64 @@
+"""The preregistered draw (tests/eval/preregistered.py): seeded by the freeze
+commit alone, every cell's pins respected, runs labelled for the backtest, and
+scoring refused when the frozen paths changed."""
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE]
+
+import preregistered  # noqa: E402
+
+A = "85d1908" + "0" * 33
+B = "f742535" + "0" * 33
+
+
+def flag(run, name):
+    argv = run["train_flags"]
+    return argv[argv.index(name) + 1]
+
+
+def labels(run):
+    argv = run["train_flags"]
+    return dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--label")
+
+
+def test_the_draw_is_a_function_of_the_commit():
+    a1, a2, b = preregistered.draw(A), preregistered.draw(A), preregistered.draw(B)
+    assert a1 == a2
+    assert [r["train_flags"] for r in a1] != [r["train_flags"] for r in b]
+    assert len(a1) == len(preregistered.CELLS) * preregistered.PER_CELL
+    assert len({r["run_id"] for r in a1}) == len(a1)
+
+
+def test_cells_keep_their_pins_and_labels():
+    for commit in (A, B, "c" * 40):
+        for run in preregistered.draw(commit):
+            cell, lab = run["cell"], labels(run)
+            assert lab["cell"] == cell and lab["scenario"] == cell
+            if cell.startswith("lowprec"):
+                assert flag(run, "--attention-dtype") == "bf16"
+            if cell == "no_balance":
+                assert flag(run, "--moe") != "none"
+            if cell == "adam_eps":
+                assert run["train_flags"].count("--beta2") == 1 and flag(run, "--beta2") == "0.9"
+            if cell == "data_switch":
+                assert flag(run, "--data") == "text"
+            if run["kind"] == "fault":
+                assert lab["expected_cause"] == run["expected_cause"]
+                assert flag(run, "--fault-step") == lab["injection_step"]
+            else:
+                assert "expected_cause" not in lab and "--fault" not in run["train_flags"]
+            n_head, kv = int(flag(run, "--n-head")), int(flag(run, "--n-kv-head"))
+            assert n_head % kv == 0 and int(flag(run, "--d-model")) % n_head == 0
+
+
+def test_scoring_refuses_a_tree_whose_detectors_changed():
+    head = subprocess.run(["git", "-C", HERE, "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    if not head:  # not a git checkout (a source tarball): nothing to compare with
+        return
+    first = subprocess.run(["git", "-C", HERE, "rev-list", "--max-parents=0", "HEAD"],
+                           capture_output=True, text=True).stdout.split()[0]
+    assert not preregistered.frozen_tree_matches(first)
