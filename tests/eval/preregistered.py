@@ -141,10 +141,16 @@ def draw_config(rng, pins):
     return [str(f) for f in flags] + ["--attention-dtype", dtype], dtype
 
 
-def draw(commit, per_cell=PER_CELL):
-    """The runs (make_corpus.make_run dicts) of the draw seeded by `commit`."""
+def draw(commit, per_cell=PER_CELL, calibration_seed=None):
+    """The runs (make_corpus.make_run dicts) of the draw seeded by `commit`, or,
+    for tuning, of a calibration draw seeded by `calibration_seed` (same space,
+    never scored as held out)."""
     import make_corpus  # noqa: E402
-    rng = random.Random(seed_of(commit))
+    if calibration_seed is not None:
+        rng, split = random.Random(f"calibration-{calibration_seed}"), \
+            f"calibration-draw-{calibration_seed}"
+    else:
+        rng, split = random.Random(seed_of(commit)), f"preregistered-{commit[:12]}"
     runs = []
     for cell, (kind, cause, pins, flags_of) in CELLS.items():
         for _ in range(per_cell):
@@ -156,7 +162,8 @@ def draw(commit, per_cell=PER_CELL):
             if cell == "adam_eps":  # its own beta2 replaces the drawn one
                 j = flags.index("--beta2")
                 del flags[j:j + 2]
-            c = dict(name=f"d{len(runs):02d}", split=f"preregistered-{commit[:12]}",
+            c = dict(name=f"{'c' if calibration_seed is not None else 'd'}{len(runs):02d}",
+                     split=split,
                      attention_dtype=dtype, flags=flags)
             if kind == "fault":
                 steps = inj + STEPS_AFTER_INJECTION
@@ -193,25 +200,29 @@ def frozen_tree_matches(commit):
 
 def cmd_draw(args):
     commit = args.commit or head_commit()
-    runs = draw(commit, args.per_cell)
-    path = args.out or os.path.join(HERE, "preregistered", f"draw-{commit[:12]}.json")
+    runs = draw(commit, args.per_cell, args.calibration_seed)
+    name = (f"calibration-{args.calibration_seed}" if args.calibration_seed is not None
+            else f"draw-{commit[:12]}")
+    path = args.out or os.path.join(HERE, "preregistered", f"{name}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    doc = dict(freeze_commit=commit, seed=seed_of(commit), per_cell=args.per_cell,
+    doc = dict(freeze_commit=commit if args.calibration_seed is None else None,
+               seed=seed_of(commit) if args.calibration_seed is None
+               else f"calibration-{args.calibration_seed}", per_cell=args.per_cell,
                frozen_paths=list(FREEZE), space={k: v for k, v in SPACE.items()},
                cells={k: dict(kind=v[0], expected_cause=v[1], category=CATEGORY[k])
                       for k, v in CELLS.items()},
                runs=runs)
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
-    print(f"{len(runs)} runs drawn with seed {seed_of(commit)} (commit {commit[:12]}): {path}")
+    print(f"{len(runs)} runs drawn with seed {doc['seed']}: {path}")
 
 
 def cmd_score(args):
     import evaluate  # noqa: E402
     with open(args.draw) as f:
         doc = json.load(f)
-    commit = doc["freeze_commit"]
-    if not args.allow_unfrozen and not frozen_tree_matches(commit):
+    commit = doc["freeze_commit"] or "calibration"
+    if doc["freeze_commit"] and not args.allow_unfrozen and not frozen_tree_matches(commit):
         sys.exit(f"the tree's {', '.join(FREEZE)} differ from the freeze commit {commit[:12]}: "
                  "score with a build of that commit (or record a fresh draw)")
     by_id = {r["run_id"]: r for r in doc["runs"]}
@@ -297,6 +308,9 @@ def main(argv=None):
     d.add_argument("--commit", default=None, help="the freeze commit (default: HEAD)")
     d.add_argument("--per-cell", type=int, default=PER_CELL)
     d.add_argument("--out", default=None)
+    d.add_argument("--calibration-seed", type=int, default=None,
+                   help="a calibration draw for tuning (same space, seeded by this number, "
+                        "labelled calibration-draw-N; never a held-out result)")
     s = sub.add_parser("score", help="score a recorded draw once")
     s.add_argument("--corpus", required=True)
     s.add_argument("--draw", required=True)

@@ -62,3 +62,11 @@ def test_scoring_refuses_a_tree_whose_detectors_changed():
     first = subprocess.run(["git", "-C", HERE, "rev-list", "--max-parents=0", "HEAD"],
                            capture_output=True, text=True).stdout.split()[0]
     assert not preregistered.frozen_tree_matches(first)
+
+
+def test_a_calibration_draw_is_not_a_held_out_one():
+    cal = preregistered.draw(A, calibration_seed=1)
+    assert cal == preregistered.draw(B, calibration_seed=1)  # the commit plays no part
+    assert all(labels(r)["split"] == "calibration-draw-1" for r in cal)
+    assert all(labels(r)["split"].startswith("preregistered-") for r in preregistered.draw(A))
+    assert {r["run_id"] for r in cal}.isdisjoint(r["run_id"] for r in preregistered.draw(A))
