@@ -267,10 +267,16 @@ def category_table(evaluate, rows):
 
 
 def fmt_alert(row):
-    fa = row.get("first_alert")
+    """The first alert after the injection (a fault), or the first at all (a
+    control, whose every alert is false): 'step Name/signal Llayer'."""
+    fa, step = row.get("first_alert"), row.get("first_alert_step")
+    if not row.get("fault") and row.get("alerts"):
+        fa = row["alerts"][0]
+        step = fa.get("step")
     if not fa:
         return "none"
-    return f"{fa['step']} {fa['alertname'].replace('Foreshock', '')}"
+    return (f"{step} {fa['alertname'].replace('Foreshock', '')}/{fa.get('signal', '')} "
+            f"L{fa.get('layer', '?')}")
 
 
 def per_run_table(rows, manifest):
