@@ -59,6 +59,16 @@ ChangeDetector::ChangeDetector(const ChangeDetectorOptions& options)
 }
 
 ChangeAssessment ChangeDetector::Update(int64_t step, double value) {
+  if (step < options_.warmup_steps) {
+    // Not part of the series yet (early training's transient): nothing is
+    // recorded, so a later sample is never stale against it.
+    ChangeAssessment ignored;
+    ignored.disposition = ChangeAssessment::Disposition::kWarmup;
+    ignored.step = step;
+    ignored.value = value;
+    ignored.state = core_.state;
+    return ignored;
+  }
   const bool seen_any = core_.samples_seen > 0;
   if (seen_any && step < core_.last_step) {
     ChangeAssessment stale = last_;

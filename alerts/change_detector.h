@@ -16,6 +16,8 @@
 //    within `persist_n` samples, before its first anomalous samples could
 //    enter the baseline; a slow drift, by contrast, moves the baseline along.
 //    Statistics are robust: the median m and the MAD of the window.
+//    Samples at steps below `warmup_steps` are ignored altogether (early
+//    training's transient is not a baseline).
 //    The baseline is ready once `warmup` samples have been seen and the
 //    window holds at least `min_baseline` samples (0: max(3, window/2)).
 //    A baseline from few samples is less certain: its scale is multiplied by
@@ -107,6 +109,14 @@ struct ChangeDetectorOptions {
   bool change_detection = true;
   // Samples seen before anything is scored (baseline and guard alike).
   int warmup = 12;
+  // Training steps before the series starts: a sample at a step below this
+  // is ignored, kept out of the baseline and of the `warmup` count. Early
+  // training is a transient (attention and routing leave their random-init
+  // state within the LR warm-up) that a baseline of the first probes mistakes
+  // for the normal level; a count of samples alone cannot say when it ends,
+  // since a probe every 5 steps reaches 12 samples at step 60 and one every
+  // 50 at step 600. 0: from the first sample.
+  int warmup_steps = 0;
   // Samples in the baseline window.
   int window = 40;
   // Samples the window must hold before the baseline is ready; 0: half the

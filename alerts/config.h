@@ -19,7 +19,7 @@
 //         enabled: true
 //         severity: warning                     # info | warning | critical
 //         change_detection: true
-//         warmup / window / gap / persist_m / persist_n / clear_after: integers
+//         warmup / warmup_steps / window / gap / persist_m / persist_n / clear_after: integers
 //         trend: true
 //         z_threshold / cusum_k / cusum_h / min_relative_change / min_absolute_change: numbers
 //         bound: null                           # a number enables the absolute guard

@@ -253,6 +253,10 @@ TEST(AlertEngineTest, RunLevelSignalsAlertOnLayerAll) {
 int Warmup(std::string_view signal) {
   return DefaultAlertConfig().signals.find(signal)->second.detector.warmup;
 }
+// The training step a signal's series starts at by default (warmup_steps).
+int64_t StartStep(std::string_view signal) {
+  return DefaultAlertConfig().signals.find(signal)->second.detector.warmup_steps;
+}
 
 TEST(AlertEngineTest, ExpertsDeadFromInitializationAreNoCollapse) {
   // Issue 26: a random-init MoE with 2 experts dead from the first probe on
@@ -267,20 +271,27 @@ TEST(AlertEngineTest, ExpertsDeadFromInitializationAreNoCollapse) {
 TEST(AlertEngineTest, ExpertsThatDieDuringTrainingFireRouterCollapseAfterWarmup) {
   EngineDriver driver;
   const int warmup = Warmup("router_experts_died");
-  // Died during warm-up: ignored ...
+  const int64_t start = StartStep("router_experts_died");
+  // Died before the series starts (early training's transient): ignored ...
+  for (int64_t step = 0; step < start; step += 10) {
+    driver.Point("r1", step, "router_experts_died", 3, 1);
+  }
+  // ... and during its warm-up ...
   for (int i = 0; i < warmup; ++i) {
-    driver.Point("r1", 10 * i, "router_experts_died", 3, i < warmup / 2 ? 1 : 0);
+    driver.Point("r1", start + 10 * i, "router_experts_died", 3, i < warmup / 2 ? 1 : 0);
   }
   for (int i = warmup; i < warmup + 20; ++i)
-    driver.Point("r1", 10 * i, "router_experts_died", 3, 0);
+    driver.Point("r1", start + 10 * i, "router_experts_died", 3, 0);
   EXPECT_TRUE(driver.transitions.empty());
   // ... one after it fires on the third sample.
   const int first = warmup + 20;
-  for (int i = first; i < first + 3; ++i) driver.Point("r1", 10 * i, "router_experts_died", 3, 1);
+  for (int i = first; i < first + 3; ++i) {
+    driver.Point("r1", start + 10 * i, "router_experts_died", 3, 1);
+  }
   const auto transitions = driver.Transitions(kRouterCollapse, "3");
   ASSERT_EQ(transitions.size(), 2u);
   EXPECT_EQ(transitions[1].to, AlertState::kFiring);
-  EXPECT_EQ(transitions[1].step, 10 * (first + 2));
+  EXPECT_EQ(transitions[1].step, start + 10 * (first + 2));
   EXPECT_EQ(transitions[1].alert.signal, "router_experts_died");
   EXPECT_NE(transitions[1].alert.description.find("above the absolute bound 0"), std::string::npos)
       << transitions[1].alert.description;
@@ -319,13 +330,14 @@ TEST(AlertEngineTest, AttentionMaxLogitBoundFiresWithoutABaselineChange) {
   EngineDriver driver;
   // A model whose logits sit high and steady: no change, but beyond the bound.
   const int warmup = Warmup("attention_max_logit");
-  driver.Series("r1", "attention_max_logit", 0, 0, warmup, 120.0);
+  const int64_t start = StartStep("attention_max_logit");
+  driver.Series("r1", "attention_max_logit", 0, 0, static_cast<int>(start / 10) + warmup, 120.0);
   EXPECT_TRUE(driver.transitions.empty());
-  driver.Series("r1", "attention_max_logit", 0, 10 * warmup, 3, 120.0);
+  driver.Series("r1", "attention_max_logit", 0, start + 10 * warmup, 3, 120.0);
   const auto transitions = driver.Transitions(kAttentionLogitGrowth, "0");
   ASSERT_EQ(transitions.size(), 2u);
   EXPECT_EQ(transitions[1].to, AlertState::kFiring);
-  EXPECT_EQ(transitions[1].step, 10 * (warmup + 2));
+  EXPECT_EQ(transitions[1].step, start + 10 * (warmup + 2));
 }
 
 TEST(AlertEngineTest, NonFiniteFiresAtOnceAndResolvesAfterCleanSteps) {
@@ -715,12 +727,12 @@ TEST(AlertEngineTest, ARisingLearningRateMakesLogitGrowthALearningRateCause) {
 // 2x that highest value, and never goes above its peak: no LR rise.
 TEST(AlertEngineTest, AWarmUpReachingItsPeakIsNoLearningRateRise) {
   EngineDriver driver;
-  // Linear warm-up to 1e-3 over 300 steps, then flat; logits grow from 250.
-  StreamLearningRate(driver, "r1", 0, 399, [](int64_t step) {
-    return 1e-3 * std::min<double>(1.0, (step + 1) / 300.0);
+  // Linear warm-up to 1e-3 over 1000 steps, then flat; logits grow from 950.
+  StreamLearningRate(driver, "r1", 0, 1099, [](int64_t step) {
+    return 1e-3 * std::min<double>(1.0, (step + 1) / 1000.0);
   });
-  driver.Fault("r1", "attention_max_logit", 1, 250, 10, 20, 10, 20);
-  driver.Point("r1", 350, "attention_max_logit", 1, 20);  // layer 1 reaches onset + 100
+  driver.Fault("r1", "attention_max_logit", 1, 950, 10, 20, 10, 20);
+  driver.Point("r1", 1050, "attention_max_logit", 1, 20);  // layer 1 reaches onset + 100
   ASSERT_FALSE(driver.engine.ActiveAlerts().empty());
   EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kLowPrecisionAttention)
       << driver.engine.ActiveAlerts()[0].probable_cause_evidence;
@@ -957,8 +969,8 @@ TEST(AlertEngineTest, ALogitFarBeyondItsBoundIsNotHeldOnceTheRunShowedTrouble) {
   ASSERT_EQ(spike.size(), 3u);
   EXPECT_EQ(spike.back().to, AlertState::kResolved);
   // Logits above the bound, but not far: held (pending), as before.
-  for (int64_t i = 0; i < 20; ++i) driver.Point("r1", 100 + 10 * i, "attention_max_logit", 0, 40);
-  for (int64_t i = 20; i < 25; ++i) driver.Point("r1", 100 + 10 * i, "attention_max_logit", 0, 150);
+  for (int64_t i = 0; i < 20; ++i) driver.Point("r1", 400 + 10 * i, "attention_max_logit", 0, 40);
+  for (int64_t i = 20; i < 25; ++i) driver.Point("r1", 400 + 10 * i, "attention_max_logit", 0, 150);
   auto logit = driver.StateChanges(kAttentionLogitGrowth, "0");
   ASSERT_EQ(logit.size(), 1u);
   EXPECT_EQ(logit[0].to, AlertState::kPending);
@@ -968,11 +980,11 @@ TEST(AlertEngineTest, ALogitFarBeyondItsBoundIsNotHeldOnceTheRunShowedTrouble) {
     EXPECT_NE(alert.description.find("Held: "), std::string::npos) << alert.description;
   }
   // 8x the bound: it fires.
-  driver.Point("r1", 350, "attention_max_logit", 0, 821);
+  driver.Point("r1", 650, "attention_max_logit", 0, 821);
   logit = driver.StateChanges(kAttentionLogitGrowth, "0");
   ASSERT_EQ(logit.size(), 2u);
   EXPECT_EQ(logit[1].to, AlertState::kFiring);
-  EXPECT_EQ(logit[1].step, 350);
+  EXPECT_EQ(logit[1].step, 650);
   EXPECT_EQ(logit[1].alert.description.find("Held: "), std::string::npos);
 }
 
@@ -981,9 +993,12 @@ TEST(AlertEngineTest, ALogitFarBeyondItsBoundIsNotHeldOnceTheRunShowedTrouble) {
 TEST(AlertEngineTest, ALogitFarBeyondItsBoundStaysHeldInAQuietFp32Run) {
   EngineDriver driver(DefaultAlertConfig());
   driver.Point("r1", 0, "attention_compute_bits", 0, 32);
-  for (int64_t i = 0; i < 20; ++i) driver.Point("r1", 100 + 10 * i, "attention_max_logit", 0, 40);
-  for (int64_t i = 20; i < 26; ++i) driver.Point("r1", 100 + 10 * i, "attention_max_logit", 0, 821);
+  for (int64_t i = 0; i < 20; ++i) driver.Point("r1", 400 + 10 * i, "attention_max_logit", 0, 40);
+  for (int64_t i = 20; i < 26; ++i) driver.Point("r1", 400 + 10 * i, "attention_max_logit", 0, 821);
   for (const AlertTransition& t : driver.transitions) EXPECT_NE(t.to, AlertState::kFiring);
+  // Held, not unseen: the alert is pending.
+  ASSERT_FALSE(driver.StateChanges(kAttentionLogitGrowth, "0").empty());
+  EXPECT_EQ(driver.StateChanges(kAttentionLogitGrowth, "0")[0].to, AlertState::kPending);
 }
 
 // The last line (issue 26): the evaluation's divergence rule as an alert that
@@ -1025,13 +1040,15 @@ TEST(AlertEngineTest, LossDivergingFiresAtOnceAndStaysFiringUntilTheRunRecovers)
 TEST(AlertEngineTest, LossDivergingReleasesAHeldAttentionAlert) {
   EngineDriver driver(DefaultAlertConfig());
   driver.Point("r1", 0, "attention_compute_bits", 0, 32);
-  for (int64_t i = 0; i < 20; ++i) driver.Point("r1", 100 + 10 * i, "attention_max_logit", 0, 40);
-  for (int64_t i = 20; i < 24; ++i) driver.Point("r1", 100 + 10 * i, "attention_max_logit", 0, 150);
+  for (int64_t i = 0; i < 20; ++i) driver.Point("r1", 400 + 10 * i, "attention_max_logit", 0, 40);
+  for (int64_t i = 20; i < 24; ++i) driver.Point("r1", 400 + 10 * i, "attention_max_logit", 0, 150);
+  ASSERT_FALSE(driver.StateChanges(kAttentionLogitGrowth, "0").empty());
   ASSERT_EQ(driver.StateChanges(kAttentionLogitGrowth, "0").back().to, AlertState::kPending);
-  driver.Point("r1", 335, "loss_over_running_min", kNoLayer, 1.5);
+  driver.Point("r1", 635, "loss_over_running_min", kNoLayer, 1.5);
   const auto logit = driver.StateChanges(kAttentionLogitGrowth, "0");
+  ASSERT_FALSE(logit.empty());
   ASSERT_EQ(logit.back().to, AlertState::kFiring);
-  EXPECT_EQ(logit.back().step, 335);
+  EXPECT_EQ(logit.back().step, 635);
 }
 
 }  // namespace

@@ -79,6 +79,50 @@ TEST(ChangeDetectorTest, StepDropFiresAtPersistenceWithOnsetAtTheStep) {
   EXPECT_EQ(trace.samples[201].state, SeriesState::kPending);
 }
 
+// Early training's transient (the QK-increment entropy of a head leaving
+// random init: 0.8 for a few probes, then a fall to 0.35 that stays) is not a
+// collapse once the series starts after it (warmup_steps), whatever the
+// cadence; without it, a baseline of the first probes makes it one.
+TEST(ChangeDetectorTest, WarmupStepsKeepsTheEarlyTransientOutOfTheBaseline) {
+  for (const int64_t every : {5, 10, 25}) {
+    std::vector<std::pair<int64_t, double>> series;
+    std::mt19937_64 rng(static_cast<uint64_t>(every));
+    std::normal_distribution<double> noise(0.0, 0.01);
+    for (int64_t step = every; step <= 2000; step += every) {
+      const double level = step < 80 ? 0.8 : step < 140 ? 0.8 - 0.45 * (step - 80) / 60.0 : 0.35;
+      series.emplace_back(step, level + noise(rng));
+    }
+    auto episodes = [&](int64_t warmup_steps) {
+      ChangeDetectorOptions options = Options(Direction::kDrop);
+      options.warmup_steps = warmup_steps;
+      ChangeDetector detector(options);
+      int count = 0;
+      for (const auto& [step, value] : series) {
+        const SeriesState before = detector.state();
+        const ChangeAssessment a = detector.Update(step, value);
+        if (step < warmup_steps) {
+          EXPECT_EQ(a.disposition, ChangeAssessment::Disposition::kWarmup);
+        }
+        count += a.state == SeriesState::kAnomalous && before != SeriesState::kAnomalous;
+      }
+      return count;
+    };
+    if (every <= 10) EXPECT_GE(episodes(0), 1) << "every " << every;
+    EXPECT_EQ(episodes(300), 0) << "every " << every;
+  }
+  // After warmup_steps a collapse still fires.
+  ChangeDetectorOptions options = Options(Direction::kDrop);
+  options.warmup_steps = 300;
+  ChangeDetector detector(options);
+  const auto values = Concat(Noisy(200, 1.0, 0.01, 11), Noisy(50, 0.6, 0.01, 12));
+  int first = -1;
+  for (size_t i = 0; i < values.size(); ++i) {
+    const ChangeAssessment a = detector.Update(static_cast<int64_t>(i) * 10, values[i]);
+    if (first < 0 && a.state == SeriesState::kAnomalous) first = static_cast<int>(i);
+  }
+  EXPECT_EQ(first, 202);
+}
+
 TEST(ChangeDetectorTest, StepRiseFiresOnlyTheRiseDetector) {
   const auto rise = Concat(Noisy(200, 5.0, 0.05, 3), Noisy(50, 8.0, 0.05, 4));
   ChangeDetector rise_detector(Options(Direction::kRise));

@@ -32,6 +32,7 @@ void ExpectSameDetector(const ChangeDetectorOptions& a, const ChangeDetectorOpti
   EXPECT_EQ(a.direction, b.direction) << where;
   EXPECT_EQ(a.change_detection, b.change_detection) << where;
   EXPECT_EQ(a.warmup, b.warmup) << where;
+  EXPECT_EQ(a.warmup_steps, b.warmup_steps) << where;
   EXPECT_EQ(a.window, b.window) << where;
   EXPECT_EQ(a.gap, b.gap) << where;
   EXPECT_EQ(a.min_baseline, b.min_baseline) << where;
@@ -124,6 +125,7 @@ alerts:
   signals:
     loss:
       warmup: 200          # the signal beats alerts.defaults
+      warmup_steps: 1000
       z_threshold: 7.5
       severity: critical
     attention_max_logit:
@@ -144,6 +146,12 @@ alerts:
 )");
   const SignalConfig& loss = config.signals.at("loss");
   EXPECT_EQ(loss.detector.warmup, 200);
+  EXPECT_EQ(loss.detector.warmup_steps, 1000);
+  // The probe signals start at step 200 by default (early training's transient).
+  EXPECT_EQ(config.signals.at("qk_increment_entropy").detector.warmup_steps, 200);
+  EXPECT_EQ(config.signals.at("router_experts_died").detector.warmup_steps, 200);
+  EXPECT_EQ(DefaultAlertConfig().signals.at("loss").detector.warmup_steps, 0);
+  EXPECT_EQ(DefaultAlertConfig().signals.at("attention_output_bias").detector.warmup_steps, 0);
   EXPECT_DOUBLE_EQ(loss.detector.z_threshold, 7.5);
   EXPECT_EQ(loss.severity, "critical");
   EXPECT_DOUBLE_EQ(loss.detector.min_relative_change, 0.3);  // from alerts.defaults

@@ -37,6 +37,10 @@ std::vector<int64_t> Firings(const std::vector<AlertTransition>& transitions) {
 }
 
 // Four heads at different levels and noise, each reported per head and as the
+int64_t DropStep(const AlertConfig& config) {
+  return 1000 + config.signals.at(std::string(kSignal)).detector.warmup_steps;
+}
+
 // layer minimum (what the QK detector emits). From step 1000 head 0 drops from
 // 0.9 to 0.75: far out of its own noise (0.5%), but still above head 3, the
 // noisy low head the minimum follows, so the minimum does not move.
@@ -47,11 +51,13 @@ std::vector<AlertTransition> OneHeadDrops(const AlertConfig& config, int64_t str
   const double level[4] = {0.90, 0.85, 0.80, 0.60};
   const double noise[4] = {0.005, 0.005, 0.005, 0.03};
   std::vector<AlertTransition> out;
-  for (int64_t step = 0; step <= 1000 + 30 * stride; step += stride) {
+  // The series start at warmup_steps: the drop comes 1000 steps later.
+  const int64_t drop = DropStep(config);
+  for (int64_t step = 0; step <= drop + 30 * stride; step += stride) {
     double minimum = 1;
     for (int head = 0; head < 4; ++head) {
       double value = level[head] * (1 + noise[head] * unit(rng));
-      if (head == 0 && step >= 1000) value = 0.75 * (1 + noise[0] * unit(rng));
+      if (head == 0 && step >= drop) value = 0.75 * (1 + noise[0] * unit(rng));
       minimum = std::min(minimum, value);
       auto t = engine.Observe(SignalPoint{"r", step, kSignal, 2, head, value, true});
       out.insert(out.end(), t.begin(), t.end());
@@ -69,9 +75,10 @@ TEST(PerHeadTest, OneHeadsCollapseFiresWhereTheLayerMinimumHidesIt) {
   // every probe cadence (the windows are in samples).
   for (int64_t stride : {5, 10, 20, 50}) {
     const std::vector<int64_t> fired = Firings(OneHeadDrops(DefaultAlertConfig(), stride));
+    const int64_t drop = DropStep(DefaultAlertConfig());
     ASSERT_FALSE(fired.empty()) << "every " << stride;
-    EXPECT_GE(fired.front(), 1000) << "every " << stride;
-    EXPECT_LE(fired.front(), 1000 + 5 * stride) << "every " << stride;
+    EXPECT_GE(fired.front(), drop) << "every " << stride;
+    EXPECT_LE(fired.front(), drop + 5 * stride) << "every " << stride;
   }
 }
 
@@ -103,6 +110,7 @@ int NoiseFirings(const AlertConfig& config, int layers, int heads, int samples, 
   for (double& l : level) l = levels(rng);
   const double innovation = std::sqrt(1 - rho * rho);  // keeps the std at sigma
   int fired = 0;
+  const int64_t start = config.signals.at(std::string(kSignal)).detector.warmup_steps;
   for (int i = 0; i < samples; ++i) {
     for (int layer = 0; layer < layers; ++layer) {
       for (int head = 0; head < heads; ++head) {
@@ -111,7 +119,7 @@ int NoiseFirings(const AlertConfig& config, int layers, int heads, int samples, 
         state[k] = rho * state[k] + innovation * e;
         const double value = level[k] * (1 + state[k]);
         for (const AlertTransition& t :
-             engine.Observe(SignalPoint{"r", 10 * i, kSignal, layer, head, value, true})) {
+             engine.Observe(SignalPoint{"r", start + 10 * i, kSignal, layer, head, value, true})) {
           fired += t.to == AlertState::kFiring && t.from != AlertState::kFiring;
         }
       }

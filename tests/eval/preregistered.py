@@ -222,12 +222,14 @@ def cmd_score(args):
     with open(args.draw) as f:
         doc = json.load(f)
     commit = doc["freeze_commit"] or "calibration"
+    if doc["freeze_commit"] and args.config:
+        sys.exit("a held-out draw is scored with the frozen built-in defaults, not --config")
     if doc["freeze_commit"] and not args.allow_unfrozen and not frozen_tree_matches(commit):
         sys.exit(f"the tree's {', '.join(FREEZE)} differ from the freeze commit {commit[:12]}: "
                  "score with a build of that commit (or record a fresh draw)")
     by_id = {r["run_id"]: r for r in doc["runs"]}
     files = evaluate.recordings(args.corpus)
-    rows = evaluate.three_rows(args.foreshockctl, files, None, args.jobs)
+    rows = evaluate.three_rows(args.foreshockctl, files, args.config, args.jobs)
     for name in rows:
         rows[name] = [dict(r, category=by_id[r["run_id"]]["category"],
                            cell=by_id[r["run_id"]]["cell"])
@@ -322,6 +324,9 @@ def main(argv=None):
     s.add_argument("--draw", required=True)
     s.add_argument("--foreshockctl", default=os.path.join(ROOT, "build", "ctl", "foreshockctl"))
     s.add_argument("--jobs", type=int, default=2)
+    s.add_argument("--config", default=None,
+                   help="an alert configuration (YAML) instead of the built-in defaults "
+                        "(calibration draws; a held-out draw is scored with the defaults)")
     s.add_argument("--report", default=None)
     s.add_argument("--json", default=None)
     s.add_argument("--allow-unfrozen", action="store_true",
