@@ -40,9 +40,12 @@ LATE_MARGIN_STEPS = 30
 MIN_LEAD_FRACTION = 0.25
 
 
-def replay(mode):
-    out = subprocess.run([FORESHOCKCTL, "backtest", os.path.join(FROZEN, "recordings"), "--json",
-                          "--signals", mode], capture_output=True, text=True, timeout=300)
+def replay(mode, config=None):
+    cmd = [FORESHOCKCTL, "backtest", os.path.join(FROZEN, "recordings"), "--json",
+           "--signals", mode]
+    if config:
+        cmd += ["--config", config]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["errors"] == []
@@ -61,7 +64,10 @@ def test_the_frozen_corpus_is_the_recorded_one():
 
 
 def test_mechanism_signals_warn_without_false_alarms():
-    runs = replay("mechanism")
+    check_warnings(replay("mechanism"))
+
+
+def check_warnings(runs):
     for run_id, run in runs.items():
         alerts = [(a["step"], a["alertname"], a["layer"], a["signal"]) for a in run["alerts"]]
         # No alert on a healthy or benign run, none before a fault's injection.
@@ -82,7 +88,10 @@ def test_mechanism_signals_warn_without_false_alarms():
 def test_the_per_head_qk_increment_alert_fires_on_every_fault():
     # The per-head judgement (docs/DESIGN.md §5.2): judged by the layer
     # minimum, the QK-increment alert fired on neither precision fault.
-    runs = replay("mechanism")
+    check_qk_alert(replay("mechanism"))
+
+
+def check_qk_alert(runs):
     for run_id, want in EXPECTED.items():
         qk = [a["step"] for a in runs[run_id]["alerts"]
               if a["alertname"] == "ForeshockQKIncrementCollapse"]
@@ -102,3 +111,36 @@ def test_the_signal_modes_split_the_knob_from_the_mechanism():
     assert direct["frozen-tiny-bf16-lr-s0"]["first_alert"]["alertname"] == "ForeshockLearningRateSurge"
     assert (direct["frozen-gpt4-bf16-lowprec-s0"]["first_alert"]["alertname"]
             == "ForeshockAttentionRoundingBias")
+
+
+# Deliberately broken detectors (issue 25 item 5): the checks above must fail
+# on them, or they could not tell a detector that lost its lead.
+BROKEN = {
+    # The QK-increment judged by the layer minimum again (the rule before per-head).
+    "qk_layer_minimum": ("""alerts:
+  signals:
+    qk_increment_entropy: {per_head: false}
+    qk_increment_top1_share: {per_head: false}
+""", check_qk_alert),
+    # The max-logit guard gone and the router deaf: the warning comes late or never.
+    "no_logit_bound_no_router": ("""alerts:
+  signals:
+    attention_max_logit: {enabled: false}
+    router_entropy: {enabled: false}
+    router_flip_rate: {enabled: false}
+    router_z_loss: {enabled: false}
+    router_experts_died: {enabled: false}
+    router_load_cv: {enabled: false}
+    router_max_violation: {enabled: false}
+""", check_warnings),
+}
+
+
+def test_the_checks_fail_on_a_deliberately_broken_detector(tmp_path):
+    import pytest
+    for name, (yaml_text, check) in BROKEN.items():
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(yaml_text)
+        runs = replay("mechanism", str(config))  # the broken configuration itself is valid
+        with pytest.raises(AssertionError):
+            check(runs)
