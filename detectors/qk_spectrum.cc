@@ -454,6 +454,45 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumHouseholder(const ConstRowMajorRef
   return spectrum;
 }
 
+// The core C below is quadratic in the Grams and its reduction sums squares
+// of its entries: rescale the Grams (by powers of four, exactly: A and B by
+// powers of two) only for inputs far from order one, e.g. float values near
+// 1e38 or 1e-38. Statistics are scale-free.
+namespace {
+int GramExponent(double max_square) {
+  if (!std::isfinite(max_square)) return 0;  // non-finite Grams: no rescaling (ilogb is undefined)
+  const int exponent = std::ilogb(max_square) / 2;
+  return std::abs(exponent) <= 60 ? 0 : exponent;
+}
+}  // namespace
+
+template <typename Scalar>
+void ComputeQKKeyGram(const ConstRowMajorRef<Scalar>& k_prev, const ConstRowMajorRef<Scalar>& k,
+                      QKKeyGram& out) {
+  const Index n = k.rows();
+  const Index d = k.cols();
+  assert(k_prev.rows() == n && k_prev.cols() == d);
+  const Index m = 2 * d;
+  // B = [K0 | dK] in double: the difference of two floats is exact in double
+  // (no overflow either), and so are products of floats. Reused across calls
+  // on a thread: malloc would map and page-fault it afresh every call.
+  thread_local Eigen::Matrix<double, Dynamic, Dynamic, Eigen::RowMajor> b;
+  b.resize(n, m);
+  b.leftCols(d) = k_prev.template cast<double>();
+  b.rightCols(d) = k.template cast<double>() - k_prev.template cast<double>();
+  out.tokens = n;
+  out.head_dim = d;
+  out.gram.resize(m, m);
+  GramLowerTriangle(b.data(), n, m, m, out.gram.data(), m);
+  // The diagonal holds the squared column norms (exact zeros stay zero:
+  // squares of floats cannot underflow double).
+  out.max_dk = out.gram.diagonal().tail(d).maxCoeff();
+  out.max_k = std::max(out.max_dk, out.gram.diagonal().head(d).maxCoeff());
+  out.exponent = GramExponent(out.max_k);
+  if (out.exponent != 0) out.gram *= std::ldexp(1.0, -2 * out.exponent);
+  out.gram.triangularView<Eigen::StrictlyUpper>() = out.gram.transpose();
+}
+
 template <typename Scalar>
 QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar>& q_prev,
                                                    const ConstRowMajorRef<Scalar>& k_prev,
@@ -470,50 +509,37 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar
   // Buffers reused across calls on a thread (the detector calls once per head):
   // at n = 256, d = 64 the factors are 256 KB each, which malloc would map and
   // page-fault afresh every call.
-  thread_local Eigen::Matrix<double, Dynamic, Dynamic, Eigen::RowMajor> a, b;
-  thread_local Eigen::MatrixXd gram_a, gram_b, product, core, lower_factor, upper_factor;
+  thread_local Eigen::Matrix<double, Dynamic, Dynamic, Eigen::RowMajor> a;
+  thread_local Eigen::MatrixXd gram_a, product, core, lower_factor, upper_factor;
+  thread_local QKKeyGram own_key_gram;
   thread_local Eigen::Matrix<double, Dynamic, Dynamic, Eigen::RowMajor> product_rows;
   thread_local Eigen::VectorXd householder;
 
-  // A = [dQ | Q0], B = [K0 | dK] in double: the difference of two floats is
-  // exact in double (no overflow either), and so are products of floats.
+  // G_B = B^T B, B = [K0 | dK]: given (shared by a K head's query heads) or computed.
+  const QKKeyGram* key = options.key_gram;
+  if (key == nullptr) {
+    ComputeQKKeyGram<Scalar>(k_prev, k, own_key_gram);
+    key = &own_key_gram;
+  }
+  assert(key->tokens == n && key->head_dim == d);
+  const Eigen::MatrixXd& gram_b = key->gram;
+
+  // A = [dQ | Q0] in double, as B; its Gram's lower triangle: dS1 dS1^T = A G_B A^T / d.
   QKIncrementSpectrum spectrum;
   a.resize(n, m);
-  b.resize(n, m);
   a.leftCols(d) = q.template cast<double>() - q_prev.template cast<double>();
   a.rightCols(d) = q_prev.template cast<double>();
-  b.leftCols(d) = k_prev.template cast<double>();
-  b.rightCols(d) = k.template cast<double>() - k_prev.template cast<double>();
-
-  // Gram matrices (SYRK, lower triangles): dS1 dS1^T = A G_B A^T / d.
   gram_a.resize(m, m);
-  gram_b.resize(m, m);
   GramLowerTriangle(a.data(), n, m, m, gram_a.data(), m);
-  GramLowerTriangle(b.data(), n, m, m, gram_b.data(), m);
-  // The Grams' diagonals are the squared column norms (exact zeros stay zero:
-  // squares of floats cannot underflow double).
   const double max_dq = gram_a.diagonal().head(d).maxCoeff();
-  const double max_dk = gram_b.diagonal().tail(d).maxCoeff();
   const double max_a = std::max(max_dq, gram_a.diagonal().tail(d).maxCoeff());
-  const double max_b = std::max(max_dk, gram_b.diagonal().head(d).maxCoeff());
-  if ((max_dq == 0 && max_dk == 0) || max_a == 0 || max_b == 0) {  // dS1 = A B^T = 0
+  if ((max_dq == 0 && key->max_dk == 0) || max_a == 0 || key->max_k == 0) {  // dS1 = A B^T = 0
     spectrum.zero_increment = true;
     return spectrum;
   }
-  // The core C below is quadratic in the Grams and its reduction sums squares
-  // of its entries: rescale the Grams (by powers of four, exactly: A and B by
-  // powers of two) only for inputs far from order one, e.g. float values near
-  // 1e38 or 1e-38. Statistics are scale-free.
-  auto exponent_of = [](double max_square) {
-    if (!std::isfinite(max_square)) return 0;  // non-finite Grams: no rescaling (ilogb is undefined)
-    const int exponent = std::ilogb(max_square) / 2;
-    return std::abs(exponent) <= 60 ? 0 : exponent;
-  };
-  const int exponent_a = exponent_of(max_a);
-  const int exponent_b = exponent_of(max_b);
+  const int exponent_a = GramExponent(max_a);
+  const int exponent_b = key->exponent;
   if (exponent_a != 0) gram_a *= std::ldexp(1.0, -2 * exponent_a);
-  if (exponent_b != 0) gram_b *= std::ldexp(1.0, -2 * exponent_b);
-  gram_b.triangularView<Eigen::StrictlyUpper>() = gram_b.transpose();
 
   // ||dQ dK^T||_F^2 = <dQ^T dQ, dK^T dK>_F, from the Grams' diagonal blocks.
   double second_order_sum = 0;
@@ -705,6 +731,10 @@ template QKIncrementSpectrum ComputeQKIncrementSpectrumHouseholder<float>(
 template QKIncrementSpectrum ComputeQKIncrementSpectrumHouseholder<double>(
     const ConstRowMajorRef<double>&, const ConstRowMajorRef<double>&, const ConstRowMajorRef<double>&,
     const ConstRowMajorRef<double>&, const QKSpectrumOptions&);
+template void ComputeQKKeyGram<float>(const ConstRowMajorRef<float>&, const ConstRowMajorRef<float>&,
+                                      QKKeyGram&);
+template void ComputeQKKeyGram<double>(const ConstRowMajorRef<double>&, const ConstRowMajorRef<double>&,
+                                       QKKeyGram&);
 template QKIncrementSpectrum ComputeQKIncrementSpectrumGram<float>(
     const ConstRowMajorRef<float>&, const ConstRowMajorRef<float>&, const ConstRowMajorRef<float>&,
     const ConstRowMajorRef<float>&, const QKSpectrumOptions&);

@@ -15,6 +15,7 @@
 //   min(n, 2d). Squares nothing: full accuracy in the working precision.
 #pragma once
 
+#include <cstddef>
 #include <span>
 #include <vector>
 
@@ -22,10 +23,26 @@
 
 namespace foreshock::detectors {
 
+// The part of the Gram route that depends on K alone: G_B = B^T B for
+// B = [K0 | dK], scaled for the core (below). The query heads of one
+// grouped-query K head, sampled against the same previous K, have the same
+// G_B: compute it once (ComputeQKKeyGram) and pass it to each head's spectrum.
+struct QKKeyGram {
+  std::ptrdiff_t tokens = 0, head_dim = 0;
+  Eigen::MatrixXd gram;  // 2d x 2d, both triangles, times 4^-exponent
+  int exponent = 0;      // a power of two taken out of B (0 for inputs of order one)
+  double max_k = 0;      // largest squared column norm of B, before the scaling
+  double max_dk = 0;     // largest squared column norm of dK, before the scaling
+};
+
 struct QKSpectrumOptions {
   // Also return the top left singular vector of dS1 (token space). It costs
   // inverse iteration on the core's reduced form plus one product with A (Qa).
   bool compute_top_vector = false;
+  // G_B of exactly this k_prev and k (ComputeQKKeyGram), when already
+  // computed; used by the Gram route only. The result is bit for bit what
+  // the route gives without it.
+  const QKKeyGram* key_gram = nullptr;
 };
 
 // What a spectrum yields. Conventions for degenerate input:
@@ -86,6 +103,12 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar
                                                    const ConstRowMajorRef<Scalar>& q,
                                                    const ConstRowMajorRef<Scalar>& k,
                                                    const QKSpectrumOptions& options = {});
+
+// G_B for the Gram route (QKKeyGram), from the [n, d] previous and current K.
+// Instantiated for float and double.
+template <typename Scalar>
+void ComputeQKKeyGram(const ConstRowMajorRef<Scalar>& k_prev, const ConstRowMajorRef<Scalar>& k,
+                      QKKeyGram& out);
 
 // The Householder route (thin QR of A and B in Scalar, SVD of the core), the
 // only route before the Gram one; kept for double inputs, short probes and
