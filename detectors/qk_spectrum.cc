@@ -459,6 +459,11 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumHouseholder(const ConstRowMajorRef
 // powers of two) only for inputs far from order one, e.g. float values near
 // 1e38 or 1e-38. Statistics are scale-free.
 namespace {
+// A Cholesky factor is used when every column keeps a share of its norm above
+// this once the columns before it are projected out: ~100x the Gram's
+// relative rounding error (n eps) at n = 1024.
+constexpr double kRankTolerance = 1e-12;
+
 int GramExponent(double max_square) {
   if (!std::isfinite(max_square)) return 0;  // non-finite Grams: no rescaling (ilogb is undefined)
   const int exponent = std::ilogb(max_square) / 2;
@@ -491,6 +496,13 @@ void ComputeQKKeyGram(const ConstRowMajorRef<Scalar>& k_prev, const ConstRowMajo
   out.exponent = GramExponent(out.max_k);
   if (out.exponent != 0) out.gram *= std::ldexp(1.0, -2 * out.exponent);
   out.gram.triangularView<Eigen::StrictlyUpper>() = out.gram.transpose();
+  thread_local Eigen::MatrixXd lower;
+  lower.resize(m, m);
+  out.upper.resize(m, m);
+  out.factored = CholeskyLower(out.gram.data(), m, lower.data(), out.upper.data());
+  for (Index j = 0; out.factored && j < m; ++j) {
+    out.factored = lower(j, j) * lower(j, j) > kRankTolerance * out.gram(j, j);
+  }
 }
 
 template <typename Scalar>
@@ -551,32 +563,42 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar
   }
   second_order_sum = std::max(second_order_sum, 0.0);
 
-  // G_A = F F^T. Plain Cholesky (F = L; CholeskyLower also writes L^T for the congruence) when every column of A
-  // keeps a share of its norm above the tolerance once the columns before it
-  // are projected out; otherwise the rank-revealing pivoted factor, so that dependent columns (rank-deficient Q0, dQ = 0,
-  // repeated columns) are dropped instead of contributing rounding noise. The
-  // tolerance is ~100x the Gram's relative rounding error (n eps) at n = 1024.
-  constexpr double kRankTolerance = 1e-12;
   const Eigen::VectorXd gram_a_diagonal = gram_a.diagonal();
-  lower_factor.resize(m, m);
-  upper_factor.resize(m, m);
-  bool full_rank = CholeskyLower(gram_a.data(), m, lower_factor.data(), upper_factor.data());
-  for (Index j = 0; full_rank && j < m; ++j) {
-    full_rank = lower_factor(j, j) * lower_factor(j, j) > kRankTolerance * gram_a_diagonal[j];
-  }
-  // C = F^T G_B F (r x r); its eigenvalues are d sigma_i^2. G_B F is kept for
-  // the top vector (row-major on the full-rank path, as UpperCongruence writes it).
   Index rank = m;
-  if (full_rank) {
+  bool full_rank = false;
+  if (key->factored) {
+    // C = L_B^T G_A L_B (m x m) with G_B = L_B L_B^T (the key's, shared by
+    // its query heads); its eigenvalues are d sigma_i^2. A rank-deficient A
+    // only makes G_A singular: its zero eigenvalues fall under the noise floor below.
+    gram_a.triangularView<Eigen::StrictlyUpper>() = gram_a.transpose();
     product_rows.resize(m, m);
     core.resize(m, m);
-    UpperCongruence(upper_factor.data(), gram_b.data(), m, product_rows.data(), core.data());
+    UpperCongruence(key->upper.data(), gram_a.data(), m, product_rows.data(), core.data());
   } else {
-    gram_a.triangularView<Eigen::StrictlyUpper>() = gram_a.transpose();
-    const Eigen::MatrixXd factor = PivotedCholeskyFactor(gram_a, kRankTolerance);
-    rank = factor.cols();
-    product.noalias() = gram_b * factor;
-    core.noalias() = factor.transpose() * product;
+    // B rank-deficient: G_A = F F^T. Plain Cholesky (F = L; CholeskyLower also
+    // writes L^T for the congruence) under the rank tolerance; otherwise the
+    // rank-revealing pivoted factor, so that dependent columns (rank-deficient
+    // Q0, dQ = 0, repeated columns) are dropped instead of contributing
+    // rounding noise.
+    lower_factor.resize(m, m);
+    upper_factor.resize(m, m);
+    full_rank = CholeskyLower(gram_a.data(), m, lower_factor.data(), upper_factor.data());
+    for (Index j = 0; full_rank && j < m; ++j) {
+      full_rank = lower_factor(j, j) * lower_factor(j, j) > kRankTolerance * gram_a_diagonal[j];
+    }
+    // C = F^T G_B F (r x r); its eigenvalues are d sigma_i^2. G_B F is kept for
+    // the top vector (row-major on the full-rank path, as UpperCongruence writes it).
+    if (full_rank) {
+      product_rows.resize(m, m);
+      core.resize(m, m);
+      UpperCongruence(upper_factor.data(), gram_b.data(), m, product_rows.data(), core.data());
+    } else {
+      gram_a.triangularView<Eigen::StrictlyUpper>() = gram_a.transpose();
+      const Eigen::MatrixXd factor = PivotedCholeskyFactor(gram_a, kRankTolerance);
+      rank = factor.cols();
+      product.noalias() = gram_b * factor;
+      core.noalias() = factor.transpose() * product;
+    }
   }
 
   // Eigenvalues of C: Householder tridiagonalization, then root-free QL.
@@ -631,8 +653,7 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar
 
   if (options.compute_top_vector) {
     // Top eigenvector z of the tridiagonal by inverse iteration at lambda_1,
-    // v = Q z that of C; the token-space vector is A G_B F v = Q_a C v, with
-    // Q_a = A F^-T the orthonormal basis that G_A = F F^T implies.
+    // v = Q z that of C; the token-space vector is A y (below).
     std::vector<double> z(static_cast<size_t>(rank));
     if (rank == 1) {
       z[0] = 1;
@@ -654,7 +675,11 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar
       reflectors.setLength(rank - 1).setShift(1);
       v.applyOnTheLeft(reflectors);
     }
-    const Eigen::VectorXd y = full_rank ? Eigen::VectorXd(product_rows * v) : Eigen::VectorXd(product.leftCols(rank) * v);
+    // y with A y along the top left singular vector: L_B v (v the top
+    // eigenvector of L_B^T G_A L_B gives the right one, B L_B^-T v), else G_B F v.
+    const Eigen::VectorXd y = key->factored ? Eigen::VectorXd(key->upper.triangularView<Eigen::Upper>().transpose() * v)
+                              : full_rank   ? Eigen::VectorXd(product_rows * v)
+                                            : Eigen::VectorXd(product.leftCols(rank) * v);
     const Eigen::VectorXd u = a * y;
     spectrum.top_vector.assign(u.data(), u.data() + n);
     Normalize(spectrum.top_vector);

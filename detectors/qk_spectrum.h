@@ -7,9 +7,12 @@
 //   A = [dQ | Q0], B = [K0 | dK]  (n x 2d).
 // Two routes, both O(n d^2 + d^3) instead of O(n^3):
 // - Gram (float inputs, n >= 2d): G_A = A^T A and G_B = B^T B in double,
-//   G_A = F F^T (Cholesky, rank-revealing when A is rank-deficient); then
-//   dS1 dS1^T = Qa (F^T G_B F / d) Qa^T with Qa orthonormal, so the sigma_i^2
-//   are the eigenvalues of the r x r core C = F^T G_B F / d (r = rank A <= 2d).
+//   G_B = L L^T (Cholesky); then dS1^T dS1 = Qb (L^T G_A L / d) Qb^T with Qb
+//   orthonormal, so the sigma_i^2 are the eigenvalues of the 2d x 2d core
+//   C = L^T G_A L / d. L depends on K alone, so the query heads of one K head
+//   share it. When B is numerically rank-deficient (e.g. dK = 0), the roles
+//   swap: G_A = F F^T (rank-revealing when A is rank-deficient too) and
+//   C = F^T G_B F / d (r x r, r = rank A <= 2d).
 // - Householder: thin QR A = Qa Ra, B = Qb Rb, dS1 = Qa (Ra Rb^T / sqrt(d)) Qb^T,
 //   so the sigma_i are those of the small core Ra Rb^T / sqrt(d), of size
 //   min(n, 2d). Squares nothing: full accuracy in the working precision.
@@ -24,15 +27,21 @@
 namespace foreshock::detectors {
 
 // The part of the Gram route that depends on K alone: G_B = B^T B for
-// B = [K0 | dK], scaled for the core (below). The query heads of one
-// grouped-query K head, sampled against the same previous K, have the same
-// G_B: compute it once (ComputeQKKeyGram) and pass it to each head's spectrum.
+// B = [K0 | dK], scaled for the core (below), and its Cholesky factor. The
+// query heads of one grouped-query K head, sampled against the same previous
+// K, have the same G_B: compute it once (ComputeQKKeyGram) and pass it to each
+// head's spectrum.
 struct QKKeyGram {
   std::ptrdiff_t tokens = 0, head_dim = 0;
   Eigen::MatrixXd gram;  // 2d x 2d, both triangles, times 4^-exponent
   int exponent = 0;      // a power of two taken out of B (0 for inputs of order one)
   double max_k = 0;      // largest squared column norm of B, before the scaling
   double max_dk = 0;     // largest squared column norm of dK, before the scaling
+  // G_B = L_B L_B^T, when every column of B keeps a share of its norm above
+  // the rank tolerance (otherwise false, and the route factors G_A instead):
+  // upper = L_B^T (column-major, strict lower triangle zero).
+  bool factored = false;
+  Eigen::MatrixXd upper;
 };
 
 struct QKSpectrumOptions {
