@@ -239,6 +239,12 @@ class QKDetector final : public Detector {
   std::map<SeriesKey, SeriesState> series_;
   // Decoding buffers, reused across samples.
   std::vector<float> q_, k_, q_prev_, k_prev_;
+  // Within one Process call: the previous K that k_prev_ holds, and the G_B
+  // of (that previous K, this sample's K row key_gram_kv_). The query heads of
+  // a group sampled together share both, so each is computed once per group.
+  std::shared_ptr<const RawTensor> k_prev_decoded_, key_gram_prev_;
+  int64_t key_gram_kv_ = -1;
+  QKKeyGram key_gram_;
   bool RestoreWholeSample(codec::StateReader& reader, uint32_t version, SeriesState& state);
 };
 
@@ -316,11 +322,22 @@ void QKDetector::Process(const Sample& sample, Emitter& emitter) {
                               previous.k != nullptr && previous.k->dtype == qk.k.dtype;
     if (has_previous) {
       DecodeTensor(previous.q, q_prev_);
-      DecodeTensor(*previous.k, k_prev_);
+      if (previous.k != k_prev_decoded_) {
+        DecodeTensor(*previous.k, k_prev_);
+        k_prev_decoded_ = previous.k;
+      }
       const HeadMap q_prev(q_prev_.data(), tokens, head_dim);
       const HeadMap k_prev(k_prev_.data(), tokens, head_dim);
-      QKIncrementSpectrum spectrum =
-          ComputeQKIncrementSpectrum<float>(q_prev, k_prev, q, k, spectrum_options);
+      QKSpectrumOptions options = spectrum_options;
+      if (tokens >= 2 * head_dim) {  // the Gram route (ComputeQKIncrementSpectrum<float>)
+        if (key_gram_kv_ != kv || key_gram_prev_ != previous.k) {
+          ComputeQKKeyGram<float>(k_prev, k, key_gram_);
+          key_gram_kv_ = kv;
+          key_gram_prev_ = previous.k;
+        }
+        options.key_gram = &key_gram_;
+      }
+      QKIncrementSpectrum spectrum = ComputeQKIncrementSpectrum<float>(q_prev, k_prev, q, k, options);
       if (!std::isfinite(spectrum.normalized_entropy) || !std::isfinite(spectrum.top1_share) ||
           !std::isfinite(spectrum.second_order_ratio)) {
         // Finite inputs whose increment overflows float (|values| near 3e38): use double.
@@ -351,6 +368,10 @@ void QKDetector::Process(const Sample& sample, Emitter& emitter) {
     if (k_copy == nullptr) k_copy = std::make_shared<const RawTensor>(HeadSlice(qk.k, kv));
     previous.k = k_copy;
   }
+  // Release the previous K copies held above (the retained-bytes accounting counts owners).
+  k_prev_decoded_.reset();
+  key_gram_prev_.reset();
+  key_gram_kv_ = -1;
 
   // What was sampled: the per-layer values above are over these heads and tokens.
   emitter.Emit(Observation{kQKSignals[kProbeHeads].name, qk.layer, kAllHeads, static_cast<double>(rows)});

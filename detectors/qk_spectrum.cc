@@ -454,6 +454,57 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumHouseholder(const ConstRowMajorRef
   return spectrum;
 }
 
+// The core C below is quadratic in the Grams and its reduction sums squares
+// of its entries: rescale the Grams (by powers of four, exactly: A and B by
+// powers of two) only for inputs far from order one, e.g. float values near
+// 1e38 or 1e-38. Statistics are scale-free.
+namespace {
+// A Cholesky factor is used when every column keeps a share of its norm above
+// this once the columns before it are projected out: ~100x the Gram's
+// relative rounding error (n eps) at n = 1024.
+constexpr double kRankTolerance = 1e-12;
+
+int GramExponent(double max_square) {
+  if (!std::isfinite(max_square)) return 0;  // non-finite Grams: no rescaling (ilogb is undefined)
+  const int exponent = std::ilogb(max_square) / 2;
+  return std::abs(exponent) <= 60 ? 0 : exponent;
+}
+}  // namespace
+
+template <typename Scalar>
+void ComputeQKKeyGram(const ConstRowMajorRef<Scalar>& k_prev, const ConstRowMajorRef<Scalar>& k,
+                      QKKeyGram& out) {
+  const Index n = k.rows();
+  const Index d = k.cols();
+  assert(k_prev.rows() == n && k_prev.cols() == d);
+  const Index m = 2 * d;
+  // B = [K0 | dK] in double: the difference of two floats is exact in double
+  // (no overflow either), and so are products of floats. Reused across calls
+  // on a thread: malloc would map and page-fault it afresh every call.
+  thread_local Eigen::Matrix<double, Dynamic, Dynamic, Eigen::RowMajor> b;
+  b.resize(n, m);
+  b.leftCols(d) = k_prev.template cast<double>();
+  b.rightCols(d) = k.template cast<double>() - k_prev.template cast<double>();
+  out.tokens = n;
+  out.head_dim = d;
+  out.gram.resize(m, m);
+  GramLowerTriangle(b.data(), n, m, m, out.gram.data(), m);
+  // The diagonal holds the squared column norms (exact zeros stay zero:
+  // squares of floats cannot underflow double).
+  out.max_dk = out.gram.diagonal().tail(d).maxCoeff();
+  out.max_k = std::max(out.max_dk, out.gram.diagonal().head(d).maxCoeff());
+  out.exponent = GramExponent(out.max_k);
+  if (out.exponent != 0) out.gram *= std::ldexp(1.0, -2 * out.exponent);
+  out.gram.triangularView<Eigen::StrictlyUpper>() = out.gram.transpose();
+  thread_local Eigen::MatrixXd lower;
+  lower.resize(m, m);
+  out.upper.resize(m, m);
+  out.factored = CholeskyLower(out.gram.data(), m, lower.data(), out.upper.data());
+  for (Index j = 0; out.factored && j < m; ++j) {
+    out.factored = lower(j, j) * lower(j, j) > kRankTolerance * out.gram(j, j);
+  }
+}
+
 template <typename Scalar>
 QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar>& q_prev,
                                                    const ConstRowMajorRef<Scalar>& k_prev,
@@ -470,50 +521,37 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar
   // Buffers reused across calls on a thread (the detector calls once per head):
   // at n = 256, d = 64 the factors are 256 KB each, which malloc would map and
   // page-fault afresh every call.
-  thread_local Eigen::Matrix<double, Dynamic, Dynamic, Eigen::RowMajor> a, b;
-  thread_local Eigen::MatrixXd gram_a, gram_b, product, core, lower_factor, upper_factor;
+  thread_local Eigen::Matrix<double, Dynamic, Dynamic, Eigen::RowMajor> a;
+  thread_local Eigen::MatrixXd gram_a, product, core, lower_factor, upper_factor;
+  thread_local QKKeyGram own_key_gram;
   thread_local Eigen::Matrix<double, Dynamic, Dynamic, Eigen::RowMajor> product_rows;
   thread_local Eigen::VectorXd householder;
 
-  // A = [dQ | Q0], B = [K0 | dK] in double: the difference of two floats is
-  // exact in double (no overflow either), and so are products of floats.
+  // G_B = B^T B, B = [K0 | dK]: given (shared by a K head's query heads) or computed.
+  const QKKeyGram* key = options.key_gram;
+  if (key == nullptr) {
+    ComputeQKKeyGram<Scalar>(k_prev, k, own_key_gram);
+    key = &own_key_gram;
+  }
+  assert(key->tokens == n && key->head_dim == d);
+  const Eigen::MatrixXd& gram_b = key->gram;
+
+  // A = [dQ | Q0] in double, as B; its Gram's lower triangle: dS1 dS1^T = A G_B A^T / d.
   QKIncrementSpectrum spectrum;
   a.resize(n, m);
-  b.resize(n, m);
   a.leftCols(d) = q.template cast<double>() - q_prev.template cast<double>();
   a.rightCols(d) = q_prev.template cast<double>();
-  b.leftCols(d) = k_prev.template cast<double>();
-  b.rightCols(d) = k.template cast<double>() - k_prev.template cast<double>();
-
-  // Gram matrices (SYRK, lower triangles): dS1 dS1^T = A G_B A^T / d.
   gram_a.resize(m, m);
-  gram_b.resize(m, m);
   GramLowerTriangle(a.data(), n, m, m, gram_a.data(), m);
-  GramLowerTriangle(b.data(), n, m, m, gram_b.data(), m);
-  // The Grams' diagonals are the squared column norms (exact zeros stay zero:
-  // squares of floats cannot underflow double).
   const double max_dq = gram_a.diagonal().head(d).maxCoeff();
-  const double max_dk = gram_b.diagonal().tail(d).maxCoeff();
   const double max_a = std::max(max_dq, gram_a.diagonal().tail(d).maxCoeff());
-  const double max_b = std::max(max_dk, gram_b.diagonal().head(d).maxCoeff());
-  if ((max_dq == 0 && max_dk == 0) || max_a == 0 || max_b == 0) {  // dS1 = A B^T = 0
+  if ((max_dq == 0 && key->max_dk == 0) || max_a == 0 || key->max_k == 0) {  // dS1 = A B^T = 0
     spectrum.zero_increment = true;
     return spectrum;
   }
-  // The core C below is quadratic in the Grams and its reduction sums squares
-  // of its entries: rescale the Grams (by powers of four, exactly: A and B by
-  // powers of two) only for inputs far from order one, e.g. float values near
-  // 1e38 or 1e-38. Statistics are scale-free.
-  auto exponent_of = [](double max_square) {
-    if (!std::isfinite(max_square)) return 0;  // non-finite Grams: no rescaling (ilogb is undefined)
-    const int exponent = std::ilogb(max_square) / 2;
-    return std::abs(exponent) <= 60 ? 0 : exponent;
-  };
-  const int exponent_a = exponent_of(max_a);
-  const int exponent_b = exponent_of(max_b);
+  const int exponent_a = GramExponent(max_a);
+  const int exponent_b = key->exponent;
   if (exponent_a != 0) gram_a *= std::ldexp(1.0, -2 * exponent_a);
-  if (exponent_b != 0) gram_b *= std::ldexp(1.0, -2 * exponent_b);
-  gram_b.triangularView<Eigen::StrictlyUpper>() = gram_b.transpose();
 
   // ||dQ dK^T||_F^2 = <dQ^T dQ, dK^T dK>_F, from the Grams' diagonal blocks.
   double second_order_sum = 0;
@@ -525,32 +563,42 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar
   }
   second_order_sum = std::max(second_order_sum, 0.0);
 
-  // G_A = F F^T. Plain Cholesky (F = L; CholeskyLower also writes L^T for the congruence) when every column of A
-  // keeps a share of its norm above the tolerance once the columns before it
-  // are projected out; otherwise the rank-revealing pivoted factor, so that dependent columns (rank-deficient Q0, dQ = 0,
-  // repeated columns) are dropped instead of contributing rounding noise. The
-  // tolerance is ~100x the Gram's relative rounding error (n eps) at n = 1024.
-  constexpr double kRankTolerance = 1e-12;
   const Eigen::VectorXd gram_a_diagonal = gram_a.diagonal();
-  lower_factor.resize(m, m);
-  upper_factor.resize(m, m);
-  bool full_rank = CholeskyLower(gram_a.data(), m, lower_factor.data(), upper_factor.data());
-  for (Index j = 0; full_rank && j < m; ++j) {
-    full_rank = lower_factor(j, j) * lower_factor(j, j) > kRankTolerance * gram_a_diagonal[j];
-  }
-  // C = F^T G_B F (r x r); its eigenvalues are d sigma_i^2. G_B F is kept for
-  // the top vector (row-major on the full-rank path, as UpperCongruence writes it).
   Index rank = m;
-  if (full_rank) {
+  bool full_rank = false;
+  if (key->factored) {
+    // C = L_B^T G_A L_B (m x m) with G_B = L_B L_B^T (the key's, shared by
+    // its query heads); its eigenvalues are d sigma_i^2. A rank-deficient A
+    // only makes G_A singular: its zero eigenvalues fall under the noise floor below.
+    gram_a.triangularView<Eigen::StrictlyUpper>() = gram_a.transpose();
     product_rows.resize(m, m);
     core.resize(m, m);
-    UpperCongruence(upper_factor.data(), gram_b.data(), m, product_rows.data(), core.data());
+    UpperCongruence(key->upper.data(), gram_a.data(), m, product_rows.data(), core.data());
   } else {
-    gram_a.triangularView<Eigen::StrictlyUpper>() = gram_a.transpose();
-    const Eigen::MatrixXd factor = PivotedCholeskyFactor(gram_a, kRankTolerance);
-    rank = factor.cols();
-    product.noalias() = gram_b * factor;
-    core.noalias() = factor.transpose() * product;
+    // B rank-deficient: G_A = F F^T. Plain Cholesky (F = L; CholeskyLower also
+    // writes L^T for the congruence) under the rank tolerance; otherwise the
+    // rank-revealing pivoted factor, so that dependent columns (rank-deficient
+    // Q0, dQ = 0, repeated columns) are dropped instead of contributing
+    // rounding noise.
+    lower_factor.resize(m, m);
+    upper_factor.resize(m, m);
+    full_rank = CholeskyLower(gram_a.data(), m, lower_factor.data(), upper_factor.data());
+    for (Index j = 0; full_rank && j < m; ++j) {
+      full_rank = lower_factor(j, j) * lower_factor(j, j) > kRankTolerance * gram_a_diagonal[j];
+    }
+    // C = F^T G_B F (r x r); its eigenvalues are d sigma_i^2. G_B F is kept for
+    // the top vector (row-major on the full-rank path, as UpperCongruence writes it).
+    if (full_rank) {
+      product_rows.resize(m, m);
+      core.resize(m, m);
+      UpperCongruence(upper_factor.data(), gram_b.data(), m, product_rows.data(), core.data());
+    } else {
+      gram_a.triangularView<Eigen::StrictlyUpper>() = gram_a.transpose();
+      const Eigen::MatrixXd factor = PivotedCholeskyFactor(gram_a, kRankTolerance);
+      rank = factor.cols();
+      product.noalias() = gram_b * factor;
+      core.noalias() = factor.transpose() * product;
+    }
   }
 
   // Eigenvalues of C: Householder tridiagonalization, then root-free QL.
@@ -605,8 +653,7 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar
 
   if (options.compute_top_vector) {
     // Top eigenvector z of the tridiagonal by inverse iteration at lambda_1,
-    // v = Q z that of C; the token-space vector is A G_B F v = Q_a C v, with
-    // Q_a = A F^-T the orthonormal basis that G_A = F F^T implies.
+    // v = Q z that of C; the token-space vector is A y (below).
     std::vector<double> z(static_cast<size_t>(rank));
     if (rank == 1) {
       z[0] = 1;
@@ -628,7 +675,11 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar
       reflectors.setLength(rank - 1).setShift(1);
       v.applyOnTheLeft(reflectors);
     }
-    const Eigen::VectorXd y = full_rank ? Eigen::VectorXd(product_rows * v) : Eigen::VectorXd(product.leftCols(rank) * v);
+    // y with A y along the top left singular vector: L_B v (v the top
+    // eigenvector of L_B^T G_A L_B gives the right one, B L_B^-T v), else G_B F v.
+    const Eigen::VectorXd y = key->factored ? Eigen::VectorXd(key->upper.triangularView<Eigen::Upper>().transpose() * v)
+                              : full_rank   ? Eigen::VectorXd(product_rows * v)
+                                            : Eigen::VectorXd(product.leftCols(rank) * v);
     const Eigen::VectorXd u = a * y;
     spectrum.top_vector.assign(u.data(), u.data() + n);
     Normalize(spectrum.top_vector);
@@ -705,6 +756,10 @@ template QKIncrementSpectrum ComputeQKIncrementSpectrumHouseholder<float>(
 template QKIncrementSpectrum ComputeQKIncrementSpectrumHouseholder<double>(
     const ConstRowMajorRef<double>&, const ConstRowMajorRef<double>&, const ConstRowMajorRef<double>&,
     const ConstRowMajorRef<double>&, const QKSpectrumOptions&);
+template void ComputeQKKeyGram<float>(const ConstRowMajorRef<float>&, const ConstRowMajorRef<float>&,
+                                      QKKeyGram&);
+template void ComputeQKKeyGram<double>(const ConstRowMajorRef<double>&, const ConstRowMajorRef<double>&,
+                                       QKKeyGram&);
 template QKIncrementSpectrum ComputeQKIncrementSpectrumGram<float>(
     const ConstRowMajorRef<float>&, const ConstRowMajorRef<float>&, const ConstRowMajorRef<float>&,
     const ConstRowMajorRef<float>&, const QKSpectrumOptions&);

@@ -7,14 +7,18 @@
 //   A = [dQ | Q0], B = [K0 | dK]  (n x 2d).
 // Two routes, both O(n d^2 + d^3) instead of O(n^3):
 // - Gram (float inputs, n >= 2d): G_A = A^T A and G_B = B^T B in double,
-//   G_A = F F^T (Cholesky, rank-revealing when A is rank-deficient); then
-//   dS1 dS1^T = Qa (F^T G_B F / d) Qa^T with Qa orthonormal, so the sigma_i^2
-//   are the eigenvalues of the r x r core C = F^T G_B F / d (r = rank A <= 2d).
+//   G_B = L L^T (Cholesky); then dS1^T dS1 = Qb (L^T G_A L / d) Qb^T with Qb
+//   orthonormal, so the sigma_i^2 are the eigenvalues of the 2d x 2d core
+//   C = L^T G_A L / d. L depends on K alone, so the query heads of one K head
+//   share it. When B is numerically rank-deficient (e.g. dK = 0), the roles
+//   swap: G_A = F F^T (rank-revealing when A is rank-deficient too) and
+//   C = F^T G_B F / d (r x r, r = rank A <= 2d).
 // - Householder: thin QR A = Qa Ra, B = Qb Rb, dS1 = Qa (Ra Rb^T / sqrt(d)) Qb^T,
 //   so the sigma_i are those of the small core Ra Rb^T / sqrt(d), of size
 //   min(n, 2d). Squares nothing: full accuracy in the working precision.
 #pragma once
 
+#include <cstddef>
 #include <span>
 #include <vector>
 
@@ -22,10 +26,32 @@
 
 namespace foreshock::detectors {
 
+// The part of the Gram route that depends on K alone: G_B = B^T B for
+// B = [K0 | dK], scaled for the core (below), and its Cholesky factor. The
+// query heads of one grouped-query K head, sampled against the same previous
+// K, have the same G_B: compute it once (ComputeQKKeyGram) and pass it to each
+// head's spectrum.
+struct QKKeyGram {
+  std::ptrdiff_t tokens = 0, head_dim = 0;
+  Eigen::MatrixXd gram;  // 2d x 2d, both triangles, times 4^-exponent
+  int exponent = 0;      // a power of two taken out of B (0 for inputs of order one)
+  double max_k = 0;      // largest squared column norm of B, before the scaling
+  double max_dk = 0;     // largest squared column norm of dK, before the scaling
+  // G_B = L_B L_B^T, when every column of B keeps a share of its norm above
+  // the rank tolerance (otherwise false, and the route factors G_A instead):
+  // upper = L_B^T (column-major, strict lower triangle zero).
+  bool factored = false;
+  Eigen::MatrixXd upper;
+};
+
 struct QKSpectrumOptions {
   // Also return the top left singular vector of dS1 (token space). It costs
   // inverse iteration on the core's reduced form plus one product with A (Qa).
   bool compute_top_vector = false;
+  // G_B of exactly this k_prev and k (ComputeQKKeyGram), when already
+  // computed; used by the Gram route only. The result is bit for bit what
+  // the route gives without it.
+  const QKKeyGram* key_gram = nullptr;
 };
 
 // What a spectrum yields. Conventions for degenerate input:
@@ -86,6 +112,12 @@ QKIncrementSpectrum ComputeQKIncrementSpectrumGram(const ConstRowMajorRef<Scalar
                                                    const ConstRowMajorRef<Scalar>& q,
                                                    const ConstRowMajorRef<Scalar>& k,
                                                    const QKSpectrumOptions& options = {});
+
+// G_B for the Gram route (QKKeyGram), from the [n, d] previous and current K.
+// Instantiated for float and double.
+template <typename Scalar>
+void ComputeQKKeyGram(const ConstRowMajorRef<Scalar>& k_prev, const ConstRowMajorRef<Scalar>& k,
+                      QKKeyGram& out);
 
 // The Householder route (thin QR of A and B in Scalar, SVD of the core), the
 // only route before the Gram one; kept for double inputs, short probes and

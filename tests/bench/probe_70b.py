@@ -31,7 +31,14 @@ Per probe (a Monitor.step that probes):
     foreshock_queue_bytes is 0; its CPU (/proc/<pid>/stat) and its QK
     detector seconds (foreshock_detector_seconds_sum) over the probe;
   - peak RSS (VmHWM) of the training process (reset per configuration
-    through /proc/self/clear_refs) and of each daemon.
+    through /proc/self/clear_refs) and of each daemon (reset after the
+    warm-up: the peak over the measured probes); with --rss-window-s, each
+    daemon's steady RSS, the least VmRSS over that window after each probe.
+
+--variant runs further daemons per --workers value with other flags or
+another binary, in the same run: e.g. checkpoints every second against none
+(--variant 'ckpt --checkpoint_interval_s=1' --variant 'nockpt
+--checkpoint_interval_s=0' --rss-window-s 1.5).
 
 Configurations: default (max_probe_bytes 48 MiB: 8 rotating heads x 256
 tokens per layer), mid (probe_heads=16, probe_tokens=512: 16 heads x one
@@ -55,6 +62,7 @@ figures are reported on one line.
         --configs full --full-layers 8 --probes 3 --json /tmp/full.json
 """
 import argparse
+import itertools
 import json
 import math
 import os
@@ -100,8 +108,9 @@ def free_port():
 class Daemon:
     """One foreshockd on free loopback ports; stop() ends it by PID."""
 
-    def __init__(self, tmp, name, args):
-        binary = os.environ.get("FORESHOCKD", os.path.join(ROOT, "build", "server", "foreshockd"))
+    def __init__(self, tmp, name, args, binary=None):
+        binary = binary or os.environ.get("FORESHOCKD",
+                                          os.path.join(ROOT, "build", "server", "foreshockd"))
         self.port, self.metrics_port = free_port(), free_port()
         self.log_path = os.path.join(tmp, f"foreshockd-{name}.log")
         self.args = args
@@ -152,6 +161,19 @@ class Daemon:
 
     def hwm_mb(self):
         return status_kb(self.proc.pid, "VmHWM") / 1024
+
+    def reset_hwm(self):
+        with open(f"/proc/{self.proc.pid}/clear_refs", "w") as f:
+            f.write("5")
+
+    def least_rss_mb(self, seconds):
+        """The least VmRSS over `seconds` (polled every 20 ms): the steady state
+        between checkpoints, which at --checkpoint_interval_s=1 recur within it."""
+        least, end = float("inf"), time.monotonic() + seconds
+        while time.monotonic() < end:
+            least = min(least, status_kb(self.proc.pid, "VmRSS") / 1024)
+            time.sleep(0.02)
+        return least
 
     def stop(self):
         if self.proc.poll() is None:
@@ -342,9 +364,10 @@ def run_config(name, cfg, shape, layers, args, tmp, log):
         f.write("5")  # resets this process's VmHWM
     rss_base_mb = status_kb("self", "VmRSS") / 1024
     try:
-        for w in args.workers:
-            key = f"w{w}"
-            daemons[key] = Daemon(tmp, f"{name}-{key}", [f"--workers={w}", *args.daemon_args])
+        for w, (variant, binary, variant_args) in itertools.product(args.workers, args.variants):
+            key = f"w{w}" + (f"-{variant}" if variant else "")
+            daemons[key] = Daemon(tmp, f"{name}-{key}",
+                                  [f"--workers={w}", *args.daemon_args, *variant_args], binary)
             sizes = []
             monitors[key] = foreshock.Monitor(
                 daemons[key].endpoint, run_id=f"p70-{name}-{key}", job="bench", model=module,
@@ -377,6 +400,9 @@ def run_config(name, cfg, shape, layers, args, tmp, log):
             done_s, after = wait_drained(daemon, before["ingested"] + records_per_probe, t_sent)
             dcpu = daemon.cpu() - dcpu0
             idle = loop.run(iters=active["iters"])
+            # Steady RSS after the probe: the least over 1.5 checkpoint intervals
+            # of 1 s (--rss-window-s), so that no checkpoint's transient is in it.
+            steady_mb = daemon.least_rss_mb(args.rss_window_s) if args.rss_window_s else None
             sizes = monitor.sizes[n_sizes:]
             return dict(window0=window0, step_wall=step_wall, step_cpu=step_cpu, ack_s=t_acked - t_sent,
                         drain_from_send_s=done_s, drain_from_ack_s=done_s - (t_acked - t_sent),
@@ -387,7 +413,8 @@ def run_config(name, cfg, shape, layers, args, tmp, log):
                         rejected=after["rejected"] - before["rejected"],
                         errors=after["errors"] - before["errors"],
                         record_bytes=sum(sizes), records=sum(1 for s in sizes if s),
-                        threads=threads_delta(th0, th1), active=active, idle=idle)
+                        threads=threads_delta(th0, th1), active=active, idle=idle,
+                        daemon_steady_rss_mb=steady_mb)
 
         # Warm-up: every head gets a previous sample in every daemon.
         for key in monitors:
@@ -399,6 +426,8 @@ def run_config(name, cfg, shape, layers, args, tmp, log):
         for key in monitors:
             wait_drained(daemons[key], warmup * records_per_probe, time.perf_counter())
         log(f"{name}: warm-up done ({warmup} probe(s) per daemon)")
+        for d in daemons.values():
+            d.reset_hwm()  # the peak over the measured probes only
         results = {key: [] for key in monitors}
         keys = list(monitors)
         n_probes = args.probes or (warmup * (1 if args.quick else 2) if warmup > 1
@@ -515,8 +544,18 @@ def summarize(res, shape):
                   f"{scale * r['step_wall']:.2f} s wall / {scale * r['step_cpu']:.2f} s CPU, "
                   f"{scale * r['record_bytes'] / 1e6:.0f} MB, daemon CPU "
                   f"{scale * r['daemon_cpu']:.1f} s, {scale * hs:.0f} head-samples (estimates)"]
+    if any(p["daemon_steady_rss_mb"] is not None for ps in res["probes"].values() for p in ps):
+        lines += ["", "| daemon | steady RSS, median over probes [min, max] (MB) | peak RSS "
+                  "(VmHWM) over the measured probes (MB) | peak / steady (median) |",
+                  "|---|---|---|---|"]
+        for key, ps in res["probes"].items():
+            steady = [p["daemon_steady_rss_mb"] for p in ps]
+            peak = res["daemon_hwm_mb"][key]
+            summary[key].update(steady_rss_mb=med(steady), peak_rss_mb=peak)
+            lines.append(f"| {key} | {med(steady):.0f} [{min(steady):.0f}, {max(steady):.0f}] "
+                         f"| {peak:.0f} | {peak / med(steady):.2f} |")
     lines += ["", f"training process peak RSS {res['client_hwm_mb']:.0f} MB (before the "
-              f"configuration {res['client_rss_base_mb']:.0f} MB); daemons' peak RSS " + ", ".join(
+              f"configuration {res['client_rss_base_mb']:.0f} MB); daemons' peak RSS (measured probes) " + ", ".join(
                   f"{k} {v:.0f} MB" for k, v in res["daemon_hwm_mb"].items())]
     for key, st in res["stats"].items():
         lines.append(f"{key}: client stats: acked {st.get('acked_records')}, dropped_queue_full "
@@ -543,8 +582,24 @@ def main():
     p.add_argument("--workers", default="1,2", help="--workers of the daemons (default 1,2)")
     p.add_argument("--daemon-arg", action="append", default=[], dest="daemon_args",
                    help="extra foreshockd flag (repeatable)")
+    p.add_argument("--variant", action="append", default=[], dest="variants",
+                   metavar="'NAME [--binary=PATH] [FLAG ...]'",
+                   help="one daemon per --workers value and variant, named wW-NAME, with these "
+                   "extra flags and optionally another foreshockd binary (repeatable), e.g. "
+                   "--variant 'ckpt --checkpoint_interval_s=1' --variant 'nockpt "
+                   "--checkpoint_interval_s=0'")
+    p.add_argument("--rss-window-s", type=float, default=0.0,
+                   help="after each probe, poll each daemon's VmRSS for this long and keep the "
+                   "least (its steady state); reported with its VmHWM over the measured probes "
+                   "(default 0: off)")
     p.add_argument("--json", help="also write the raw figures here")
     args = p.parse_args()
+    variants = []
+    for spec in args.variants or [""]:
+        name, *flags = spec.split() or [""]
+        binary = next((f.split("=", 1)[1] for f in flags if f.startswith("--binary=")), None)
+        variants.append((name, binary, [f for f in flags if not f.startswith("--binary=")]))
+    args.variants = variants
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     args.workers = [int(w) for w in args.workers.split(",")]
     layers = args.layers or (2 if args.quick else SHAPE["layers"])

@@ -188,9 +188,12 @@ RawTensor ToBFloat16(const std::vector<MatrixF>& heads) {
   return t;
 }
 
+// A whole sample through the QK detector: `heads` query heads over `kv` K
+// heads (grouped-query attention when kv < heads, K sent once per group).
 void BM_QKDetectorProcess(benchmark::State& state) {
   const int heads = static_cast<int>(state.range(0));
   const int n = static_cast<int>(state.range(1)), d = static_cast<int>(state.range(2));
+  const int kv = static_cast<int>(state.range(3));
   std::unique_ptr<Detector> detector;
   for (const DetectorInfo& info : DetectorRegistry::Instance().detectors())
     if (info.name == "qk") detector = info.create(DetectorOptions{});
@@ -198,15 +201,19 @@ void BM_QKDetectorProcess(benchmark::State& state) {
   // Two alternating samples, so every call computes an increment.
   Sample samples[2];
   std::vector<MatrixF> q, k;
-  for (int h = 0; h < heads; ++h) q.push_back(Gaussian(n, d, 1.0, rng)), k.push_back(Gaussian(n, d, 1.0, rng));
+  for (int h = 0; h < heads; ++h) q.push_back(Gaussian(n, d, 1.0, rng));
+  for (int h = 0; h < kv; ++h) k.push_back(Gaussian(n, d, 1.0, rng));
   for (int s = 0; s < 2; ++s) {
     QKSample qk;
     qk.layer = 0;
     qk.probe_id = "probe";
     qk.causal = true;
-    for (int h = 0; h < heads; ++h) q[h] += Gaussian(n, d, 0.01, rng), k[h] += Gaussian(n, d, 0.01, rng);
+    for (int h = 0; h < heads; ++h) q[h] += Gaussian(n, d, 0.01, rng);
+    for (int h = 0; h < kv; ++h) k[h] += Gaussian(n, d, 0.01, rng);
     qk.q = ToBFloat16(q);
     qk.k = ToBFloat16(k);
+    if (kv < heads)
+      for (int h = 0; h < heads; ++h) qk.kv_head_of.push_back(h * kv / heads);
     samples[s].run = "run";
     samples[s].payload = std::move(qk);
   }
@@ -218,7 +225,13 @@ void BM_QKDetectorProcess(benchmark::State& state) {
   SetShapeCounters(state, n, d);
   state.SetItemsProcessed(state.iterations() * heads);
 }
-BENCHMARK(BM_QKDetectorProcess)->Args({8, 256, 64})->ArgNames({"heads", "n", "d"})->Unit(benchmark::kMillisecond);
+// The second: one probe layer of the 70B shape's default sampling (8 query
+// heads of one K head, 256 tokens, head_dim 128; probe_70b.py's "default").
+BENCHMARK(BM_QKDetectorProcess)
+    ->Args({8, 256, 64, 8})
+    ->Args({8, 256, 128, 1})
+    ->ArgNames({"heads", "n", "d", "kv"})
+    ->Unit(benchmark::kMillisecond);
 
 // The Gram route's n x 2d Gram: our kernel (GramLowerTriangle) against
 // Eigen's SYRK (rankUpdate), which it replaced.

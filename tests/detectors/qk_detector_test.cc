@@ -524,6 +524,47 @@ TEST(QKDetector, RotatingHeadSubsetsPairEachHeadWithItsOwnPreviousSample) {
   EXPECT_EQ(fourth.BySignal().at("qk_increment_entropy").size(), 3u);
 }
 
+// The query heads of one K head share the Gram of [K0 | dK] only when they
+// share the previous K too: here heads 0 and 1 (K head 0) are sampled together
+// after being sampled apart, so their previous K differ; each must get what it
+// gets alone.
+TEST(QKDetector, HeadsOfOneKHeadWithDifferentPreviousKGetTheirOwnIncrement) {
+  std::mt19937 rng(8);
+  constexpr int kTokens = 32, kDim = 8;
+  const Heads q0 = RandomHeads(4, kTokens, kDim, rng), k0 = RandomHeads(2, kTokens, kDim, rng);
+  const Heads q1 = Perturb(q0, rng, 0.05), k1 = Perturb(k0, rng, 0.05);
+  const Heads q2 = Perturb(q1, rng, 0.05), k2 = Perturb(k1, rng, 0.05);
+  auto subset = [&](const Heads& q, const Heads& k, std::vector<int32_t> heads) {
+    Heads rows;
+    for (int32_t h : heads) rows.push_back(q[static_cast<size_t>(h)]);
+    Sample sample = MakeSample("run", 0, "p", rows, k);
+    auto& qk = std::get<QKSample>(sample.payload);
+    qk.heads = heads;
+    for (int32_t h : heads) qk.kv_head_of.push_back(h / 2);
+    return sample;
+  };
+  std::unique_ptr<Detector> detector = MakeDetector("qk");
+  RecordingEmitter ignored, got;
+  detector->Process(subset(q0, k0, {0}), ignored);
+  detector->Process(subset(q1, k1, {1}), ignored);
+  detector->Process(subset(q2, k2, {0, 1}), got);
+  const auto by_signal = got.BySignal();
+  for (int head : {0, 1}) {
+    SCOPED_TRACE(head);
+    const Heads& q_before = head == 0 ? q0 : q1;
+    const Heads& k_before = head == 0 ? k0 : k1;
+    std::unique_ptr<Detector> alone = MakeDetector("qk");
+    RecordingEmitter first, want;
+    alone->Process(MakeSample("run", 0, "p", Heads{q_before[static_cast<size_t>(head)]}, Heads{k_before[0]}), first);
+    alone->Process(MakeSample("run", 0, "p", Heads{q2[static_cast<size_t>(head)]}, Heads{k2[0]}), want);
+    for (const char* signal : {"qk_increment_entropy", "qk_increment_effective_rank", "qk_increment_top1_share",
+                               "qk_second_order_ratio"}) {
+      ASSERT_EQ(by_signal.count(signal), 1u) << signal;
+      EXPECT_EQ(by_signal.at(signal).at(head), want.BySignal().at(signal).at(0)) << signal;
+    }
+  }
+}
+
 // The increment is of each query head's logits: the order in which a sample
 // carries the K heads (and so kv_head_of) may change between samples.
 TEST(QKDetector, TheIncrementFollowsEachQueryHeadsKAcrossKOrders) {

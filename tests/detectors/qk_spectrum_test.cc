@@ -352,6 +352,41 @@ TEST(GramSpectrum, DetectorRouteSwitchesAtTwiceTheHeadDimension) {
   }
 }
 
+// G_B computed once (ComputeQKKeyGram) and passed to the spectra of several
+// query heads of one K gives, bit for bit, what each spectrum computes alone:
+// at order one, where the Grams are rescaled (1e30), with K unchanged (dK = 0,
+// so the increment is dQ K0^T only) and with nothing changed (zero increment).
+TEST(GramSpectrum, SharedKeyGramGivesWhatEachHeadComputesAlone) {
+  std::mt19937 rng(23);
+  constexpr int kTokens = 96, kDim = 16;
+  for (double magnitude : {1.0, 1e30}) {
+    for (bool k_moves : {true, false}) {
+      SCOPED_TRACE(testing::Message() << "magnitude " << magnitude << ", k moves " << k_moves);
+      const MatrixF k_prev = (magnitude * Gaussian(kTokens, kDim, rng)).cast<float>();
+      const MatrixF k = k_moves ? MatrixF(k_prev + (0.05 * magnitude * Gaussian(kTokens, kDim, rng)).cast<float>())
+                                : k_prev;
+      QKKeyGram key;
+      ComputeQKKeyGram<float>(k_prev, k, key);
+      EXPECT_EQ(key.exponent != 0, magnitude != 1.0);
+      for (int head = 0; head < 3; ++head) {
+        const MatrixF q_prev = Gaussian(kTokens, kDim, rng).cast<float>();
+        // The last head's Q does not move: with K unchanged its increment is zero.
+        const MatrixF q = head == 2 ? q_prev : MatrixF(q_prev + (0.05 * Gaussian(kTokens, kDim, rng)).cast<float>());
+        const QKIncrementSpectrum alone =
+            ComputeQKIncrementSpectrum<float>(q_prev, k_prev, q, k, {.compute_top_vector = true});
+        const QKIncrementSpectrum shared = ComputeQKIncrementSpectrum<float>(
+            q_prev, k_prev, q, k, {.compute_top_vector = true, .key_gram = &key});
+        EXPECT_EQ(shared.zero_increment, alone.zero_increment) << head;
+        EXPECT_EQ(alone.zero_increment, head == 2 && !k_moves) << head;
+        EXPECT_EQ(shared.singular_values, alone.singular_values) << head;
+        EXPECT_EQ(shared.top_vector, alone.top_vector) << head;
+        EXPECT_EQ(shared.second_order_ratio, alone.second_order_ratio) << head;
+        EXPECT_EQ(shared.normalized_entropy, alone.normalized_entropy) << head;
+      }
+    }
+  }
+}
+
 // Statistics of the Gram route are scale-free even where float arithmetic
 // would overflow (3e38 values whose increments are 6e38) or squares would
 // underflow (1e-30): the route works in double and rescales its Grams.
