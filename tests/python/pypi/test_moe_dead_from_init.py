@@ -33,6 +33,15 @@ def _model():
             layer.mlp.gate.weight[6:, 0] -= 3.0
     return model
 
+@pytest.fixture
+def foreshockd(start_foreshockd, tmp_path):
+    """A daemon that scores the probe series from step 0: this run is a few
+    dozen steps long, and by default they start at step 200 (warmup_steps:
+    early training's transient), so with the defaults nothing would be judged
+    and "no alert" would hold vacuously."""
+    config = tmp_path / "from-step-0.yaml"
+    config.write_text("alerts:\n  defaults:\n    warmup_steps: 0\n")
+    return start_foreshockd(f"--config={config}")
 
 def test_healthy_moe_with_experts_dead_from_initialization_raises_no_alert(foreshockd, tmp_path):
     tokens = torch.randint(0, VOCAB, (4 * STEPS, SEQ), generator=torch.Generator().manual_seed(1))

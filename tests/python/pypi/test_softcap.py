@@ -49,6 +49,15 @@ def _raw_max_logit(sample):
     s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(d)
     return float(s[..., np.tril(np.ones((t, t), dtype=bool))].max())  # causal, as the daemon
 
+@pytest.fixture
+def foreshockd(start_foreshockd, tmp_path):
+    """A daemon that scores the probe series from step 0: this run is a few
+    dozen steps long, and by default they start at step 200 (warmup_steps:
+    early training's transient), so with the defaults nothing would be judged
+    and "no alert" would hold vacuously."""
+    config = tmp_path / "from-step-0.yaml"
+    config.write_text("alerts:\n  defaults:\n    warmup_steps: 0\n")
+    return start_foreshockd(f"--config={config}")
 
 def test_gemma2_logits_at_the_cap_raise_no_logit_alert(foreshockd):
     model = _gemma2()
