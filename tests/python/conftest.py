@@ -201,3 +201,14 @@ def start_foreshockd(tmp_path):
 def foreshockd(start_foreshockd):
     """A fresh foreshockd with default flags on free ports."""
     return start_foreshockd()
+
+
+@pytest.fixture
+def foreshockd_from_step_0(start_foreshockd, tmp_path):
+    """A foreshockd that scores the probe series from step 0, for runs a few
+    dozen steps long: by default they start at step 200 (warmup_steps: early
+    training's transient), so nothing would be judged and "no alert" would
+    hold vacuously."""
+    config = tmp_path / "from-step-0.yaml"
+    config.write_text("alerts:\n  defaults:\n    warmup_steps: 0\n")
+    return start_foreshockd(f"--config={config}")

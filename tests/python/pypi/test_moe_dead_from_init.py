@@ -33,17 +33,8 @@ def _model():
             layer.mlp.gate.weight[6:, 0] -= 3.0
     return model
 
-@pytest.fixture
-def foreshockd(start_foreshockd, tmp_path):
-    """A daemon that scores the probe series from step 0: this run is a few
-    dozen steps long, and by default they start at step 200 (warmup_steps:
-    early training's transient), so with the defaults nothing would be judged
-    and "no alert" would hold vacuously."""
-    config = tmp_path / "from-step-0.yaml"
-    config.write_text("alerts:\n  defaults:\n    warmup_steps: 0\n")
-    return start_foreshockd(f"--config={config}")
-
-def test_healthy_moe_with_experts_dead_from_initialization_raises_no_alert(foreshockd, tmp_path):
+def test_healthy_moe_with_experts_dead_from_initialization_raises_no_alert(
+        foreshockd_from_step_0, tmp_path):
     tokens = torch.randint(0, VOCAB, (4 * STEPS, SEQ), generator=torch.Generator().manual_seed(1))
     probe = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     args = TrainingArguments(output_dir=str(tmp_path / "out"), run_name="moe-dead-init",
@@ -51,12 +42,13 @@ def test_healthy_moe_with_experts_dead_from_initialization_raises_no_alert(fores
                              learning_rate=1e-4, lr_scheduler_type="constant", use_cpu=True,
                              report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
                              dataloader_num_workers=0)
-    callback = ForeshockCallback(foreshockd.endpoint, probe_batch={"input_ids": probe}, every=1)
+    callback = ForeshockCallback(foreshockd_from_step_0.endpoint, probe_batch={"input_ids": probe},
+                                 every=1)
     Trainer(model=_model(), args=args, train_dataset=[{"input_ids": x, "labels": x} for x in tokens],
             callbacks=[callback]).train()
 
     def http(path):
-        url = foreshockd.metrics_url.replace("/metrics", path)
+        url = foreshockd_from_step_0.metrics_url.replace("/metrics", path)
         with urllib.request.urlopen(url, timeout=30) as response:
             return json.loads(response.read())
     points = http("/api/v1/points?run=moe-dead-init&signal=router_dead_experts&layer=0")["points"]

@@ -49,21 +49,11 @@ def _raw_max_logit(sample):
     s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(d)
     return float(s[..., np.tril(np.ones((t, t), dtype=bool))].max())  # causal, as the daemon
 
-@pytest.fixture
-def foreshockd(start_foreshockd, tmp_path):
-    """A daemon that scores the probe series from step 0: this run is a few
-    dozen steps long, and by default they start at step 200 (warmup_steps:
-    early training's transient), so with the defaults nothing would be judged
-    and "no alert" would hold vacuously."""
-    config = tmp_path / "from-step-0.yaml"
-    config.write_text("alerts:\n  defaults:\n    warmup_steps: 0\n")
-    return start_foreshockd(f"--config={config}")
-
-def test_gemma2_logits_at_the_cap_raise_no_logit_alert(foreshockd):
+def test_gemma2_logits_at_the_cap_raise_no_logit_alert(foreshockd_from_step_0):
     model = _gemma2()
     records = []
     tokens = torch.randint(0, VOCAB, (2 * STEPS, SEQ), generator=torch.Generator().manual_seed(1))
-    monitor = Monitor(foreshockd.endpoint, run_id="gemma2", job="test", model=model,
+    monitor = Monitor(foreshockd_from_step_0.endpoint, run_id="gemma2", job="test", model=model,
                       probe_batch=tokens[:2], every=1, tap=records.append)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
     try:
@@ -84,16 +74,16 @@ def test_gemma2_logits_at_the_cap_raise_no_logit_alert(foreshockd):
                    if n == "foreshock_attention_max_logit" and l.get("run") == "gemma2"
                    and "head" not in l}
             return got if len(got) == 2 else None
-        url = foreshockd.metrics_url.replace("/metrics", "/api/v1/runs")
+        url = foreshockd_from_step_0.metrics_url.replace("/metrics", "/api/v1/runs")
         assert wait_until(lambda: any(r["run"] == "gemma2" and int(r["last_step"]) == STEPS - 1
                                       for r in json.loads(urllib.request.urlopen(url).read())["runs"]),
                           timeout_s=30)
-        samples, got = foreshockd.wait_for(max_logits, timeout_s=30)
+        samples, got = foreshockd_from_step_0.wait_for(max_logits, timeout_s=30)
         assert got and all(0.9 * CAP < v <= CAP for v in got.values()), got  # at the cap
         bits = [v for n, l, v in samples
                 if n == "foreshock_attention_compute_bits" and l.get("run") == "gemma2"]
         assert bits == [16.0, 16.0]  # bf16: nothing is held for corroboration
-        url = foreshockd.metrics_url.replace("/metrics",
+        url = foreshockd_from_step_0.metrics_url.replace("/metrics",
                                              "/api/v1/alerts?run=gemma2&include_resolved=true")
         alerts = json.loads(urllib.request.urlopen(url).read())["alerts"]
         assert not [a for a in alerts if a["alertname"] == "ForeshockAttentionLogitGrowth"], alerts
