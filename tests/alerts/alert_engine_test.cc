@@ -863,7 +863,9 @@ TEST(AlertEngineTest, FP32AttentionAlertsWaitForAnotherKind) {
   driver.Series("r2", "qk_increment_entropy", 0, 400, 60, 0.8);
   driver.Series("r2", "qk_increment_entropy", 0, 1000, 60, 0.4);
   for (const AlertTransition& t : driver.transitions) {
-    if (t.alert.run == "r2") EXPECT_NE(t.to, AlertState::kFiring) << t.step;
+    if (t.alert.run == "r2") {
+      EXPECT_NE(t.to, AlertState::kFiring) << t.step;
+    }
   }
   for (const Alert& alert : driver.engine.ActiveAlerts()) EXPECT_NE(alert.run, "r2");
   // Switched off, it fires alone as before.

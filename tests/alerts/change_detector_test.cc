@@ -107,7 +107,9 @@ TEST(ChangeDetectorTest, WarmupStepsKeepsTheEarlyTransientOutOfTheBaseline) {
       }
       return count;
     };
-    if (every <= 10) EXPECT_GE(episodes(0), 1) << "every " << every;
+    if (every <= 10) {
+      EXPECT_GE(episodes(0), 1) << "every " << every;
+    }
     EXPECT_EQ(episodes(300), 0) << "every " << every;
   }
   // After warmup_steps a collapse still fires.

@@ -144,11 +144,15 @@ TEST(CurvatureNoiseTest, HealthyFalseAlarmsAcrossCadencesAndEstimatorNoise) {
     const bool independent = (i / 4) % 2 == 0;
     const double sigma = kSigmas[i / 8];
     // Independent noise up to log-sd 0.6: no healthy run fires, at any cadence.
-    if (independent && sigma <= 0.6) EXPECT_LE(now[i], 1) << "cell " << i;
+    if (independent && sigma <= 0.6) {
+      EXPECT_LE(now[i], 1) << "cell " << i;
+    }
     // Every cell: at most a third of the runs (before: up to 92).
     EXPECT_LE(now[i], 35) << "cell " << i;
     // Estimates every 50 or 100 steps: at most 1 in 8.
-    if (i % 4 >= 2) EXPECT_LE(now[i], 12) << "cell " << i;
+    if (i % 4 >= 2) {
+      EXPECT_LE(now[i], 12) << "cell " << i;
+    }
   }
   // 2400 runs: 85 fire now, 358 did.
   EXPECT_LE(total_now, 120);

@@ -210,7 +210,9 @@ TEST(QKDetector, ReportsTheAttentionComputeWidthOnlyWhenTheClientSaysIt) {
     const auto by_signal = emitter.BySignal();
     const auto it = by_signal.find("attention_compute_bits");
     ASSERT_EQ(it != by_signal.end(), bits.has_value());
-    if (bits) EXPECT_EQ(it->second, (std::map<int, double>{{kAllHeads, *bits}}));
+    if (bits) {
+      EXPECT_EQ(it->second, (std::map<int, double>{{kAllHeads, *bits}}));
+    }
   }
 }
 

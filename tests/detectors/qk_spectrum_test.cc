@@ -322,7 +322,9 @@ TEST_P(GramVsDense, AgreesWithDenseReference) {
       ExpectRelative(s.second_order_ratio, dense.second_order_ratio, c.tolerance, "second-order ratio");
     }
     ASSERT_EQ(s.top_vector.size(), static_cast<size_t>(n));
-    if (gap) EXPECT_GE(TopVectorOverlap(s.top_vector, dense.top_vector), 1.0 - c.tolerance) << "top vector";
+    if (gap) {
+      EXPECT_GE(TopVectorOverlap(s.top_vector, dense.top_vector), 1.0 - c.tolerance) << "top vector";
+    }
   }
 }
 
@@ -633,12 +635,16 @@ TEST(CholeskyLower, MatchesEigenLltAndRejectsNonDefinite) {
       for (Index j = 0; j <= i; ++j) {
         const double scale = row_scale * std::sqrt(c.g(j, j));
         ASSERT_NEAR(product(i, j), c.g(i, j), 1e-14 * static_cast<double>(m) * scale) << i << "," << j;
-        if (!ill_conditioned) ASSERT_NEAR(l(i, j), expected(i, j), 1e-9 * row_scale) << i << "," << j;
+        if (!ill_conditioned) {
+          ASSERT_NEAR(l(i, j), expected(i, j), 1e-9 * row_scale) << i << "," << j;
+        }
         ASSERT_EQ(u(j, i), l(i, j)) << i << "," << j;
       }
       for (Index j = 0; j < i; ++j) ASSERT_EQ(u(i, j), 0.0) << i << "," << j;
     }
-    if (ill_conditioned) EXPECT_NEAR(l(40, 40), expected(40, 40), 1e-2 * expected(40, 40));
+    if (ill_conditioned) {
+      EXPECT_NEAR(l(40, 40), expected(40, 40), 1e-2 * expected(40, 40));
+    }
     for (Index j = 0; j < m; ++j) {
       for (Index i = j; i < m; ++i) ASSERT_EQ(g(i, j), g_before(i, j));
     }

@@ -186,7 +186,9 @@ TEST_F(BacktestTest, ScoresAFaultRunSplitOverTwoStreamsAndAControl) {
   for (const char* name : {"olmo", "megatron", "nan", "gradnorm_z"}) {
     ASSERT_TRUE(fault.baselines.count(name)) << name;
     EXPECT_FALSE(fault.baselines.at(name).early) << name;
-    if (fault.baselines.at(name).first) EXPECT_GT(*fault.baselines.at(name).first, 520) << name;
+    if (fault.baselines.at(name).first) {
+      EXPECT_GT(*fault.baselines.at(name).first, 520) << name;
+    }
   }
 
   const nlohmann::json doc = nlohmann::json::parse(BacktestJson(result));

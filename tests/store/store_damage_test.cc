@@ -199,7 +199,9 @@ void DamageSweep(bool clean_close) {
     } else {
       EXPECT_LE(stats.lost_points, missing);
     }
-    if (missing > 0) EXPECT_FALSE((*store)->Problems().empty());
+    if (missing > 0) {
+      EXPECT_FALSE((*store)->Problems().empty());
+    }
     EXPECT_EQ(stats.quarantined_segments, 0u);
     EXPECT_TRUE(std::filesystem::exists(file));  // never deleted
   }

@@ -295,7 +295,9 @@ TEST_F(RankOwnershipTest, OneFlakyRankOfAnEightRankRunResumesThatRankOnly) {
   ASSERT_TRUE(restarted.Hello(MakeHello(run, 3, 3333, kRanks)));
   ASSERT_EQ(restarted.Send(Losses(1, 1)), 1);
   for (int r = 0; r < kRanks; ++r) {
-    if (r != 3) ASSERT_EQ(ranks[r]->Send(Losses(32, 32)), 1);
+    if (r != 3) {
+      ASSERT_EQ(ranks[r]->Send(Losses(32, 32)), 1);
+    }
   }
   daemon_->WaitIdle();
   EXPECT_TRUE(AllFiring(run));  // no run_resumed
@@ -307,7 +309,9 @@ TEST_F(RankOwnershipTest, OneFlakyRankOfAnEightRankRunResumesThatRankOnly) {
   // The run ends with the eight ranks' goodbyes, the new rank 3's included
   // (the dead process of rank 3 is no longer waited for).
   for (int r = 0; r < kRanks; ++r) {
-    if (r != 3) ASSERT_EQ(ranks[r]->Send({}, true), 0);
+    if (r != 3) {
+      ASSERT_EQ(ranks[r]->Send({}, true), 0);
+    }
   }
   EXPECT_FALSE(Run(run).ended());
   ASSERT_EQ(restarted.Send({}, true), 0);

@@ -34,7 +34,9 @@ class LifecycleTest : public ::testing::Test {
     registry_ = std::make_unique<prometheus::Registry>();
     metrics_ = std::make_unique<DaemonMetrics>(*registry_, false);
     hub_ = std::make_unique<AlertHub>(alerts::DefaultAlertConfig(), *metrics_, nullptr);
-    if (!alert_checkpoint.empty()) ASSERT_TRUE(hub_->RestoreState(alert_checkpoint));
+    if (!alert_checkpoint.empty()) {
+      ASSERT_TRUE(hub_->RestoreState(alert_checkpoint));
+    }
     tracker_ = std::make_unique<RunTracker>(*metrics_);
     pool_ = std::make_unique<WorkerPool>(1, detectors::DetectorOptions{}, *hub_, [](size_t) {});
     lifecycle_ = std::make_unique<RunLifecycle>(&store_, hub_.get(), pool_.get(), tracker_.get());
