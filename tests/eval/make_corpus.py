@@ -155,9 +155,16 @@ def control_length(run, steps):
     return dict(run, steps=steps, train_flags=argv)
 
 
-def make_run(c, scenario, seed, steps, inj, flags, stop=STOP_AFTER_DIVERGENCE):
+_BY_SCENARIO = object()
+
+
+def make_run(c, scenario, seed, steps, inj, flags, stop=STOP_AFTER_DIVERGENCE,
+             cause=_BY_SCENARIO):
+    """One run; `cause` (the expected_cause label, None for none) defaults to
+    configs.EXPECTED_CAUSE of the scenario."""
     run_id = f"{c['name']}-{scenario}-s{seed}"
-    cause = configs.EXPECTED_CAUSE.get(scenario)
+    if cause is _BY_SCENARIO:
+        cause = configs.EXPECTED_CAUSE.get(scenario)
     labels = {"config": c["name"], "split": c["split"], "scenario": scenario, "seed": str(seed),
               "attention_dtype": c["attention_dtype"]}
     if inj is not None:

@@ -168,21 +168,12 @@ def draw(commit, per_cell=PER_CELL, calibration_seed=None):
             if kind == "fault":
                 steps = inj + STEPS_AFTER_INJECTION
                 run = make_corpus.make_run(c, cell, seed, steps, inj,
-                                           extra + ["--fault-step", str(inj)])
+                                           extra + ["--fault-step", str(inj)], cause=cause)
             else:
                 run = make_corpus.make_run(c, cell, seed, CONTROL_STEPS,
-                                           inj if extra else None, extra, stop=None)
+                                           inj if extra else None, extra, stop=None, cause=None)
             run.update(kind=kind, cell=cell, category=CATEGORY[cell])
-            run["expected_cause"] = cause
-            labels = run["train_flags"]
-            # make_run labels expected_cause from configs.EXPECTED_CAUSE; set this cell's.
-            labels[:] = [a for k, a in enumerate(labels)
-                         if not (a.startswith("expected_cause=") or
-                                 (a == "--label" and k + 1 < len(labels)
-                                  and labels[k + 1].startswith("expected_cause=")))]
-            if cause:
-                labels += ["--label", f"expected_cause={cause}"]
-            labels += ["--label", f"cell={cell}"]
+            run["train_flags"] += ["--label", f"cell={cell}"]
             runs.append(run)
     return runs
 
@@ -238,7 +229,7 @@ def cmd_score(args):
         manifest = {r["run_id"]: r for r in json.load(f)["runs"]}
     lines = [f"Freeze commit `{commit}`, seed {doc['seed']}; {len(doc['runs'])} runs drawn, "
              f"{len(rows['shipped'])} scored.", "",
-             evaluate.rows_table(rows, lambda r: "faults and controls" if True else ""), "",
+             without_all(evaluate.rows_table(rows, lambda r: "this draw")), "",
              "By fault category (each row's controls are all the draw's controls):", "",
              category_table(evaluate, rows), "", per_run_table(rows, manifest)]
     text = "\n".join(lines) + "\n"
@@ -265,7 +256,12 @@ def category_table(evaluate, rows):
     for cat in cats:
         table = evaluate.rows_table(per_cat[cat], lambda r, c=cat: c).split("\n")
         lines += table if not lines else table[2:]
-    return "\n".join(l for l in lines if "| all |" not in l)
+    return without_all("\n".join(lines))
+
+
+def without_all(table):
+    """rows_table's table less its rows for the group "all" (here: the same rows again)."""
+    return "\n".join(line for line in table.split("\n") if not line.startswith("| all |"))
 
 
 def fmt_alert(row):

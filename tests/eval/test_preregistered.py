@@ -1,9 +1,12 @@
 """The preregistered draw (tests/eval/preregistered.py): seeded by the freeze
 commit alone, every cell's pins respected, runs labelled for the backtest, and
 scoring refused when the frozen paths changed."""
+import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE]
@@ -54,14 +57,18 @@ def test_cells_keep_their_pins_and_labels():
             assert n_head % kv == 0 and int(flag(run, "--d-model")) % n_head == 0
 
 
-def test_scoring_refuses_a_tree_whose_detectors_changed():
-    head = subprocess.run(["git", "-C", HERE, "rev-parse", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
-    if not head:  # not a git checkout (a source tarball): nothing to compare with
-        return
+def test_scoring_refuses_a_tree_whose_detectors_changed(tmp_path):
     first = subprocess.run(["git", "-C", HERE, "rev-list", "--max-parents=0", "HEAD"],
-                           capture_output=True, text=True).stdout.split()[0]
+                           capture_output=True, text=True, check=True).stdout.split()[0]
     assert not preregistered.frozen_tree_matches(first)
+    draw = tmp_path / "draw.json"
+    draw.write_text(json.dumps(dict(freeze_commit=first, seed=0, runs=[])))
+    argv = ["score", "--corpus", str(tmp_path), "--draw", str(draw)]
+    with pytest.raises(SystemExit, match="differ from the freeze commit"):
+        preregistered.main(argv)
+    # ... and a held-out draw is scored with the built-in defaults only.
+    with pytest.raises(SystemExit, match="frozen built-in defaults"):
+        preregistered.main(argv + ["--config", str(draw)])
 
 
 def test_a_calibration_draw_is_not_a_held_out_one():
