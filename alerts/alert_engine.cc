@@ -1076,6 +1076,10 @@ std::string ConfigFingerprint(const AlertConfig& config) {
       w.PutDouble(o.gate_inflation);
       w.PutBool(o.log_scale);
     }
+    if (o.warmup_steps != 0) {
+      w.PutString("warmup_steps");
+      w.PutI32(o.warmup_steps);
+    }
   }
   w.PutBool(config.nonfinite.enabled);
   w.PutString(config.nonfinite.severity);

@@ -409,6 +409,13 @@ TEST(AlertEngineStateTest, AChangedConfigurationIsRefused) {
   EXPECT_NE(error.find("configuration changed"), std::string::npos) << error;
   EXPECT_TRUE(engine.ActiveAlerts().empty());
 
+  // A series' start in steps is part of the configuration too.
+  AlertConfig later_start = DefaultAlertConfig();
+  later_start.signals.at("router_entropy").detector.warmup_steps = 500;
+  AlertEngine engine3(later_start);
+  EXPECT_FALSE(engine3.RestoreState(state, &error));
+  EXPECT_NE(error.find("configuration changed"), std::string::npos) << error;
+
   AlertConfig same = DefaultAlertConfig();
   AlertEngine engine2(same);
   EXPECT_TRUE(engine2.RestoreState(state, &error)) << error;
@@ -432,6 +439,7 @@ AlertConfig DefaultsBeforeIssue13() {
     o.small_sample_inflation = 0;
     o.gate_inflation = 0;
     o.log_scale = false;
+    o.warmup_steps = 0;  // series started at step 0 (warmup_steps: issue 25)
   }
   config.signals.at("attention_entropy").detector.min_relative_change = 0.20;
   config.signals.at("attention_entropy").enabled = true;
