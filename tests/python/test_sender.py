@@ -315,3 +315,52 @@ def test_a_rank_another_sender_holds_is_retried_counted_and_never_blocks(start_f
         if second is not None:
             second.close(timeout=5)
     assert second.stats()["unsent_at_close"] == 0, second.stats()
+
+
+# A child process that leaves its client threads inside gRPC when it exits:
+# a stream pending on a peer that never answers (a socket that listens and
+# never accepts), a monitor never closed, or closed with no time to flush, and
+# an alert watcher. The checker runs at exit after the client's own hook (it
+# is registered first, and atexit runs last-registered first).
+_EXIT_CHILD = r"""
+import atexit, json, socket, sys, threading, time
+def check():
+    alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("foreshock"))
+    print(json.dumps(dict(alive=alive, exit_s=time.monotonic() - ended)), flush=True)
+atexit.register(check)
+from foreshock import ModelInfo, Monitor
+hole = socket.socket()
+hole.bind(("127.0.0.1", 0))
+hole.listen(0)
+mode = sys.argv[1]
+endpoint = "127.0.0.1:%d" % (hole.getsockname()[1] if mode != "refused" else int(sys.argv[2]))
+monitor = Monitor(endpoint, run_id="exit", job="unit", model_info=ModelInfo(2, 4, 8),
+                  backoff_initial_s=0.02, backoff_max_s=0.05)
+monitor.on_alert(lambda event: None)
+for step in range(50):
+    monitor.step(step, loss=1.0)
+time.sleep(0.3)  # the stream attempts are in flight
+if mode != "unclosed":
+    monitor.close(timeout=0.0)
+ended = time.monotonic()
+"""
+
+
+@pytest.mark.parametrize("mode", ["unclosed", "closed_at_once", "refused"])
+def test_client_threads_are_stopped_before_the_interpreter_finalizes(mode):
+    # A daemon thread still inside gRPC when Python finalizes can abort the
+    # training process after a clean run (the job then exits with a signal).
+    import json
+    import os
+    import subprocess
+    import sys
+    from conftest import CLIENT, INSTALLED_CLIENT, ROOT
+    env = dict(os.environ, PYTHONFAULTHANDLER="1")
+    if not INSTALLED_CLIENT:
+        env["PYTHONPATH"] = os.pathsep.join([CLIENT, ROOT])
+    proc = subprocess.run([sys.executable, "-c", _EXIT_CHILD, mode, str(free_port())], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["alive"] == [], report
+    assert report["exit_s"] < 5.0 + 2.0, report  # bounded: _exit.EXIT_WAIT_S and slack

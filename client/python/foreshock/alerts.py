@@ -14,6 +14,7 @@ import time
 
 import grpc
 
+from foreshock import _exit
 from foreshock.security import Security
 from foreshock.v1 import query_pb2, query_pb2_grpc
 
@@ -47,16 +48,26 @@ class AlertWatcher:
         with self._lock:
             self._callbacks.append(callback)
         if not self._thread.is_alive() and not self._stop.is_set():
+            _exit.register(self)  # stopped before the interpreter finalizes
             self._thread.start()
 
-    def close(self, timeout=5.0):
+    def stop_now(self):
         self._stop.set()
         with self._lock:
             call = self._call
         if call is not None:
             call.cancel()
+
+    def join(self, timeout):
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def is_alive(self):
+        return self._thread.is_alive()
+
+    def close(self, timeout=5.0):
+        self.stop_now()
+        self.join(timeout)
 
     def _run(self):
         if self._ready is not None:

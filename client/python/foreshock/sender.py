@@ -47,6 +47,7 @@ import time
 
 import grpc
 
+from foreshock import _exit
 from foreshock.security import Security
 from foreshock.v1 import ingest_pb2 as pb
 from foreshock.v1 import ingest_pb2_grpc as pb_grpc
@@ -160,7 +161,23 @@ class Sender:
         self._thread = threading.Thread(target=self._run, name="foreshock-sender", daemon=True)
 
     def start(self):
+        _exit.register(self)  # stopped before the interpreter finalizes
         self._thread.start()
+
+    def stop_now(self):
+        """Stops the thread without flushing: cancels the stream in flight."""
+        self._abort.set()
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+    def join(self, timeout):
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def is_alive(self):
+        return self._thread.is_alive()
 
     def stats(self):
         with self._lock:
@@ -191,11 +208,8 @@ class Sender:
         self._closing.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            self._abort.set()
-            with self._lock:
-                call = self._call
-            if call is not None:
-                call.cancel()
+            # Still alive at exit, the atexit hook (foreshock._exit) waits for it.
+            self.stop_now()
             self._thread.join(1.0)
         with self._lock:
             self._counts["unsent_at_close"] = len(self._queue) + sum(

@@ -17,6 +17,7 @@ parameters ended bit-identical, the Monitor's stats and what it queued (the
 tap). SLOW_RANK sleeps 50 ms before every step, so that the others wait for
 it in every collective.
 """
+import faulthandler
 import json
 import os
 import sys
@@ -156,6 +157,10 @@ def batch(step, rank):
 
 def main():
     mode, endpoint, run_id, out_dir, steps, every = sys.argv[1:7]
+    # A rank that aborts in native code dumps every thread's Python stack to a
+    # file of its own (the test shows it), not interleaved with the other rank's.
+    fault_log = open(os.path.join(out_dir, f"fault-rank{os.environ.get('RANK', '0')}.txt"), "w")
+    faulthandler.enable(fault_log, all_threads=True)
     slow_rank = int(sys.argv[7]) if len(sys.argv) > 7 else -1
     steps, every = int(steps), int(every)
     torch.set_num_threads(1)

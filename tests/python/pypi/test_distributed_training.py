@@ -63,7 +63,10 @@ def torchrun(nproc, mode, endpoint, run_id, out_dir, slow_rank=None, steps=STEPS
         output, _ = proc.communicate()
         pytest.fail(f"torchrun {mode} did not finish in {TORCHRUN_TIMEOUT_S} s (a hang):\n"
                     + output[-4000:])
-    assert proc.returncode == 0, f"torchrun {mode} failed:\n{output[-6000:]}"
+    faults = "".join(f"\n--- {name}:\n" + open(os.path.join(out_dir, name)).read()[-4000:]
+                     for name in sorted(os.listdir(out_dir)) if name.startswith("fault-rank")
+                     and os.path.getsize(os.path.join(out_dir, name)))
+    assert proc.returncode == 0, f"torchrun {mode} failed:\n{output[-6000:]}{faults}"
     results = {}
     for rank in range(nproc):
         with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
