@@ -307,6 +307,7 @@ std::vector<AlertTransition> AlertEngine::Observe(const SignalPoint& point) {
   // series ends the episode and its baseline takes the new level in.
   if (assessment.state == SeriesState::kAnomalous && before == SeriesState::kAnomalous &&
       series.record->alert.state == AlertState::kPending && assessment.onset_step >= 0 &&
+      FamilyOfAlert(series.record->alert.alertname) != AlertFamily::kCurvature &&
       point.step - assessment.onset_step > config_.probable_cause.onset_window_steps &&
       HeldForCorroboration(run, *series.record)) {
     series.detector.ResetEpisode();
@@ -410,7 +411,12 @@ void AlertEngine::Evaluate(RunState& run, AlertRecord& record, const Series& tri
     any_pending = true;
   }
   auto note_held = [&] {
-    if (held) {
+    if (!held) return;
+    if (FamilyOfAlert(alert.alertname) == AlertFamily::kCurvature) {
+      alert.description += " Held: a curvature surge alone is often an edge-of-stability "
+                           "excursion the optimizer resolves by itself, so this waits for "
+                           "another kind of alert (attention, router, learning rate, loss).";
+    } else {
       alert.description += " Held: this run computes attention in fp32, so this waits for another "
                            "kind of alert (curvature, router, learning rate, loss) to fire.";
     }
@@ -470,9 +476,29 @@ void AlertEngine::Evaluate(RunState& run, AlertRecord& record, const Series& tri
   }
 }
 
+bool AlertEngine::Anomalous(const AlertRecord& record) {
+  if (record.alert.state == AlertState::kFiring) return true;
+  for (const Series* s : record.series) {
+    if (s->detector.state() == SeriesState::kAnomalous) return true;
+  }
+  return false;
+}
+
 bool AlertEngine::HeldForCorroboration(const RunState& run, const AlertRecord& record) const {
-  if (!config_.probable_cause.fp32_attention_needs_corroboration) return false;
   const AlertFamily family = FamilyOfAlert(record.alert.alertname);
+  if (family == AlertFamily::kCurvature) {
+    if (!config_.probable_cause.curvature_needs_corroboration) return false;
+    // Another kind of alert anomalous now: fired, or confirmed and held
+    // itself (an fp32 attention alert; the two holds release each other).
+    for (const auto& [key, other] : run.alerts) {
+      if (&other == &record || FamilyOfAlert(other.alert.alertname) == AlertFamily::kCurvature) {
+        continue;
+      }
+      if (other.alert.state != AlertState::kResolved && Anomalous(other)) return false;
+    }
+    return true;
+  }
+  if (!config_.probable_cause.fp32_attention_needs_corroboration) return false;
   if (family != AlertFamily::kQKSpectrum && family != AlertFamily::kAttentionLogits) return false;
   if (run.attention_bits.empty()) return false;
   for (const auto& [layer, bits] : run.attention_bits) {
@@ -482,8 +508,14 @@ bool AlertEngine::HeldForCorroboration(const RunState& run, const AlertRecord& r
   // or one that fired earlier in the run (then resolved: a loss spike).
   bool trouble_seen = false;
   for (const auto& [key, other] : run.alerts) {
-    if (!Corroborates(FamilyOfAlert(other.alert.alertname))) continue;
+    const AlertFamily other_family = FamilyOfAlert(other.alert.alertname);
+    if (!Corroborates(other_family)) continue;
     if (other.alert.state == AlertState::kFiring) return false;
+    // A curvature surge held for corroboration itself is the other kind.
+    if (other_family == AlertFamily::kCurvature && other.alert.state == AlertState::kPending &&
+        Anomalous(other)) {
+      return false;
+    }
     trouble_seen |= other.alert.state == AlertState::kResolved;
   }
   // A value far beyond its absolute bound (attention max logit 800 against
@@ -533,8 +565,8 @@ void AlertEngine::ReleaseHeld(RunState& run, int64_t step, std::vector<AlertTran
 
 void AlertEngine::OnFired(RunState& run, AlertRecord& fired, int64_t step,
                           std::vector<AlertTransition>& out) {
-  // Attention-side alerts held in an fp32 run fire with the first alert of another kind.
-  if (Corroborates(FamilyOfAlert(fired.alert.alertname))) ReleaseHeld(run, step, out);
+  // Held alerts (fp32 attention, curvature) fire with the first alert of another kind.
+  ReleaseHeld(run, step, out);
   const Alert& alert = fired.alert;
   // The episode's onset: the earliest first anomalous step of the series
   // that are anomalous now (a non-finite alert has no series: its step).
@@ -1093,6 +1125,7 @@ std::string ConfigFingerprint(const AlertConfig& config) {
   // Appended only when not the default, so that states saved before the
   // option existed keep their fingerprint.
   if (!pc.fp32_attention_needs_corroboration) w.PutString("fp32_attention_alone");
+  if (!pc.curvature_needs_corroboration) w.PutString("curvature_alone");
   return w.Take();
 }
 

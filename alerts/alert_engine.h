@@ -307,10 +307,13 @@ class AlertEngine {
   // re-annotates the run's alerts; firing alerts other than `fired` whose
   // annotations changed are appended to `out` as firing -> firing.
   void OnFired(RunState& run, AlertRecord& fired, int64_t step, std::vector<AlertTransition>& out);
-  // fp32 attention: an attention-side alert that must wait for another kind
-  // (ProbableCauseConfig::fp32_attention_needs_corroboration).
+  // An alert that must wait, pending, for another kind: attention-side in an
+  // fp32 run, or the curvature (ProbableCauseConfig::*_needs_corroboration).
   bool HeldForCorroboration(const RunState& run, const AlertRecord& record) const;
+  // The families whose alerts release an fp32 attention hold.
   static bool Corroborates(AlertFamily family);
+  // Firing, or with a series anomalous now (confirmed, though perhaps held).
+  static bool Anomalous(const AlertRecord& record);
   // Fires the held alerts whose series are anomalous (another kind fired).
   void ReleaseHeld(RunState& run, int64_t step, std::vector<AlertTransition>& out);
   bool RefreshCause(const RunState& run, AlertRecord& record,

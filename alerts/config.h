@@ -36,6 +36,7 @@
 //       lr_baseline_steps: 1000
 //       lr_baseline_gap_steps: 100
 //       fp32_attention_needs_corroboration: true
+//       curvature_needs_corroboration: true
 //
 // Unknown keys, wrong types and out-of-range values are errors that name the
 // key and its line.
@@ -142,6 +143,14 @@ struct ProbableCauseConfig {
   // have no mechanism of their own, and heads that specialize (a copy task,
   // induction heads) move them in healthy training.
   bool fp32_attention_needs_corroboration = true;
+  // The curvature alert waits, pending, until an alert of another kind is
+  // anomalous in the run (fired, or itself held): a surge of the estimated
+  // sharpness alone is often an edge-of-stability excursion that the
+  // optimizer resolves by itself (the catapult) with no effect on the loss.
+  // On the evaluation's draws, every curvature alert that fired on a healthy
+  // run was such an excursion, and the curvature was the first warning of a
+  // real fault once in 110 runs (docs/EVALUATION.md).
+  bool curvature_needs_corroboration = true;
 };
 
 struct AlertConfig {

@@ -48,6 +48,14 @@ AlertConfig WithAttentionAlerts() {
   return config;
 }
 
+// The curvature series rule alone, without its hold for another kind of
+// alert (tested on its own: CurvatureAloneIsHeldUntilAnotherKindIsAnomalous).
+AlertConfig CurvatureAlone() {
+  AlertConfig config = WithAttentionAlerts();
+  config.probable_cause.curvature_needs_corroboration = false;
+  return config;
+}
+
 // Drives an engine and keeps every transition it returned.
 class EngineDriver {
  public:
@@ -300,7 +308,7 @@ TEST(AlertEngineTest, ExpertsThatDieDuringTrainingFireRouterCollapseAfterWarmup)
 }
 
 TEST(AlertEngineTest, CurvatureAtOrAboveTheEdgeIsNormalOnlyASustainedSurgeFires) {
-  EngineDriver driver;
+  EngineDriver driver(CurvatureAlone());
   // rho hovers around the edge and above it, as healthy Adam training does,
   // with the noise of small-batch estimates (0.6x to 1.8x its level).
   ASSERT_LT(Warmup("curvature_eos_ratio"), 50);
@@ -324,6 +332,63 @@ TEST(AlertEngineTest, CurvatureAtOrAboveTheEdgeIsNormalOnlyASustainedSurgeFires)
   EXPECT_EQ(transitions.back().to, AlertState::kFiring);
   EXPECT_EQ(transitions.back().step, 620);
   EXPECT_EQ(transitions.back().alert.probable_cause, "learning_rate_too_high");
+}
+
+// A curvature surge alone is often an edge-of-stability excursion that the
+// optimizer resolves by itself, with a flat loss (two healthy runs of the
+// second preregistered draw): it waits, pending and saying why, for another
+// kind of alert, and fires with it, its onset kept as evidence.
+TEST(AlertEngineTest, CurvatureAloneIsHeldUntilAnotherKindIsAnomalous) {
+  EngineDriver driver(DefaultAlertConfig());
+  // r1: an excursion of 10 estimates, then back: pending, never firing.
+  driver.Fault("r1", "curvature_eos_ratio", kNoLayer, 1000, 0.5, 2.5);
+  driver.Series("r1", "curvature_eos_ratio", kNoLayer, 1100, 30, 0.5);
+  const auto alone = driver.StateChanges(kCurvatureAboveEdge, "all");
+  ASSERT_FALSE(alone.empty());
+  EXPECT_EQ(alone[0].to, AlertState::kPending);
+  EXPECT_EQ(alone[0].step, 1000);
+  for (const AlertTransition& t : alone) EXPECT_NE(t.to, AlertState::kFiring) << t.step;
+  bool said_why = false;
+  for (const Alert& alert : driver.engine.AllAlerts("r1")) {
+    said_why |= alert.alertname == kCurvatureAboveEdge &&
+                alert.description.find("Held: a curvature surge alone") != std::string::npos;
+  }
+  EXPECT_TRUE(said_why);
+  EXPECT_TRUE(driver.engine.ActiveAlerts().empty() ||
+              driver.engine.ActiveAlerts()[0].state != AlertState::kFiring);
+
+  // r2: the same surge, and the loss spikes 30 steps after its onset: the
+  // curvature fires with the loss spike, as the learning rate's evidence.
+  driver.Series("r2", "curvature_eos_ratio", kNoLayer, 400, 60, 0.5);
+  driver.Series("r2", "curvature_eos_ratio", kNoLayer, 1000, 3, 2.5);  // confirmed at 1020: held
+  ASSERT_EQ(driver.StateChanges(kCurvatureAboveEdge, "all").size(), alone.size() + 1);
+  driver.Series("r2", "loss", kNoLayer, 880, 150, 2.0, 1);
+  driver.Series("r2", "loss", kNoLayer, 1030, 10, 4.0, 1);
+  std::vector<AlertTransition> r2;
+  for (const AlertTransition& t : driver.StateChanges(kCurvatureAboveEdge, "all")) {
+    if (t.alert.run == "r2") r2.push_back(t);
+  }
+  ASSERT_EQ(r2.size(), 2u);
+  EXPECT_EQ(r2[0].to, AlertState::kPending);
+  EXPECT_EQ(r2[1].to, AlertState::kFiring);
+  EXPECT_EQ(r2[1].alert.first_step, 1000);
+  EXPECT_EQ(r2[1].alert.description.find("Held: "), std::string::npos);
+  const auto spike = driver.StateChanges(kLossSpike, "all");
+  ASSERT_FALSE(spike.empty());
+  ASSERT_EQ(spike.back().to, AlertState::kFiring);
+  EXPECT_EQ(r2[1].step, spike.back().step);
+  EXPECT_EQ(driver.engine.RunProbableCause("r2"), ProbableCause::kLearningRateTooHigh);
+
+  // r3: another kind already firing (a router collapse): the surge fires at once.
+  driver.Fault("r3", "router_entropy", 1, 990, 0.9, 0.5);
+  driver.Fault("r3", "curvature_eos_ratio", kNoLayer, 1000, 0.5, 2.5);
+  std::vector<AlertTransition> r3;
+  for (const AlertTransition& t : driver.StateChanges(kCurvatureAboveEdge, "all")) {
+    if (t.alert.run == "r3") r3.push_back(t);
+  }
+  ASSERT_FALSE(r3.empty());
+  EXPECT_EQ(r3.back().to, AlertState::kFiring);
+  EXPECT_EQ(r3.back().step, 1020);
 }
 
 TEST(AlertEngineTest, AttentionMaxLogitBoundFiresWithoutABaselineChange) {
@@ -446,7 +511,7 @@ TEST(AlertEngineTest, ProbableCauseFromTheRunsAlertFamilies) {
       {"router_load_cv", {0.3, 0.9}},
       {"loss", {2.0, 4.0}}};
   for (const Case& c : cases) {
-    EngineDriver driver;
+    EngineDriver driver(CurvatureAlone());  // the cause rules, not the curvature's hold
     int64_t fault_step = 1000;
     for (const auto& [signal, layer] : c.faults) {
       const auto [normal, faulty] = levels.at(signal);
@@ -511,7 +576,7 @@ TEST(AlertEngineTest, EvidenceAfterTheOnsetWindowDoesNotChangeTheCause) {
 }
 
 TEST(AlertEngineTest, RunsAreIndependentAndCanBeForgotten) {
-  EngineDriver driver;
+  EngineDriver driver(CurvatureAlone());
   driver.Fault("a", "qk_increment_entropy", 0, 1000, 0.8, 0.4);
   driver.Fault("b", "curvature_eos_ratio", kNoLayer, 1000, 0.5, 2.5);
   const auto active = driver.engine.ActiveAlerts();

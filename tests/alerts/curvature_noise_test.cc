@@ -20,8 +20,11 @@ namespace {
 // Healthy runs with a firing, out of `runs`: `estimates` per run, the level
 // rising from 0.1 to 0.8 of the edge (progressive sharpening), times
 // lognormal noise of log-sd `sigma`, AR(1) `rho` between estimates.
-int RunsWithAFiring(const AlertConfig& config, int runs, int estimates, double sigma, double rho,
+int RunsWithAFiring(AlertConfig config, int runs, int estimates, double sigma, double rho,
                     uint64_t seed) {
+  // The series rule is what is judged here, not the hold for corroboration
+  // (a curvature surge alone waits for another kind: alert_engine_test.cc).
+  config.probable_cause.curvature_needs_corroboration = false;
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> unit(0.0, 1.0);
   int fired_runs = 0;
@@ -71,8 +74,9 @@ TEST(CurvatureNoiseTest, HealthySharpeningWithNoisyEstimatesRarelyLooksLikeASurg
 // training steps with a curvature estimate every `cadence` steps: the true
 // ratio `level(step)` times lognormal estimate noise of log-sd `sigma`, AR(1)
 // `ar` between consecutive estimates.
-int64_t FirstFiring(const AlertConfig& config, int cadence, int steps, double sigma, double ar,
+int64_t FirstFiring(AlertConfig config, int cadence, int steps, double sigma, double ar,
                     const std::function<double(int)>& level, std::mt19937_64& rng) {
+  config.probable_cause.curvature_needs_corroboration = false;  // the series rule alone
   std::normal_distribution<double> unit(0.0, 1.0);
   AlertEngine engine(config);
   double e = unit(rng);

@@ -55,6 +55,8 @@ class BacktestTest : public ::testing::Test {
     // These runs' LR jumps 10x: the learning-rate alert would come first
     // (its own test below); here the curvature is what is scored.
     options_.config.signals.erase("lr_over_held_max");
+    // The curvature alone is scored: no hold for another kind of alert.
+    options_.config.probable_cause.curvature_needs_corroboration = false;
   }
   void TearDown() override { fs::remove_all(dir_); }
 
