@@ -18,6 +18,7 @@ tap). SLOW_RANK sleeps 50 ms before every step, so that the others wait for
 it in every collective.
 """
 import faulthandler
+import gc
 import json
 import os
 import sys
@@ -275,7 +276,18 @@ def main():
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
+    # Tear the process group down while Python is fully alive. FSDP2's modules
+    # hold the gloo process group; left to interpreter finalization, its worker
+    # thread can free a finished collective's tensors then, and taking the GIL
+    # from that thread during finalization aborts the process (terminate, then
+    # SIGSEGV in the fault handler): seen once in CI and once in ~75 loaded
+    # runs here, a core dump showing c10d::ProcessGroupGloo::runLoop in
+    # TensorImpl::decref_pyobject. So: drop every module and optimizer, collect
+    # the cycles, then destroy the group, whose destructor joins its threads.
+    del model, inner, opt, monitor, sent, runs
+    gc.collect()
     dist.destroy_process_group()
+    gc.collect()
 
 
 if __name__ == "__main__":

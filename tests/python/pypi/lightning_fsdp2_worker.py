@@ -7,6 +7,7 @@ torch.distributed.run.
 
 Writes OUT_DIR/rank<r>.json: the monitor's stats, how the model was sharded,
 and the losses this rank trained on."""
+import gc
 import json
 import os
 import sys
@@ -15,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
@@ -74,6 +76,13 @@ def main():
         json.dump(dict(rank=rank, world=trainer.world_size, stats=callback.monitor.stats(),
                        collective=callback.monitor.probe_is_collective,
                        sharded=type(module.model).__name__, losses=module.losses), f)
+    # The gloo process group torn down while Python is fully alive, not at
+    # interpreter finalization (distributed_worker.py says why).
+    del trainer, module, callback, strategy, loader
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 if __name__ == "__main__":
