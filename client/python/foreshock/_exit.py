@@ -10,8 +10,8 @@ rank as failed. So each background worker registers here, and an atexit hook,
 which Python runs before finalization, stops them all and waits for them, for
 at most EXIT_WAIT_S in total.
 
-A worker provides stop_now() (no flush: the process is leaving) and
-join(timeout).
+Workers derive from BackgroundWorker: stop_now() (no flush: the process is
+leaving), join(timeout) and is_alive().
 """
 import atexit
 import threading
@@ -23,6 +23,29 @@ EXIT_WAIT_S = 5.0
 
 _lock = threading.Lock()
 _workers = weakref.WeakSet()
+
+
+class BackgroundWorker:
+    """One thread (self._thread) that holds at most one gRPC call in flight
+    (self._call, under self._lock); _signal_stop() tells the thread to stop."""
+
+    def _signal_stop(self):
+        raise NotImplementedError
+
+    def stop_now(self):
+        """Stops the thread without flushing: cancels the call in flight."""
+        self._signal_stop()
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+    def join(self, timeout):
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def is_alive(self):
+        return self._thread.is_alive()
 
 
 def register(worker):

@@ -21,7 +21,7 @@ from foreshock.v1 import query_pb2, query_pb2_grpc
 log = logging.getLogger("foreshock")
 
 
-class AlertWatcher:
+class AlertWatcher(_exit.BackgroundWorker):
     """Streams foreshock.v1.Query/WatchAlerts for one run (or all, run="") to callbacks."""
 
     def __init__(self, endpoint, run, *, backoff_initial_s=0.2, backoff_max_s=5.0,
@@ -51,19 +51,8 @@ class AlertWatcher:
             _exit.register(self)  # stopped before the interpreter finalizes
             self._thread.start()
 
-    def stop_now(self):
+    def _signal_stop(self):
         self._stop.set()
-        with self._lock:
-            call = self._call
-        if call is not None:
-            call.cancel()
-
-    def join(self, timeout):
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-
-    def is_alive(self):
-        return self._thread.is_alive()
 
     def close(self, timeout=5.0):
         self.stop_now()

@@ -117,7 +117,7 @@ class _Stream:
         self.in_flight = {}  # seq -> number of records, sent on this stream, not acked
 
 
-class Sender:
+class Sender(_exit.BackgroundWorker):
     """Owns the sender thread. Thread-safe: stats() and close() may be called from anywhere."""
 
     def __init__(self, endpoint, hello, queue, *, max_unacked_bytes=64 << 20, on_settled=None,
@@ -164,20 +164,8 @@ class Sender:
         _exit.register(self)  # stopped before the interpreter finalizes
         self._thread.start()
 
-    def stop_now(self):
-        """Stops the thread without flushing: cancels the stream in flight."""
+    def _signal_stop(self):
         self._abort.set()
-        with self._lock:
-            call = self._call
-        if call is not None:
-            call.cancel()
-
-    def join(self, timeout):
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-
-    def is_alive(self):
-        return self._thread.is_alive()
 
     def stats(self):
         with self._lock:
