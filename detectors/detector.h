@@ -76,9 +76,16 @@ struct DetectorOptions {
   // Router: a token whose normalized routing entropy is below this counts as
   // low-entropy (router_low_entropy_fraction).
   double router_entropy_floor = 0.5;
-  // Router: an expert is dead when its mean load over this many samples of
-  // the same probe is below 0.1/E.
+  // Router: an expert is dead when its mean load over the dead-expert window
+  // of the same probe is below 0.1/E. The window spans at least
+  // router_dead_window_steps training steps and router_dead_window samples,
+  // and at most router_dead_window_max samples (what memory is reserved for).
+  // In steps, because a fixed sample count judged a probe taken every 5 steps
+  // on 40 steps of a small probe, where an expert a balanced router still
+  // uses can get no token for that long (docs/DESIGN.md §1.2).
   int router_dead_window = 8;
+  int64_t router_dead_window_steps = 200;
+  int router_dead_window_max = 64;
   // Router: an expert is overloaded when its load exceeds capacity_factor/E.
   double router_capacity_factor = 1.25;
 

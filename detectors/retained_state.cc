@@ -16,12 +16,14 @@ int64_t QKHeadRetainedBytes(int64_t tokens, int64_t head_dim, DType q_dtype, DTy
          (top_vector ? tokens * static_cast<int64_t>(sizeof(double)) : 0) + kRetainedOverheadBytes;
 }
 
-int64_t RouterRetainedBytes(int64_t tokens, int64_t experts, int64_t top_k, int dead_window) {
-  const int64_t window = std::max(1, dead_window);
+int64_t RouterRetainedBytes(int64_t tokens, int64_t experts, int64_t top_k,
+                            int dead_window_samples) {
+  const int64_t window = std::max(1, dead_window_samples);
   return tokens * top_k * static_cast<int64_t>(sizeof(int32_t)) +
          tokens * experts * static_cast<int64_t>(sizeof(float)) +
          tokens * static_cast<int64_t>(sizeof(double)) +
-         (window + 1) * experts * static_cast<int64_t>(sizeof(double)) + kRetainedOverheadBytes;
+         (window + 1) * experts * static_cast<int64_t>(sizeof(double)) +
+         window * static_cast<int64_t>(sizeof(int64_t)) + kRetainedOverheadBytes;
 }
 
 std::optional<RetainedFootprint> RetainedBy(const Sample& sample, const DetectorOptions& options) {
@@ -52,7 +54,9 @@ std::optional<RetainedFootprint> RetainedBy(const Sample& sample, const Detector
     if (shape.size() != 2) return std::nullopt;
     return RetainedFootprint{
         SampleKind::kRouter, router->layer, router->probe_id, true,
-        {{-1, RouterRetainedBytes(shape[0], shape[1], router->top_k, options.router_dead_window)}}};
+        {{-1, RouterRetainedBytes(shape[0], shape[1], router->top_k,
+                                 std::max(options.router_dead_window,
+                                          options.router_dead_window_max))}}};
   }
   return std::nullopt;
 }

@@ -37,7 +37,8 @@ int64_t QKHeadRetainedBytes(int64_t tokens, int64_t head_dim, DType q_dtype, DTy
                             int64_t k_sharers, bool top_vector);
 // One router series: the previous decisions (top-k indices, probabilities,
 // per-token entropy), the dead-expert window of loads and the peak loads.
-int64_t RouterRetainedBytes(int64_t tokens, int64_t experts, int64_t top_k, int dead_window);
+int64_t RouterRetainedBytes(int64_t tokens, int64_t experts, int64_t top_k,
+                            int dead_window_samples);
 
 // The state a probe leaves for its (kind, layer, probe_id) series once
 // processed. `whole` : the state replaces the series' (a router sample, a

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <deque>
+#include <limits>
 #include <map>
 #include <tuple>
 
@@ -80,9 +81,8 @@ class RouterDetector final : public Detector {
     RouterDecisions current;
     const RouterStats stats = ComputeRouterStats(logits_, tokens, experts, options, current);
     state.loads.push_back(stats.load);
-    while (static_cast<int>(state.loads.size()) > std::max(1, options_.router_dead_window)) {
-      state.loads.pop_front();
-    }
+    state.load_steps.push_back(sample.step);
+    TrimDeadWindow(state);
 
     const int layer = router.layer;
     auto emit = [&](std::string_view signal, double value) {
@@ -117,12 +117,14 @@ class RouterDetector final : public Detector {
     std::erase_if(states_, [&](const auto& entry) { return std::get<0>(entry.first) == run; });
   }
 
-  // State, version 2: U64 series count, then per series (in key order):
+  // State, version 3: U64 series count, then per series (in key order):
   //   run, I32 layer, probe_id, the previous decisions (I32 tokens, experts,
   //   top_k, Vector<i32> topk, Vector<float> probs, Vector<double> entropy),
   //   U64 window length, per sample Vector<double> expert load (oldest first),
   //   Vector<double> peak windowed load per expert (version 2; version 1
-  //   checkpoints start it from the saved window's mean).
+  //   checkpoints start it from the saved window's mean), Vector<i64> the
+  //   window's sample steps (version 3; older checkpoints' samples have no
+  //   step and leave the window as new samples come, down to its minimum).
   void SaveState(codec::StateWriter& writer) const override {
     writer.PutU32(kStateVersion);
     writer.PutU64(states_.size());
@@ -141,6 +143,7 @@ class RouterDetector final : public Detector {
       writer.PutU64(state.loads.size());
       for (const std::vector<double>& load : state.loads) writer.PutVector(load);
       writer.PutVector(state.peak);
+      writer.PutVector(std::vector<int64_t>(state.load_steps.begin(), state.load_steps.end()));
     }
   }
 
@@ -149,7 +152,7 @@ class RouterDetector final : public Detector {
       const auto& [run, layer, probe_id] = key;
       const RouterDecisions& d = state.previous;
       visit(run, kKind, layer, probe_id, -1,
-            RouterRetainedBytes(d.tokens, d.experts, d.top_k, options_.router_dead_window));
+            RouterRetainedBytes(d.tokens, d.experts, d.top_k, MaxWindowSamples()));
     }
   }
 
@@ -168,9 +171,31 @@ class RouterDetector final : public Detector {
   struct State {
     RouterDecisions previous;
     std::deque<std::vector<double>> loads;  // the dead-expert window
+    std::deque<int64_t> load_steps;         // the step of each, kNoStep if unknown
     std::vector<double> peak;  // highest windowed mean load per expert so far
   };
-  static constexpr uint32_t kStateVersion = 2;
+  static constexpr uint32_t kStateVersion = 3;
+  static constexpr int64_t kNoStep = std::numeric_limits<int64_t>::min();
+
+  int MinWindowSamples() const { return std::max(1, options_.router_dead_window); }
+  int MaxWindowSamples() const {
+    return std::max(MinWindowSamples(), options_.router_dead_window_max);
+  }
+
+  // Drops the oldest sample while the rest still span the window's steps
+  // (and hold its minimum samples), or while the window is over its maximum.
+  void TrimDeadWindow(State& state) const {
+    const size_t min_samples = static_cast<size_t>(MinWindowSamples());
+    const size_t max_samples = static_cast<size_t>(MaxWindowSamples());
+    while (state.loads.size() > max_samples ||
+           (state.loads.size() > min_samples &&
+            (state.load_steps[1] == kNoStep ||
+             state.load_steps.back() - state.load_steps[1] >=
+                 options_.router_dead_window_steps))) {
+      state.loads.pop_front();
+      state.load_steps.pop_front();
+    }
+  }
 
   bool ReadStates(codec::StateReader& reader, const SeriesFilter& keep,
                   std::map<Key, State>& restored) const {
@@ -180,7 +205,6 @@ class RouterDetector final : public Detector {
         !reader.GetCount(count)) {
       return false;
     }
-    const size_t window = static_cast<size_t>(std::max(1, options_.router_dead_window));
     for (uint64_t i = 0; i < count; ++i) {
       std::string run, probe_id;
       int32_t layer = 0;
@@ -218,8 +242,21 @@ class RouterDetector final : public Detector {
       } else {
         state.peak = MeanLoads(state.loads);
       }
-      // A shorter dead-expert window than when saved keeps the newest loads.
-      while (state.loads.size() > window) state.loads.pop_front();
+      if (version >= 3) {
+        std::vector<int64_t> steps;
+        if (!reader.GetVector(steps)) return false;
+        if (steps.size() != state.loads.size()) {
+          return reader.Fail("dead-expert window steps do not match its samples");
+        }
+        state.load_steps.assign(steps.begin(), steps.end());
+      } else {
+        state.load_steps.assign(state.loads.size(), kNoStep);
+      }
+      // A smaller dead-expert window than when saved keeps the newest loads.
+      while (state.loads.size() > static_cast<size_t>(MaxWindowSamples())) {
+        state.loads.pop_front();
+        state.load_steps.pop_front();
+      }
       Key key{std::move(run), layer, std::move(probe_id)};
       if (keep && !keep(std::get<0>(key), layer)) continue;
       if (!restored.emplace(std::move(key), std::move(state)).second) {

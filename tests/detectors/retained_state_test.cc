@@ -93,7 +93,7 @@ TEST(RetainedStateTest, QKHeadBytesCountQAndItsShareOfK) {
   EXPECT_EQ(QKHeadRetainedBytes(64, 32, DType::kFloat32, DType::kFloat32, 1, false),
             8192 + 8192 + kRetainedOverheadBytes);
   EXPECT_EQ(RouterRetainedBytes(16, 8, 2, 8),
-            16 * 2 * 4 + 16 * 8 * 4 + 16 * 8 + 9 * 8 * 8 + kRetainedOverheadBytes);
+            16 * 2 * 4 + 16 * 8 * 4 + 16 * 8 + 9 * 8 * 8 + 8 * 8 + kRetainedOverheadBytes);
 }
 
 TEST(RetainedStateTest, ScalarsAndCurvatureRetainNothingPerProbe) {

@@ -133,6 +133,39 @@ TEST(RouterDetectorTest, ExpertsDeadFromTheStartAreNotDiedOnesThatDieAre) {
   EXPECT_EQ(emitter.Value("router_experts_died", 1), 1);
 }
 
+// The dead-expert window spans training steps, not a sample count: an
+// expert a balanced router leaves without tokens for 100 steps is not dead,
+// whether the probe comes every 5 steps or every 25; one left without tokens
+// for 300 steps has died at either cadence (docs/DESIGN.md §1.2).
+TEST(RouterDetectorTest, ExpertsDieOnTheSameStepsAtEveryProbeCadence) {
+  const int tokens = 16, experts = 4;
+  auto logits = [&](bool expert3_dark) {
+    std::vector<float> z(tokens * experts, 0.f);
+    for (int t = 0; t < tokens; ++t) {
+      z[t * experts + t % (expert3_dark ? 3 : 4)] = 5.f;  // top-1
+    }
+    return z;
+  };
+  // Dark from step 400 for `dark_steps`; what router_experts_died reads at
+  // its most over the run.
+  auto most_died = [&](int cadence, int dark_steps) {
+    auto detector = MakeDetector("router");
+    RecordingEmitter emitter;
+    double most = 0;
+    for (int step = 0; step <= 1000; step += cadence) {
+      emitter.Clear();
+      const bool dark = step >= 400 && step < 400 + dark_steps;
+      detector->Process(RouterSampleOf(logits(dark), tokens, experts, 1, step), emitter);
+      most = std::max(most, emitter.Value("router_experts_died", 1));
+    }
+    return most;
+  };
+  for (int cadence : {5, 10, 25}) {
+    EXPECT_EQ(most_died(cadence, 100), 0) << "every " << cadence;
+    EXPECT_EQ(most_died(cadence, 300), 1) << "every " << cadence;
+  }
+}
+
 TEST(RouterDetectorTest, NonFiniteLogitsAreCountedAndNotUsed) {
   auto detector = MakeDetector("router");
   RecordingEmitter emitter;
