@@ -10,7 +10,7 @@
 namespace foreshock::alerts {
 namespace {
 
-constexpr size_t kFamilyCount = static_cast<size_t>(AlertFamily::kRoundingBias) + 1;
+constexpr size_t kFamilyCount = static_cast<size_t>(AlertFamily::kRouterLogitGrowth) + 1;
 // Earlier attempts' alerts kept per run (the oldest go first).
 constexpr size_t kMaxEarlierAlerts = 4096;
 // The fp32 hold lets go of a guard signal this many times beyond its bound
@@ -605,7 +605,7 @@ void AlertEngine::OnFired(RunState& run, AlertRecord& fired, int64_t step,
     run.cause_evidence.clear();
   }
 
-  const AlertFamily family = FamilyOfAlert(alert.alertname);
+  const AlertFamily family = EvidenceFamilyOf(alert.alertname, alert.signal);
   int64_t& family_onset = run.family_onset[static_cast<size_t>(family)];
   if (family == AlertFamily::kConsequence || (family_onset >= 0 && family_onset <= onset)) return;
   family_onset = onset;
@@ -686,6 +686,8 @@ void AlertEngine::DeriveCause(RunState& run, int64_t fired_by) const {
   evidence.qk_spectrum = within(AlertFamily::kQKSpectrum, "QK increment collapse");
   evidence.attention_logits = within(AlertFamily::kAttentionLogits, "attention logit growth");
   evidence.router_collapse = within(AlertFamily::kRouterCollapse, "router collapse");
+  evidence.router_logit_growth =
+      within(AlertFamily::kRouterLogitGrowth, "router logit growth (z-loss, entropy)");
   evidence.router_imbalance = within(AlertFamily::kRouterImbalance, "router load imbalance");
   evidence.curvature = within(AlertFamily::kCurvature, "curvature above the edge");
   // A learning-rate surge and a measured rounding bias count whenever they
@@ -730,7 +732,8 @@ void AlertEngine::DeriveCause(RunState& run, int64_t fired_by) const {
   }
   // Did the attention logits move before anything pointed at the learning rate?
   int64_t learning_rate_onset = lr_rise_step;
-  for (AlertFamily f : {AlertFamily::kCurvature, AlertFamily::kRouterCollapse}) {
+  for (AlertFamily f : {AlertFamily::kCurvature, AlertFamily::kRouterCollapse,
+                        AlertFamily::kRouterLogitGrowth}) {
     const int64_t o = onset_of(static_cast<size_t>(f));
     const bool in = o >= 0 && o - mechanism_onset <= cfg.onset_window_steps;
     if (in && (learning_rate_onset < 0 || o < learning_rate_onset)) learning_rate_onset = o;
@@ -1251,20 +1254,24 @@ bool AlertEngine::RestoreState(std::string_view bytes, std::string* error) {
   auto read_run = [&](RunState& run) -> bool {
     uint32_t families = 0;
     if (!r.GetString(run.name) || !r.GetI64(run.latest_step) || !r.GetU32(families)) return false;
-    // Families were added over time: states saved before the rounding-bias
-    // family (the last) have one fewer, and those saved before the
-    // learning-rate family too lack that one, in the same order; a missing
-    // family reads as -1.
+    // Families were added over time: states saved before the router-logit
+    // family (the last) have one fewer, those saved before the rounding-bias
+    // family too lack that one, and those saved before the learning-rate
+    // family that one as well, in this order; a missing family reads as -1
+    // (a router z-loss or entropy alert restored from such a state stays
+    // router-collapse evidence).
     constexpr size_t kLearningRateIndex = static_cast<size_t>(AlertFamily::kLearningRate);
     constexpr size_t kRoundingBiasIndex = static_cast<size_t>(AlertFamily::kRoundingBias);
-    if (families > kFamilyCount || families + 2 < kFamilyCount) {
+    constexpr size_t kRouterLogitGrowthIndex = static_cast<size_t>(AlertFamily::kRouterLogitGrowth);
+    if (families > kFamilyCount || families + 3 < kFamilyCount) {
       return r.Fail("alert family count differs");
     }
     auto read_families = [&](std::array<int64_t, kFamilyCount>& values) {
       values.fill(-1);
       for (size_t f = 0; f < kFamilyCount; ++f) {
-        if (families < kFamilyCount && f == kRoundingBiasIndex) continue;
-        if (families + 1 < kFamilyCount && f == kLearningRateIndex) continue;
+        if (families < kFamilyCount && f == kRouterLogitGrowthIndex) continue;
+        if (families + 1 < kFamilyCount && f == kRoundingBiasIndex) continue;
+        if (families + 2 < kFamilyCount && f == kLearningRateIndex) continue;
         if (!r.GetI64(values[f])) return false;
       }
       return true;

@@ -28,6 +28,15 @@ AlertFamily FamilyOfAlert(std::string_view alertname) {
   return AlertFamily::kConsequence;
 }
 
+AlertFamily EvidenceFamilyOf(std::string_view alertname, std::string_view signal) {
+  const AlertFamily family = FamilyOfAlert(alertname);
+  if (family == AlertFamily::kRouterCollapse &&
+      (signal == "router_z_loss" || signal == "router_entropy")) {
+    return AlertFamily::kRouterLogitGrowth;
+  }
+  return family;
+}
+
 ProbableCause ClassifyProbableCause(const CauseEvidence& evidence) {
   const bool attention = evidence.qk_spectrum || evidence.attention_logits;
   const bool precision =
@@ -35,13 +44,17 @@ ProbableCause ClassifyProbableCause(const CauseEvidence& evidence) {
       (!evidence.precision_ruled_out &&
        ((evidence.qk_spectrum && evidence.qk_before_learning_rate) ||
         (evidence.attention_logits && evidence.attention_before_learning_rate)));
-  // A router collapse is a symptom: with attention, curvature or LR evidence
-  // it points at the update size, alone it names no cause (a healthy MoE's
-  // router moves, and an alert from the router alone cannot tell why).
+  // Dead experts and flip surges are symptoms: with attention, curvature or
+  // LR evidence they point at the update size, alone they name no cause (a
+  // MoE without load balancing sheds experts at a healthy LR).
   const bool router_points_at_lr =
       evidence.router_collapse && (attention || evidence.curvature || evidence.lr_rise);
+  // Growing router logits (z-loss up, routing entropy down) at the onset are
+  // the update size's own mark: an attention precision fault leaves the router
+  // quiet until the run is already unstable (docs/DESIGN.md §5.3).
   // With fp32 attention an attention instability is the update size's doing.
   const bool learning_rate = evidence.lr_rise || evidence.curvature || router_points_at_lr ||
+                             evidence.router_logit_growth ||
                              (evidence.precision_ruled_out && attention);
   if (precision && learning_rate) return ProbableCause::kCombined;
   if (learning_rate) return ProbableCause::kLearningRateTooHigh;

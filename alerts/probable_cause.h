@@ -5,7 +5,9 @@
 //   qk spectrum      ForeshockQKIncrementCollapse: the QK increment concentrates
 //                    in a few directions (entropy drop, top-1 share rise)
 //   attention logits ForeshockAttentionLogitGrowth, ForeshockAttentionEntropyCollapse
-//   router collapse  ForeshockRouterCollapse (entropy drop, flip surge, z-loss, dead experts)
+//   router logit     ForeshockRouterCollapse from router_z_loss (rise) or
+//     growth         router_entropy (drop): the router's logits grow and sharpen
+//   router collapse  ForeshockRouterCollapse from the rest (flip surge, dead experts)
 //   router imbalance ForeshockRouterImbalance (load CV, MaxVio)
 //   curvature        ForeshockCurvatureAboveEdge (rho surge or rho > 1)
 //   LR rise          ForeshockLearningRateSurge (the LR the run streams,
@@ -25,9 +27,10 @@
 //                   began before any learning-rate evidence (the LR had not
 //                   yet risen, and neither the curvature nor the router had
 //                   alerted),
-//       learning rate = LR rise or curvature, or router collapse together
-//                       with attention, curvature or LR-rise evidence (a
-//                       router collapse alone names no cause: unknown),
+//       learning rate = LR rise or curvature or router logit growth, or
+//                       router collapse together with attention, curvature
+//                       or LR-rise evidence (a router collapse alone names
+//                       no cause: unknown),
 //       attention = qk spectrum or attention logits,
 // first match wins:
 //
@@ -89,15 +92,25 @@ enum class AlertFamily : uint8_t {
   // ForeshockAttentionRoundingBias: the attention output measured against an
   // fp32 reference (after kConsequence: checkpoints list families in this order).
   kRoundingBias,
+  // ForeshockRouterCollapse raised by router_z_loss or router_entropy: the
+  // router's logits grow and sharpen, which is what an oversized update does
+  // to every logit. Evidence only (its alert is a router collapse); the last
+  // family, for the same checkpoint reason.
+  kRouterLogitGrowth,
 };
 
 // The family of one of the docs/DESIGN.md §5.1 alert names (kConsequence for others).
 AlertFamily FamilyOfAlert(std::string_view alertname);
+// The family an alert is evidence of: its alert's family, except a router
+// collapse read from the router's logits (z-loss, entropy), which is
+// kRouterLogitGrowth.
+AlertFamily EvidenceFamilyOf(std::string_view alertname, std::string_view signal);
 
 struct CauseEvidence {
   bool qk_spectrum = false;
   bool attention_logits = false;
-  bool router_collapse = false;
+  bool router_collapse = false;  // dead experts, flip surges
+  bool router_logit_growth = false;  // router z-loss rise, router entropy drop
   bool router_imbalance = false;  // recorded for completeness; no rule depends on it
   bool curvature = false;
   bool lr_rise = false;

@@ -478,7 +478,19 @@ TEST(AlertEngineTest, ProbableCauseFromTheRunsAlertFamilies) {
        {{"qk_increment_entropy", 3}, {"attention_max_logit", 4}},
        "low_precision_attention"},
       {"curvature only", {{"curvature_eos_ratio", kNoLayer}}, "learning_rate_too_high"},
-      {"router collapse only: no evidence of a cause", {{"router_entropy", 1}}, "unknown"},
+      {"router logits growing only (entropy falls): the update size",
+       {{"router_entropy", 1}},
+       "learning_rate_too_high"},
+      {"experts dying only: no evidence of a cause", {{"router_experts_died", 1}}, "unknown"},
+      {"experts dying and curvature",
+       {{"router_experts_died", 1}, {"curvature_eos_ratio", kNoLayer}},
+       "learning_rate_too_high"},
+      {"experts dying, then attention logits",
+       {{"router_experts_died", 1}, {"attention_max_logit", 2}},
+       "learning_rate_too_high"},
+      {"QK spectrum, then router logits: both at fault",
+       {{"qk_increment_entropy", 2}, {"router_entropy", 1}},
+       "combined"},
       {"router collapse and curvature",
        {{"router_entropy", 1}, {"curvature_eos_ratio", kNoLayer}},
        "learning_rate_too_high"},
@@ -508,6 +520,7 @@ TEST(AlertEngineTest, ProbableCauseFromTheRunsAlertFamilies) {
       {"attention_entropy", {2.0, 1.0}},
       {"curvature_eos_ratio", {0.5, 2.5}},
       {"router_entropy", {0.9, 0.5}},
+      {"router_experts_died", {0, 2}},
       {"router_load_cv", {0.3, 0.9}},
       {"loss", {2.0, 4.0}}};
   for (const Case& c : cases) {
@@ -718,9 +731,9 @@ TEST(AlertEngineTest, ARoundingBiasAfterASettledLearningRateCauseMakesItCombined
   }
 }
 
-// Checkpoints written before the rounding-bias family (7 families), and before
-// the learning-rate family too (6), still restore: the missing families read
-// as never fired.
+// Checkpoints written before the router-logit family (8 families), before the
+// rounding-bias family too (7), and before the learning-rate family as well
+// (6), still restore: the missing families read as never fired.
 TEST(AlertEngineTest, RestoresCheckpointsSavedWithFewerAlertFamilies) {
   EngineDriver driver(DefaultAlertConfig());
   driver.Fault("rold", "qk_increment_entropy", 3, 1000, 0.8, 0.4);
@@ -734,7 +747,7 @@ TEST(AlertEngineTest, RestoresCheckpointsSavedWithFewerAlertFamilies) {
   const size_t count_at = at + name.size() + 8;
   uint32_t families = 0;
   std::memcpy(&families, state.data() + count_at, 4);
-  ASSERT_EQ(families, 8u);
+  ASSERT_EQ(families, 9u);
   // Drops families `dropped` (indices, ascending) from both arrays.
   auto older = [&](std::vector<size_t> dropped) {
     const size_t arrays_at = count_at + 4;
@@ -752,8 +765,10 @@ TEST(AlertEngineTest, RestoresCheckpointsSavedWithFewerAlertFamilies) {
   };
   const size_t learning_rate = static_cast<size_t>(AlertFamily::kLearningRate);
   const size_t rounding_bias = static_cast<size_t>(AlertFamily::kRoundingBias);
+  const size_t router_logits = static_cast<size_t>(AlertFamily::kRouterLogitGrowth);
   for (const std::vector<size_t>& dropped :
-       {std::vector<size_t>{rounding_bias}, std::vector<size_t>{learning_rate, rounding_bias}}) {
+       {std::vector<size_t>{router_logits}, std::vector<size_t>{rounding_bias, router_logits},
+        std::vector<size_t>{learning_rate, rounding_bias, router_logits}}) {
     AlertEngine restored(DefaultAlertConfig());
     std::string error;
     ASSERT_TRUE(restored.RestoreState(older(dropped), &error)) << error;

@@ -110,6 +110,29 @@ TEST(ProbableCauseTest, ARoundingBiasIsPrecisionEvidenceInAnyOrder) {
   EXPECT_EQ(ClassifyProbableCause(with_curvature), ProbableCause::kCombined);
 }
 
+// Router logits growing (z-loss up, routing entropy down) are the update
+// size's mark on their own; the router collapse's other signals are not.
+TEST(ProbableCauseTest, RouterLogitGrowthNamesTheLearningRateOnItsOwn) {
+  EXPECT_EQ(EvidenceFamilyOf(kRouterCollapse, "router_z_loss"), AlertFamily::kRouterLogitGrowth);
+  EXPECT_EQ(EvidenceFamilyOf(kRouterCollapse, "router_entropy"), AlertFamily::kRouterLogitGrowth);
+  EXPECT_EQ(EvidenceFamilyOf(kRouterCollapse, "router_experts_died"), AlertFamily::kRouterCollapse);
+  EXPECT_EQ(EvidenceFamilyOf(kRouterCollapse, "router_flip_rate"), AlertFamily::kRouterCollapse);
+  EXPECT_EQ(EvidenceFamilyOf(kAttentionLogitGrowth, "router_z_loss"),
+            AlertFamily::kAttentionLogits);
+  CauseEvidence logits;
+  logits.router_logit_growth = true;
+  EXPECT_EQ(ClassifyProbableCause(logits), ProbableCause::kLearningRateTooHigh);
+  CauseEvidence after_qk = logits;  // the QK spectrum collapsed first: both at fault
+  after_qk.qk_spectrum = after_qk.qk_before_learning_rate = true;
+  EXPECT_EQ(ClassifyProbableCause(after_qk), ProbableCause::kCombined);
+  CauseEvidence before_qk = logits;  // the QK spectrum followed: the update size
+  before_qk.qk_spectrum = true;
+  EXPECT_EQ(ClassifyProbableCause(before_qk), ProbableCause::kLearningRateTooHigh);
+  CauseEvidence died;  // dead experts alone: no cause
+  died.router_collapse = true;
+  EXPECT_EQ(ClassifyProbableCause(died), ProbableCause::kUnknown);
+}
+
 TEST(ProbableCauseTest, AnnotationValuesAreTheDesignNames) {
   EXPECT_EQ(ProbableCauseName(ProbableCause::kLowPrecisionAttention), "low_precision_attention");
   EXPECT_EQ(ProbableCauseName(ProbableCause::kLearningRateTooHigh), "learning_rate_too_high");
