@@ -53,7 +53,9 @@ class Router(nn.Module):
 
 
 # Router series start at training step 200 (warmup_steps), then need their
-# 12-sample warm-up: 300 probes, one per step, leave ~90 scored.
+# 12-sample warm-up: 300 probes, one per step, leave ~90 scored. The
+# dead-expert window holds up to 64 probes (200 steps, capped at 64 samples),
+# so an expert that dies at 250 is judged dead some 60 probes later.
 def _moe_run(daemon, run, die_at=None, probes=300):
     model = Router()
     monitor = Monitor(daemon.endpoint, run_id=run, job="test", model=model,
@@ -81,7 +83,7 @@ def test_experts_dead_from_initialization_raise_no_alert(foreshockd):
 
 
 def test_experts_that_die_during_training_are_a_collapse(foreshockd):
-    alerts = _moe_run(foreshockd, "moe-dying", die_at=250)
+    alerts = _moe_run(foreshockd, "moe-dying", die_at=250, probes=420)
     collapse = [a for a in alerts if a["alertname"] == "ForeshockRouterCollapse"]
     assert collapse and collapse[0]["signal"] == "router_experts_died", alerts
     assert int(collapse[0]["first_step"]) >= 250
