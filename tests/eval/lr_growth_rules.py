@@ -20,10 +20,12 @@ warned before divergence (the candidate or a shipped alert, whichever is
 first after the injection), LR faults among them, median lead, controls
 alarmed, faults alarmed before their injection by the candidate.
 
-    /work/main/build/venv-pypi/bin/python tests/eval/lr_growth_rules.py \
-        /work/corpus-cal1 /work/corpus-cal2 ...   # any recorded corpora
+    OPENBLAS_NUM_THREADS=1 build/venv-pypi/bin/python tests/eval/lr_growth_rules.py \
+        CORPUS1 CORPUS2 ...   # any recorded corpora
 
-It needs the foreshock.v1 Python stubs (the client's venv has them) and numpy.
+It needs the foreshock client (its stubs and decoder: the client's venv has
+them). Frames are not CRC-checked here: the backtest over the same files
+reports corrupt ones.
 """
 import argparse
 import itertools
@@ -37,21 +39,11 @@ import sys
 
 import numpy as np
 
+from foreshock.encoding import decode_tensor
 from foreshock.v1 import ingest_pb2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WARMUP, WINDOW = 200, 200
-
-
-def decode(tensor):
-    if tensor.dtype == ingest_pb2.BFLOAT16:
-        bits = np.frombuffer(tensor.data, dtype="<u2").astype(np.uint32) << 16
-        values = bits.view(np.float32)
-    elif tensor.dtype == ingest_pb2.FLOAT16:
-        values = np.frombuffer(tensor.data, dtype="<f2")
-    else:
-        values = np.frombuffer(tensor.data, dtype="<f4")
-    return values.astype(np.float64).reshape(list(tensor.shape))
 
 
 def stream_requests(path):
@@ -86,7 +78,7 @@ def update_sizes(path):
             if record.WhichOneof("payload") != "qk":
                 continue
             qk = record.qk
-            q, k = decode(qk.q), decode(qk.k)
+            q, k = decode_tensor(qk.q).astype(np.float64), decode_tensor(qk.k).astype(np.float64)
             heads, kv_heads = q.shape[0], k.shape[0]
             for row in range(heads):
                 kv = qk.kv_head_of[row] if len(qk.kv_head_of) else row // (heads // kv_heads)
