@@ -19,6 +19,8 @@ class FakeIngest(pb_grpc.IngestServicer):
         self.reject = reject          # record -> reason string or None
         self.fail_hellos = 0          # fail this many streams (UNAVAILABLE) instead of a HelloAck
         self.hello_delay_s = 0.0      # wait this long before answering a Hello
+        self.release_hellos = threading.Event()
+        self.release_hellos.set()     # clear() to hold every HelloAck back until set()
         # End this many streams as the daemon ends an idle one (DEADLINE_EXCEEDED
         # stream_idle_timeout), each when a batch arrives, without acking it.
         self.idle_end_on_batch = 0
@@ -35,6 +37,9 @@ class FakeIngest(pb_grpc.IngestServicer):
             if request.WhichOneof("kind") == "hello":
                 stream["hello"] = request.hello
                 time.sleep(self.hello_delay_s)
+                while not self.release_hellos.wait(0.05):
+                    if not context.is_active():
+                        return
                 with self.lock:
                     fail, self.fail_hellos = self.fail_hellos > 0, max(0, self.fail_hellos - 1)
                 if fail:

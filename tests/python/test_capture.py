@@ -558,15 +558,17 @@ def test_capture_qk_sends_grouped_query_k_once_per_group():
 def test_capture_qk_outside_the_probe_is_a_cheap_no_op():
     model = demo_model()
     monitor, records = make_monitor(model, torch.randint(0, 20, (1, 64)), every=1000)
+    # Cheap by construction, not by a timer: outside a probe forward it must
+    # not touch its arguments at all, so objects that raise on any use pass.
+    class Untouchable:
+        def __getattribute__(self, name):
+            raise AssertionError(f"capture_qk used its tensor outside a probe: .{name}")
+
     try:
-        q = k = torch.zeros(1, 4, 64, 16)
-        n = 20000
-        start = time.perf_counter()
-        for _ in range(n):
-            monitor.capture_qk(0, q, k)
-        per_call = (time.perf_counter() - start) / n
+        for _ in range(100):
+            monitor.capture_qk(0, Untouchable(), Untouchable())
+            monitor.check_attention_output(0, *(Untouchable() for _ in range(4)))
         assert records == []
-        assert per_call < 20e-6, f"capture_qk outside a probe took {per_call * 1e6:.2f} us"
     finally:
         monitor.close(timeout=0.1)
 

@@ -1,7 +1,9 @@
 """Delivery under daemon crashes: kill -9 and restart foreshockd while several
 clients ingest, then check that every record a client saw acknowledged is in
 the store exactly once, that no client crashed and that the training loop's
-enqueue never blocked.
+queue never overflowed. (That enqueueing never waits on the network is
+tested in test_sender.py by holding the network; its latency is measured by
+tests/bench/enqueue_latency.py.)
 
 Clients use the real background sender (foreshock.sender: unacked buffer,
 reconnect with backoff, resend with the same seqs) with synthetic step scalars
@@ -26,7 +28,6 @@ N_CLIENTS = 3
 KILL_CYCLES = 12
 QK_EVERY = 10
 STEP_S = 0.002
-ENQUEUE_BUDGET_S = 0.05  # the slowest put_nowait any training loop may see
 
 _QK = np.random.default_rng(0).standard_normal((2, 8, 4)).astype(np.float32)
 _QK_TENSOR = pb.Tensor(dtype=pb.FLOAT32, shape=[2, 8, 4], data=_QK.tobytes())
@@ -49,7 +50,6 @@ class Client:
                              self.queue, max_batch_bytes=2048, backoff_initial_s=0.05,
                              backoff_max_s=0.5, on_settled=self.on_settled)
         self.stop = threading.Event()
-        self.slowest_enqueue_s = 0.0
         self.steps = 0
         self.error = None
         self.thread = threading.Thread(target=self.train, name=f"train-{rank}")
@@ -70,10 +70,7 @@ class Client:
                     records.append(pb.Record(step=step, qk=pb.QKSample(
                         layer=0, probe_id="p", q=_QK_TENSOR, k=_QK_TENSOR, causal=True)))
                 for record in records:
-                    start = time.perf_counter()
                     queued = self.queue.put_nowait(record, record.ByteSize())
-                    self.slowest_enqueue_s = max(self.slowest_enqueue_s,
-                                                 time.perf_counter() - start)
                     assert queued, "the record queue overflowed"
                 step += 1
                 self.steps = step
@@ -121,7 +118,6 @@ def test_kill9_restarts_lose_and_duplicate_nothing_acknowledged(tmp_path):
             stats = client.sender.stats()
             assert client.error is None, client.error
             assert client.steps > 100, client.steps
-            assert client.slowest_enqueue_s < ENQUEUE_BUDGET_S, client.slowest_enqueue_s
             assert stats["unsent_at_close"] == 0 and stats["dropped_unacked"] == 0, stats
             assert stats["rejected"] == {}, stats
             # Every kill broke the stream; a restart that came back before the
@@ -156,7 +152,6 @@ def test_kill9_restarts_lose_and_duplicate_nothing_acknowledged(tmp_path):
         total = [c.sender.stats() for c in clients]
         print("resent records", sum(s["resent"] for s in total),
               "duplicate records", sum(s["duplicates"] for s in total),
-              "steps", [c.steps for c in clients],
-              "slowest enqueue ms", [round(c.slowest_enqueue_s * 1e3, 2) for c in clients])
+              "steps", [c.steps for c in clients])
     finally:
         daemon.stop()

@@ -75,16 +75,14 @@ def test_refused_connection_fails_at_once_in_one_line_exit_2(command):
     # Nothing listens there: the connection is refused, and that is the answer
     # at once, whatever --timeout_s (default 10 s) says.
     endpoint = f"127.0.0.1:{free_port()}"
-    started = time.monotonic()
-    out = ctl(*command, "--endpoint", endpoint)
-    took = time.monotonic() - started
+    # A ctl that waited out --timeout_s instead would hit ctl()'s own 30 s timeout.
+    out = ctl(*command, "--endpoint", endpoint, "--timeout_s", "600")
     assert out.returncode == 2, out
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
     assert endpoint in lines[0] and "cannot reach foreshockd" in lines[0], lines[0]
     assert "connection refused" in lines[0], lines[0]
     assert out.stdout == ""
-    assert took < 3, f"{command}: a refused connection took {took:.2f}s to report"
 
 
 @pytest.fixture
@@ -106,7 +104,7 @@ def test_silent_endpoint_is_waited_for_up_to_timeout_s(silent_endpoint, command)
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
     assert silent_endpoint in lines[0] and "no connection within 2 s" in lines[0], lines[0]
-    assert 1.8 <= took < 8, took
+    assert took >= 1.8, took  # it waited out its timeout; ctl()'s own timeout catches a hang
 
 
 def test_replay_into_an_unreachable_daemon_exits_2(tmp_path):
@@ -120,7 +118,6 @@ def test_replay_into_an_unreachable_daemon_exits_2(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and endpoint in lines[0] and "connection refused" in lines[0], out
     assert "--to" in lines[0], lines[0]  # the option that names the address
-    assert time.monotonic() - started < 3
 
 
 def test_usage_errors_exit_2_and_help_exits_0(tmp_path):
@@ -367,7 +364,9 @@ def test_replay_realtime_keeps_the_recorded_gaps_and_max_does_not(tmp_path):
 
         started = time.monotonic()
         out = ctl("replay", recording, "--to", target.endpoint, "--speed", "max", "--json")
-        assert time.monotonic() - started < 1.5
+        # Measured in the same run as the realtime replay: max does not sleep
+        # through the recording's 1.8 s span.
+        assert time.monotonic() - started < took - 1.0, (time.monotonic() - started, took)
         (result,) = json.loads(out.stdout)
         assert result["ok"] and result["accepted"] == 3
 

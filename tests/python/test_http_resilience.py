@@ -134,11 +134,12 @@ def test_idle_connections_do_not_block_scrapes(foreshockd):
         answered = 0
         while time.monotonic() < deadline:
             for path in ("/metrics", "/-/healthy", "/api/v1/runs"):
-                start = time.monotonic()
-                status, _, body = _get(port, path, timeout=1.0)
-                elapsed = time.monotonic() - start
+                # A request queued behind the idle connections would be served
+                # only when one of them times out (REQUEST_TIMEOUT_S); half of
+                # that as the socket's timeout tells the two apart on a busy
+                # machine too.
+                status, _, body = _get(port, path, timeout=REQUEST_TIMEOUT_S / 2)
                 assert status == 200, (path, status, body[:200])
-                assert elapsed < 1.0, (path, elapsed)
                 answered += 1
             time.sleep(0.1)
         # The attack was real: idle connections held workers all along.

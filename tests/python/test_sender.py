@@ -4,6 +4,8 @@ Whatever the network does, monitor.step must return at once, and every record
 must be accounted for: sent = acked + rejected + duplicates + still unacked
 (unacked batches are resent with their seqs on the next stream).
 """
+import socket
+import threading
 import time
 
 import pytest
@@ -27,6 +29,33 @@ def scalar_monitor(endpoint, **kwargs):
     return Monitor(endpoint, run_id="run-a", job="unit", rank=3, labels={"team": "x"},
                    model_info=ModelInfo(n_layers=2, n_heads=4, head_dim=8),
                    backoff_initial_s=0.02, backoff_max_s=0.2, **kwargs)
+
+
+# A liveness guard, not a latency bound: whatever the code under test could
+# wait on (an ack, a HelloAck, a TCP handshake) is held for longer than this,
+# so code that waited on it could not finish within the guard at all.
+LIVENESS_GUARD_S = 60
+
+
+def finishes_while_held(fn, still_held):
+    """Runs fn in a thread; True when it returned while still_held() was true."""
+    done = threading.Event()
+    errors = []
+
+    def run():
+        try:
+            fn()
+        except BaseException as e:  # reported by the assertion below
+            errors.append(e)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    finished = done.wait(LIVENESS_GUARD_S)
+    held = still_held()
+    assert not errors, errors
+    return finished and held
 
 
 def settled(stats):
@@ -153,16 +182,13 @@ def test_unacked_buffer_is_bounded_and_drops_the_oldest_without_blocking(server)
     server.servicer.release_acks.clear()  # hold every ack
     monitor = scalar_monitor(server.endpoint, max_batch_bytes=1, max_unacked_bytes=200)
     try:
-        slowest = 0.0
-        for step in range(50):
-            start = time.perf_counter()
-            monitor.step(step, loss=1.0)
-            slowest = max(slowest, time.perf_counter() - start)
+        # The 50 steps finish while every ack is held: step() never waits on one.
+        assert finishes_while_held(lambda: [monitor.step(s, loss=1.0) for s in range(50)],
+                                   lambda: not server.servicer.release_acks.is_set())
         assert wait_until(lambda: monitor.stats()["sent"] == 50)
         stats = monitor.stats()
         assert stats["dropped_unacked"] > 0
         assert stats["dropped_unacked"] + stats["unacked"] == 50
-        assert slowest < 0.05
         server.servicer.release_acks.set()
         assert wait_until(lambda: monitor.stats()["unacked"] == 0)
         # Acks of dropped batches settle nothing; the newest are acked.
@@ -171,38 +197,69 @@ def test_unacked_buffer_is_bounded_and_drops_the_oldest_without_blocking(server)
         monitor.close(timeout=5)
 
 
-def test_no_daemon_never_blocks_training_and_close_is_bounded():
+def test_no_daemon_never_blocks_training_and_counts_what_close_left_unsent():
     monitor = scalar_monitor(f"127.0.0.1:{free_port()}")  # nobody listens there
-    durations = []
     for step in range(200):
-        start = time.perf_counter()
         monitor.step(step, loss=1.0)
-        durations.append(time.perf_counter() - start)
         time.sleep(0.002)  # let the sender thread run its connection attempts meanwhile
-    # Loose bounds (about 30 us a step is typical) that leave room for a loaded machine.
-    assert sum(durations) < 0.5 and max(durations) < 0.25, \
-        f"step() took {sum(durations) * 1e3:.0f} ms in all, {max(durations) * 1e3:.0f} ms at most"
+    assert wait_until(lambda: monitor.stats()["failed_connects"] >= 2)
     stats = monitor.stats()
-    assert stats["failed_connects"] >= 2 and stats["reconnects"] == 0
+    assert stats["reconnects"] == 0
     assert not stats["connected"] and stats["sent"] == 0
-    start = time.perf_counter()
     monitor.close(timeout=0.5)
-    assert time.perf_counter() - start < 2.0
     stats = monitor.stats()
     assert stats["unsent_at_close"] == stats["enqueued"] == 200
     monitor.step(200, loss=1.0)
     assert monitor.stats()["dropped_after_close"] == 1
 
 
+def test_a_peer_that_never_speaks_http2_never_blocks_training_or_close():
+    # A TCP listener that accepts and then says nothing: the sender's connection
+    # attempt hangs in the handshake for as long as the peer stays silent.
+    # Training steps and close(timeout) must finish while it does; a step or a
+    # close that waited on the network could not.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        accepted = []
+        stop = threading.Event()
+
+        def accept_and_hold():
+            silent.settimeout(0.05)
+            while not stop.is_set():
+                try:
+                    accepted.append(silent.accept()[0])
+                except OSError:
+                    pass
+
+        acceptor = threading.Thread(target=accept_and_hold, daemon=True)
+        acceptor.start()
+        monitor = scalar_monitor(f"127.0.0.1:{silent.getsockname()[1]}")
+        try:
+            assert finishes_while_held(lambda: [monitor.step(s, loss=1.0) for s in range(200)],
+                                       lambda: not stop.is_set())
+            assert wait_until(lambda: accepted)  # the sender did reach the silent peer
+            assert finishes_while_held(lambda: monitor.close(timeout=0.5),
+                                       lambda: not stop.is_set())
+            stats = monitor.stats()
+            assert stats["acked_records"] == 0 and stats["unsent_at_close"] == 200, stats
+        finally:
+            stop.set()
+            acceptor.join(5)
+            for conn in accepted:
+                conn.close()
+            monitor.close(timeout=0)
+
+
 def test_a_daemon_that_does_not_answer_never_blocks_training(server):
-    server.servicer.hello_delay_s = 1.5  # the stream is open, the HelloAck late
+    server.servicer.release_hellos.clear()  # the stream is open, the HelloAck held
     monitor = scalar_monitor(server.endpoint)
     try:
-        start = time.perf_counter()
-        for step in range(100):
-            monitor.step(step, loss=1.0)
-        assert time.perf_counter() - start < 0.5
+        assert finishes_while_held(lambda: [monitor.step(s, loss=1.0) for s in range(100)],
+                                   lambda: not server.servicer.release_hellos.is_set())
+        assert wait_until(lambda: server.servicer.streams)  # the Hello is out, unanswered
         assert monitor.stats()["sent"] == 0  # nothing goes out before the HelloAck
+        server.servicer.release_hellos.set()
         assert wait_until(lambda: monitor.stats()["acked_records"] == 100)
     finally:
         monitor.close(timeout=5)
@@ -212,15 +269,12 @@ def test_full_queue_drops_and_counts_without_blocking():
     monitor = scalar_monitor(f"127.0.0.1:{free_port()}", queue_size=50)
     try:
         n = 5000
-        start = time.perf_counter()
         for step in range(n):
             monitor.step(step, loss=1.0)
-        per_step = (time.perf_counter() - start) / n
         stats = monitor.stats()
         # No stream ever opens, so nothing leaves the queue: exactly 50 fit.
         assert stats["enqueued"] == 50 and stats["queued"] == 50
         assert stats["dropped_queue_full"] == n - 50
-        assert per_step < 1e-3, f"a step with a full queue took {per_step * 1e6:.0f} us"
     finally:
         monitor.close(timeout=0.2)
 
@@ -296,10 +350,10 @@ def test_a_rank_another_sender_holds_is_retried_counted_and_never_blocks(start_f
         holder.step(0, loss=1.0)
         assert wait_until(lambda: holder.stats()["acked_records"] == 1)
         second = scalar_monitor(daemon.endpoint)
-        started = time.monotonic()
-        for step in range(1, 51):
-            second.step(step, loss=2.0)
-        assert time.monotonic() - started < 1.0  # training never waits on the refusal
+        # Training never waits on the refusal: the steps finish while the
+        # holder still holds the rank, so the second sender cannot connect.
+        assert finishes_while_held(lambda: [second.step(s, loss=2.0) for s in range(1, 51)],
+                                   lambda: holder.stats()["connected"])
         assert wait_until(lambda: second.stats()["rank_in_use"] >= 1, 10), second.stats()
         stats = second.stats()
         assert stats["acked_records"] == 0 and not stats["connected"], stats
@@ -326,7 +380,7 @@ _EXIT_CHILD = r"""
 import atexit, json, socket, sys, threading, time
 def check():
     alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("foreshock"))
-    print(json.dumps(dict(alive=alive, exit_s=time.monotonic() - ended)), flush=True)
+    print(json.dumps(dict(alive=alive)), flush=True)
 atexit.register(check)
 from foreshock import ModelInfo, Monitor
 hole = socket.socket()
@@ -342,7 +396,6 @@ for step in range(50):
 time.sleep(0.3)  # the stream attempts are in flight
 if mode != "unclosed":
     monitor.close(timeout=0.0)
-ended = time.monotonic()
 """
 
 
@@ -363,4 +416,3 @@ def test_client_threads_are_stopped_before_the_interpreter_finalizes(mode):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["alive"] == [], report
-    assert report["exit_s"] < 5.0 + 2.0, report  # bounded: _exit.EXIT_WAIT_S and slack

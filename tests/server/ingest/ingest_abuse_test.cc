@@ -137,9 +137,9 @@ TEST_F(IngestAbuseTest, HelloThenSilenceStreamsAreEndedAndCountedAndFreeTheirSlo
     EXPECT_TRUE(StartsWith(status.error_message(), "stream_idle_timeout: "))
         << status.error_message();
   }
-  const auto waited = Clock::now() - held;
-  EXPECT_GE(waited, milliseconds(300));
-  EXPECT_LT(waited, milliseconds(5000));
+  // Ended by the daemon's idle timeout (the status says so), not before it;
+  // no upper bound: a busy machine may take its time.
+  EXPECT_GE(Clock::now() - held, milliseconds(300));
   EXPECT_EQ(Rejected("stream_idle_timeout"), 8);
   ASSERT_TRUE(WaitFor([&] { return MetricValue(daemon_->registry(), "foreshock_ingest_active_streams") == 0; }));
   EXPECT_TRUE(GoodClientGetsAck("good"));
