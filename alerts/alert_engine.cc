@@ -356,12 +356,14 @@ void AlertEngine::Evaluate(RunState& run, AlertRecord& record, const Series& tri
     if (a.guard_flag) {
       text += internal::Cat(rise ? ", above" : ", below", " the absolute bound ", Num(*o.bound));
     }
+    // The counts at this series' sampling interval (reference_interval_steps).
+    const SampleCounts& n = series.detector.counts();
     if (confirmed) {
-      text += internal::Cat("; anomalous in ", o.persist_m, " of ", o.persist_n,
+      text += internal::Cat("; anomalous in ", n.persist_m, " of ", n.persist_n,
                             " samples since step ", a.onset_step, ".");
     } else {
-      text += internal::Cat("; ", a.anomalous_in_window, " of the last ", o.persist_n,
-                            " samples anomalous (", o.persist_m, " fire it), since step ",
+      text += internal::Cat("; ", a.anomalous_in_window, " of the last ", n.persist_n,
+                            " samples anomalous (", n.persist_m, " fire it), since step ",
                             a.onset_step, ".");
     }
     if (run.first_firing) {
@@ -500,6 +502,13 @@ bool AlertEngine::HeldForCorroboration(const RunState& run, const AlertRecord& r
   }
   if (!config_.probable_cause.fp32_attention_needs_corroboration) return false;
   if (family != AlertFamily::kQKSpectrum && family != AlertFamily::kAttentionLogits) return false;
+  // Attention logits past their absolute bound are never held (issue 33): in
+  // fp32 they have no precision mechanism, so their growth is the update
+  // size's mark (Wortsman et al. 2023), and DeriveCause names the learning
+  // rate. Holding them kept a run's earliest signal pending for hundreds of
+  // steps while it diverged. The hold only keeps fp32 from being diagnosed
+  // as a precision fault from changes of the QK spectrum and the entropy.
+  if (record.alert.alertname == kAttentionLogitGrowth) return false;
   if (run.attention_bits.empty()) return false;
   for (const auto& [layer, bits] : run.attention_bits) {
     if (bits < 32) return false;
@@ -1115,6 +1124,9 @@ std::string ConfigFingerprint(const AlertConfig& config) {
       w.PutString("warmup_steps");
       w.PutI32(o.warmup_steps);
     }
+    // Not reference_interval_steps: it only scales the counts a detector
+    // applies, and a restored state fits every scale (RestoreState checks the
+    // largest), so checkpoints from before it existed still restore.
   }
   w.PutBool(config.nonfinite.enabled);
   w.PutString(config.nonfinite.severity);

@@ -34,10 +34,42 @@ double MedianInPlace(std::vector<double>& values) {
 template <typename T>
 void PushBounded(std::vector<T>& values, T value, size_t capacity) {
   values.push_back(value);
-  if (values.size() > capacity) values.erase(values.begin());
+  // More than one when the capacity shrank (the sampling interval grew).
+  if (values.size() > capacity) {
+    values.erase(values.begin(), values.end() - static_cast<std::ptrdiff_t>(capacity));
+  }
 }
 
+// Cadence scaling (ChangeDetectorOptions::reference_interval_steps).
+constexpr double kMaxCountScale = 4.0;
+constexpr double kMinCountScale = 1.0 / 16;
+// Samples of the recent past whose step distances give the interval.
+constexpr size_t kIntervalSamples = 9;
+
 }  // namespace
+
+SampleCounts CountsForInterval(const ChangeDetectorOptions& o, double interval_steps) {
+  SampleCounts c{o.warmup, o.window, o.gap, o.min_baseline, o.persist_m, o.persist_n,
+                 o.clear_after};
+  if (o.reference_interval_steps <= 0 || !(interval_steps > 0)) return c;
+  const double scale = std::clamp(o.reference_interval_steps / interval_steps, kMinCountScale,
+                                  kMaxCountScale);
+  // A count shrinks no lower than `floor` (nor than it was configured).
+  auto scaled = [scale](int count, int floor) {
+    if (count <= 0) return count;
+    return std::max(std::min(count, floor), static_cast<int>(std::lround(count * scale)));
+  };
+  c.warmup = scaled(o.warmup, 3);
+  c.window = scaled(o.window, 8);
+  c.persist_m = scaled(o.persist_m, 2);
+  c.persist_n = std::max(c.persist_m, scaled(o.persist_n, 2));
+  c.gap = scaled(o.gap, 1);
+  // A collapse still confirms before it can enter its own baseline.
+  if (o.gap >= o.persist_n) c.gap = std::max(c.gap, c.persist_n);
+  c.min_baseline = std::min(scaled(o.min_baseline, 3), c.window);
+  c.clear_after = scaled(o.clear_after, 2);
+  return c;
+}
 
 std::string_view DirectionName(Direction direction) {
   return direction == Direction::kRise ? "rise" : "drop";
@@ -53,7 +85,9 @@ std::string_view SeriesStateName(SeriesState state) {
 }
 
 ChangeDetector::ChangeDetector(const ChangeDetectorOptions& options)
-    : options_(options), sign_(options.direction == Direction::kRise ? 1.0 : -1.0) {
+    : options_(options),
+      counts_(CountsForInterval(options, 0)),
+      sign_(options.direction == Direction::kRise ? 1.0 : -1.0) {
   core_.history.reserve(static_cast<size_t>(options_.window + options_.gap + 1));
   core_.flags.reserve(static_cast<size_t>(options_.persist_n + 1));
 }
@@ -94,18 +128,42 @@ ChangeAssessment ChangeDetector::Update(int64_t step, double value) {
   return last_;
 }
 
+double ChangeDetector::MeasuredInterval(int64_t step) const {
+  if (options_.reference_interval_steps <= 0) return 0;
+  const std::vector<int64_t>& steps = core_.history_steps;
+  const size_t from = steps.size() > kIntervalSamples ? steps.size() - kIntervalSamples : 0;
+  std::vector<double> distances;
+  distances.reserve(kIntervalSamples);
+  int64_t previous = std::numeric_limits<int64_t>::min();
+  auto add = [&](int64_t s) {
+    if (s == std::numeric_limits<int64_t>::min()) return;  // saved before steps were kept
+    if (previous != std::numeric_limits<int64_t>::min() && s > previous) {
+      distances.push_back(static_cast<double>(s - previous));
+    }
+    previous = s;
+  };
+  for (size_t i = from; i < steps.size(); ++i) add(steps[i]);
+  // While anomalous the history is frozen: the distance to the current step
+  // is the episode's length, not the cadence.
+  if (core_.state != SeriesState::kAnomalous) add(step);
+  if (distances.empty()) return 0;
+  return MedianInPlace(distances);
+}
+
 ChangeAssessment ChangeDetector::Score(int64_t step, double value) {
+  counts_ = CountsForInterval(options_, MeasuredInterval(step));
+  const SampleCounts& n = counts_;
   Core& c = core_;
   c.last_step = step;
   ++c.samples_seen;
-  const size_t history_capacity = static_cast<size_t>(options_.window + options_.gap);
+  const size_t history_capacity = static_cast<size_t>(n.window + n.gap);
 
   ChangeAssessment a;
   a.step = step;
   a.value = value;
   // The detector's own units: the value, or its log for multiplicative series.
   const double x = options_.log_scale ? std::log(std::max(value, kLogScaleFloor)) : value;
-  if (c.samples_seen <= options_.warmup) {
+  if (c.samples_seen <= n.warmup) {
     PushBounded(c.history, x, history_capacity);
     PushBounded(c.history_steps, step, history_capacity);
     a.disposition = ChangeAssessment::Disposition::kWarmup;
@@ -121,10 +179,11 @@ ChangeAssessment ChangeDetector::Score(int64_t step, double value) {
       a.z = delta / baseline->scale;
       const double effect = sign_ * delta;
       // The gate, wider for a young baseline (gate_inflation, relative to the full window).
-      const double n = static_cast<double>(core_.history.size() - static_cast<size_t>(options_.gap));
+      const double in_window =
+          static_cast<double>(core_.history.size() - static_cast<size_t>(n.gap));
       const double gate = options_.min_relative_change *
-                          (1.0 + options_.gate_inflation / n) /
-                          (1.0 + options_.gate_inflation / static_cast<double>(options_.window));
+                          (1.0 + options_.gate_inflation / in_window) /
+                          (1.0 + options_.gate_inflation / static_cast<double>(n.window));
       bool large_enough;
       if (options_.log_scale) {
         a.baseline = std::exp(baseline->level);
@@ -155,7 +214,7 @@ ChangeAssessment ChangeDetector::Score(int64_t step, double value) {
 
   if (c.state == SeriesState::kAnomalous) {
     c.consecutive_normal = anomalous ? 0 : c.consecutive_normal + 1;
-    if (c.consecutive_normal >= options_.clear_after) {
+    if (c.consecutive_normal >= n.clear_after) {
       // Cleared: start the next episode from scratch.
       c.state = SeriesState::kNormal;
       c.onset_step = -1;
@@ -164,7 +223,7 @@ ChangeAssessment ChangeDetector::Score(int64_t step, double value) {
       c.flags.clear();
     }
   } else {
-    PushBounded(c.flags, Flag{step, anomalous}, static_cast<size_t>(options_.persist_n));
+    PushBounded(c.flags, Flag{step, anomalous}, static_cast<size_t>(n.persist_n));
     int count = 0;
     int64_t earliest = -1;
     for (const Flag& flag : c.flags) {
@@ -173,7 +232,7 @@ ChangeAssessment ChangeDetector::Score(int64_t step, double value) {
     }
     a.anomalous_in_window = count;
     c.onset_step = earliest;
-    if (count >= options_.persist_m) {
+    if (count >= n.persist_m) {
       c.state = SeriesState::kAnomalous;
       c.consecutive_normal = 0;
       c.flags.clear();
@@ -229,12 +288,12 @@ void ChangeDetector::Rewind(int64_t from_step) {
 
 std::optional<ChangeDetector::Baseline> ChangeDetector::ComputeBaseline() const {
   const size_t history_size = core_.history.size();
-  const size_t gap = static_cast<size_t>(options_.gap);
+  const size_t gap = static_cast<size_t>(counts_.gap);
   if (history_size <= gap) return std::nullopt;
   const size_t length = history_size - gap;  // the window: history[0, length)
   const size_t min_length =
-      std::max<size_t>(3, options_.min_baseline > 0 ? static_cast<size_t>(options_.min_baseline)
-                                                    : static_cast<size_t>(options_.window) / 2);
+      std::max<size_t>(3, counts_.min_baseline > 0 ? static_cast<size_t>(counts_.min_baseline)
+                                                   : static_cast<size_t>(counts_.window) / 2);
   if (length < min_length) return std::nullopt;
 
   Baseline baseline = FitWindow(0, length);
@@ -343,8 +402,13 @@ void ChangeDetector::SaveState(codec::StateWriter& writer) const {
 }
 
 bool ChangeDetector::RestoreState(codec::StateReader& reader) {
-  const size_t history_capacity = static_cast<size_t>(options_.window + options_.gap);
-  const size_t flags_capacity = static_cast<size_t>(options_.persist_n);
+  // The largest the counts can be at any interval.
+  const SampleCounts largest =
+      options_.reference_interval_steps > 0
+          ? CountsForInterval(options_, options_.reference_interval_steps / kMaxCountScale)
+          : CountsForInterval(options_, 0);
+  const size_t history_capacity = static_cast<size_t>(largest.window + largest.gap);
+  const size_t flags_capacity = static_cast<size_t>(largest.persist_n);
   auto get_state = [&](SeriesState& state) {
     uint8_t byte = 0;
     if (!reader.GetU8(byte)) return false;
@@ -427,6 +491,7 @@ bool ChangeDetector::RestoreState(codec::StateReader& reader) {
   core_ = std::move(core);
   before_last_step_ = std::move(before);
   last_ = assessment;
+  counts_ = CountsForInterval(options_, MeasuredInterval(core_.last_step));
   return true;
 }
 

@@ -155,7 +155,33 @@ struct ChangeDetectorOptions {
   int clear_after = 10;
   // Absolute guard: anomalous while value > bound (kRise) or < bound (kDrop).
   std::optional<double> bound;
+  // Cadence (issue 33): the counts above (warmup, window, gap, min_baseline,
+  // persist_m, persist_n, clear_after) were calibrated on series sampled once
+  // every `reference_interval_steps` training steps. A series sampled at
+  // another interval (measured: the median step distance between its recent
+  // samples) scales them by reference / interval, so that they span the same
+  // training steps: a probe every 50 steps confirms a change on 2 samples
+  // (100 steps) instead of 3 of 5 (up to 250), a probe every 5 steps needs 6
+  // of 10 (50 steps) instead of 3 of 5 (25). Floors keep the noise
+  // protection (persistence at least 2 of 2 where it was more, a window of 8,
+  // a warm-up of 3) and the scale is capped at 4 (memory). At the reference
+  // interval nothing changes. 0: counts are in samples, whatever the cadence.
+  int reference_interval_steps = 0;
 };
+
+// The sample counts a detector uses at a given sampling interval (see
+// ChangeDetectorOptions::reference_interval_steps). interval <= 0 (not known
+// yet) or reference_interval_steps 0: the configured counts.
+struct SampleCounts {
+  int warmup = 0;
+  int window = 0;
+  int gap = 0;
+  int min_baseline = 0;
+  int persist_m = 0;
+  int persist_n = 0;
+  int clear_after = 0;
+};
+SampleCounts CountsForInterval(const ChangeDetectorOptions& options, double interval_steps);
 
 // The persistence state of one series.
 enum class SeriesState : uint8_t {
@@ -222,6 +248,8 @@ class ChangeDetector {
   }
 
   SeriesState state() const { return core_.state; }
+  // The counts in force at the series' measured sampling interval.
+  const SampleCounts& counts() const { return counts_; }
   // The last assessment that was scored or recorded (default before any).
   const ChangeAssessment& last() const { return last_; }
   const ChangeDetectorOptions& options() const { return options_; }
@@ -271,8 +299,12 @@ class ChangeDetector {
   // Median/MAD (with the clamped trend) of history[begin, end), extrapolated
   // to the sample after the history.
   Baseline FitWindow(size_t begin, size_t end) const;
+  // The median step distance between the series' recent samples (and `step`,
+  // the one being scored, unless the history is frozen); 0 when unknown.
+  double MeasuredInterval(int64_t step) const;
 
   ChangeDetectorOptions options_;
+  SampleCounts counts_;  // options_' counts at the measured interval
   double sign_;  // +1 rise, -1 drop
   Core core_;
   Core before_last_step_;  // core_ as it was before the latest step was scored

@@ -81,6 +81,11 @@ AlertConfig DefaultAlertConfig() {
     o.min_relative_change = 0.25;
     o.log_scale = true;
     o.bound = 100.0;
+    // The bound needs no baseline: judged from the 4th probe after step 200
+    // (issue 33: a run that diverged at step 250 had a max logit in the
+    // thousands at step 200, and the generic 12-probe warm-up held the alert
+    // back until step 320 at a probe every 10 steps, 800 at every 50).
+    o.warmup = 3;
   }
   add("attention_entropy", kAttentionEntropyCollapse, Direction::kDrop).min_relative_change = 0.40;
   config.signals.at("attention_entropy").enabled = false;
@@ -249,6 +254,25 @@ AlertConfig DefaultAlertConfig() {
         "curvature_eos_ratio"}) {
     config.signals.at(signal).detector.warmup_steps = 200;
   }
+  // Counts in training steps, not samples (issue 33): the probe signals' counts
+  // were calibrated at a probe every 10 steps (the calibration configurations
+  // probe every 10 or 20); a series sampled at another interval scales them
+  // to the same span of steps (ChangeDetectorOptions::reference_interval_steps).
+  // At a probe every 10 steps, and for the frozen CI corpus's tiny runs,
+  // nothing changes; at every 50 the QK and router alerts confirm on 2 probes
+  // (50 steps after the first anomalous one) and are scored from the 4th
+  // probe after step 200, not the 13th. Not the direct checks
+  // (attention_output_bias judges probes, not steps), not the step scalars,
+  // and not yet the curvature: its rule (3 estimates in a row on log rho) was
+  // tuned for the estimator's scatter per estimate across cadences
+  // (tests/alerts/curvature_noise_test.cc), and its redesign on lambda is
+  // issue 33's next step.
+  for (const char* signal :
+       {"qk_increment_entropy", "qk_increment_top1_share", "attention_max_logit",
+        "attention_entropy", "router_entropy", "router_flip_rate", "router_z_loss",
+        "router_experts_died", "router_dead_experts", "router_load_cv", "router_max_violation"}) {
+    config.signals.at(signal).detector.reference_interval_steps = 10;
+  }
   return config;
 }
 
@@ -278,8 +302,9 @@ struct BoolField {
   bool ChangeDetectorOptions::*member;
 };
 
-constexpr std::array<IntField, 8> kIntFields = {{
+constexpr std::array<IntField, 9> kIntFields = {{
     {"warmup", &ChangeDetectorOptions::warmup, 0, kMaxCount},
+    {"reference_interval_steps", &ChangeDetectorOptions::reference_interval_steps, 0, 1'000'000},
     {"warmup_steps", &ChangeDetectorOptions::warmup_steps, 0, 1'000'000'000},
     {"window", &ChangeDetectorOptions::window, 4, kMaxWindow},
     {"min_baseline", &ChangeDetectorOptions::min_baseline, 0, kMaxWindow},

@@ -137,11 +137,13 @@ struct ProbableCauseConfig {
   int64_t lr_baseline_steps = 1000;
   int64_t lr_baseline_gap_steps = 100;
   // In a run whose attention computes in fp32 (every layer's QKSample says
-  // so), the QK-spectrum and attention-logit alerts wait, pending, until an
+  // so), the QK-spectrum and attention-entropy alerts wait, pending, until an
   // alert of another kind fires in the run (curvature, router collapse,
   // learning-rate surge, loss spike, non-finite): without low precision they
   // have no mechanism of their own, and heads that specialize (a copy task,
-  // induction heads) move them in healthy training.
+  // induction heads) move them in healthy training. Attention logit growth
+  // past its bound is not held: in fp32 it is learning-rate evidence, and it
+  // fires with the learning rate named (issue 33).
   bool fp32_attention_needs_corroboration = true;
   // The curvature alert waits, pending, until an alert of another kind is
   // anomalous in the run (fired, or itself held): a surge of the estimated

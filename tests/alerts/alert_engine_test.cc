@@ -1036,51 +1036,41 @@ TEST(AlertEngineTest, TheCauseIsProvisionalUntilItSettles) {
   EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kCombined);
 }
 
-// Issue 26: in an fp32 run a loss spike fired and resolved, and attention max
-// logits of 800+ (bound 100) then stayed held ("this run computes attention
-// in fp32") while the run diverged. Far beyond its bound after the run showed
-// trouble, the value is not held any more.
-TEST(AlertEngineTest, ALogitFarBeyondItsBoundIsNotHeldOnceTheRunShowedTrouble) {
+// Issue 33: attention max logits past their bound in an fp32 run are the
+// update size's mark, not heads specializing: the alert fires on its own,
+// without waiting for another kind, and names the learning rate. (Before, it
+// was held: a Hugging Face run's max logit of 2,454 stayed pending for 300
+// steps while the run diverged.)
+TEST(AlertEngineTest, LogitGrowthInAnFp32RunFiresWithTheLearningRateNamed) {
   EngineDriver driver(DefaultAlertConfig());
   driver.Point("r1", 0, "attention_compute_bits", 0, 32);
-  // A loss spike that fires and resolves.
-  for (int64_t step = 0; step < 60; ++step) driver.Point("r1", step, "loss", kNoLayer, 2.0);
-  for (int64_t step = 60; step < 66; ++step) driver.Point("r1", step, "loss", kNoLayer, 4.0);
-  for (int64_t step = 66; step < 90; ++step) driver.Point("r1", step, "loss", kNoLayer, 2.0);
-  const auto spike = driver.StateChanges(kLossSpike, "all");
-  ASSERT_EQ(spike.size(), 3u);
-  EXPECT_EQ(spike.back().to, AlertState::kResolved);
-  // Logits above the bound, but not far: held (pending), as before.
   for (int64_t i = 0; i < 20; ++i) driver.Point("r1", 400 + 10 * i, "attention_max_logit", 0, 40);
-  for (int64_t i = 20; i < 25; ++i) driver.Point("r1", 400 + 10 * i, "attention_max_logit", 0, 150);
-  auto logit = driver.StateChanges(kAttentionLogitGrowth, "0");
-  ASSERT_EQ(logit.size(), 1u);
-  EXPECT_EQ(logit[0].to, AlertState::kPending);
-  for (const Alert& alert : driver.engine.AllAlerts("r1")) {
-    if (alert.alertname != kAttentionLogitGrowth) continue;
-    EXPECT_EQ(alert.state, AlertState::kPending);
-    EXPECT_NE(alert.description.find("Held: "), std::string::npos) << alert.description;
-  }
-  // 8x the bound: it fires.
-  driver.Point("r1", 650, "attention_max_logit", 0, 821);
-  logit = driver.StateChanges(kAttentionLogitGrowth, "0");
-  ASSERT_EQ(logit.size(), 2u);
-  EXPECT_EQ(logit[1].to, AlertState::kFiring);
-  EXPECT_EQ(logit[1].step, 650);
-  EXPECT_EQ(logit[1].alert.description.find("Held: "), std::string::npos);
+  for (int64_t i = 20; i < 26; ++i) driver.Point("r1", 400 + 10 * i, "attention_max_logit", 0, 150);
+  const auto logit = driver.StateChanges(kAttentionLogitGrowth, "0");
+  ASSERT_FALSE(logit.empty());
+  EXPECT_EQ(logit.back().to, AlertState::kFiring);
+  EXPECT_EQ(logit.back().alert.description.find("Held: "), std::string::npos)
+      << logit.back().alert.description;
+  EXPECT_EQ(logit.back().alert.probable_cause, "learning_rate_too_high");
+  EXPECT_NE(logit.back().alert.probable_cause_evidence.find("fp32"), std::string::npos)
+      << logit.back().alert.probable_cause_evidence;
+  EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kLearningRateTooHigh);
 }
 
-// Without any other sign of trouble an fp32 run's far-out logit stays held:
-// the hold's purpose (heads that specialize) is kept.
-TEST(AlertEngineTest, ALogitFarBeyondItsBoundStaysHeldInAQuietFp32Run) {
+// The hold still applies to the QK spectrum in fp32: a collapse alone stays
+// pending, and a diverging loss (another sign of trouble) releases it.
+TEST(AlertEngineTest, LossDivergingReleasesAHeldAttentionAlert) {
   EngineDriver driver(DefaultAlertConfig());
   driver.Point("r1", 0, "attention_compute_bits", 0, 32);
-  for (int64_t i = 0; i < 20; ++i) driver.Point("r1", 400 + 10 * i, "attention_max_logit", 0, 40);
-  for (int64_t i = 20; i < 26; ++i) driver.Point("r1", 400 + 10 * i, "attention_max_logit", 0, 821);
-  for (const AlertTransition& t : driver.transitions) EXPECT_NE(t.to, AlertState::kFiring);
-  // Held, not unseen: the alert is pending.
-  ASSERT_FALSE(driver.StateChanges(kAttentionLogitGrowth, "0").empty());
-  EXPECT_EQ(driver.StateChanges(kAttentionLogitGrowth, "0")[0].to, AlertState::kPending);
+  driver.Series("r1", "qk_increment_entropy", 0, 400, 60, 0.8);
+  driver.Series("r1", "qk_increment_entropy", 0, 1000, 4, 0.4);
+  ASSERT_FALSE(driver.StateChanges(kQKIncrementCollapse, "0").empty());
+  ASSERT_EQ(driver.StateChanges(kQKIncrementCollapse, "0").back().to, AlertState::kPending);
+  driver.Point("r1", 1035, "loss_over_running_min", kNoLayer, 1.5);
+  const auto qk = driver.StateChanges(kQKIncrementCollapse, "0");
+  ASSERT_FALSE(qk.empty());
+  ASSERT_EQ(qk.back().to, AlertState::kFiring);
+  EXPECT_EQ(qk.back().step, 1035);
 }
 
 // The last line (issue 26): the evaluation's divergence rule as an alert that
@@ -1115,22 +1105,6 @@ TEST(AlertEngineTest, LossDivergingFiresAtOnceAndStaysFiringUntilTheRunRecovers)
   EXPECT_EQ(t[1].to, AlertState::kResolved);
   // A consequence, not evidence: it names no cause by itself.
   EXPECT_EQ(t[0].alert.probable_cause, "unknown");
-}
-
-// A diverging loss is another sign of trouble: an attention alert held in an
-// fp32 run fires with it.
-TEST(AlertEngineTest, LossDivergingReleasesAHeldAttentionAlert) {
-  EngineDriver driver(DefaultAlertConfig());
-  driver.Point("r1", 0, "attention_compute_bits", 0, 32);
-  for (int64_t i = 0; i < 20; ++i) driver.Point("r1", 400 + 10 * i, "attention_max_logit", 0, 40);
-  for (int64_t i = 20; i < 24; ++i) driver.Point("r1", 400 + 10 * i, "attention_max_logit", 0, 150);
-  ASSERT_FALSE(driver.StateChanges(kAttentionLogitGrowth, "0").empty());
-  ASSERT_EQ(driver.StateChanges(kAttentionLogitGrowth, "0").back().to, AlertState::kPending);
-  driver.Point("r1", 635, "loss_over_running_min", kNoLayer, 1.5);
-  const auto logit = driver.StateChanges(kAttentionLogitGrowth, "0");
-  ASSERT_FALSE(logit.empty());
-  ASSERT_EQ(logit.back().to, AlertState::kFiring);
-  EXPECT_EQ(logit.back().step, 635);
 }
 
 }  // namespace
