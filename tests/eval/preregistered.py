@@ -38,8 +38,14 @@ sys.path[:0] = [HERE]
 
 # What the freeze covers: a change under these paths after the freeze commit
 # invalidates the draw (score refuses to score a build whose tree differs).
+# Every path that decides what a recording holds or how it is scored: the
+# daemon and the client, the model and its fault code (demo/tiny_moe_gpt.py;
+# draws 1-4 named a demo/model.py that never existed, so the model was not
+# guarded), and the evaluation code that plans, records and scores a draw.
 FREEZE = ("detectors", "alerts", "server", "ctl", "deploy/foreshock.yaml", "proto",
-          "client/python/foreshock", "demo/train.py", "demo/model.py")
+          "client/python/foreshock", "demo/train.py", "demo/tiny_moe_gpt.py",
+          "tests/eval/make_corpus.py", "tests/eval/configs.py", "tests/eval/evaluate.py",
+          "tests/eval/reference.py", "tests/eval/preregistered.py")
 
 PER_CELL = 3
 STEPS_AFTER_INJECTION = 1200  # a fault run that never diverges ends here
@@ -183,9 +189,10 @@ def head_commit():
                           text=True, check=True).stdout.strip()
 
 
-def frozen_tree_matches(commit):
-    """True when the working tree's FREEZE paths equal the freeze commit's."""
-    out = subprocess.run(["git", "-C", ROOT, "diff", "--quiet", commit, "--", *FREEZE])
+def frozen_tree_matches(commit, paths=FREEZE):
+    """True when the working tree's frozen paths (a draw's own list, which
+    grew over time) equal the freeze commit's."""
+    out = subprocess.run(["git", "-C", ROOT, "diff", "--quiet", commit, "--", *paths])
     return out.returncode == 0
 
 
@@ -215,8 +222,9 @@ def cmd_score(args):
     commit = doc["freeze_commit"] or "calibration"
     if doc["freeze_commit"] and args.config:
         sys.exit("a held-out draw is scored with the frozen built-in defaults, not --config")
-    if doc["freeze_commit"] and not args.allow_unfrozen and not frozen_tree_matches(commit):
-        sys.exit(f"the tree's {', '.join(FREEZE)} differ from the freeze commit {commit[:12]}: "
+    paths = doc.get("frozen_paths") or FREEZE
+    if doc["freeze_commit"] and not args.allow_unfrozen and not frozen_tree_matches(commit, paths):
+        sys.exit(f"the tree's {', '.join(paths)} differ from the freeze commit {commit[:12]}: "
                  "score with a build of that commit (or record a fresh draw)")
     by_id = {r["run_id"]: r for r in doc["runs"]}
     files = evaluate.recordings(args.corpus)

@@ -77,3 +77,14 @@ def test_a_calibration_draw_is_not_a_held_out_one():
     assert all(labels(r)["split"] == "calibration-draw-1" for r in cal)
     assert all(labels(r)["split"].startswith("preregistered-") for r in preregistered.draw(A))
     assert {r["run_id"] for r in cal}.isdisjoint(r["run_id"] for r in preregistered.draw(A))
+
+
+def test_every_frozen_path_exists_and_the_model_is_one():
+    # Draws 1-4 froze "demo/model.py", a file that never existed: the model and
+    # its fault code were not guarded. A frozen path that does not exist
+    # guards nothing.
+    root = os.path.dirname(os.path.dirname(HERE))
+    for path in preregistered.FREEZE:
+        assert os.path.exists(os.path.join(root, path)), path
+    for path in ("demo/tiny_moe_gpt.py", "tests/eval/make_corpus.py", "tests/eval/evaluate.py"):
+        assert path in preregistered.FREEZE
