@@ -5,9 +5,11 @@
 #include <grpcpp/grpcpp.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "server/alerting/alertmanager_url.h"
 #include "server/ingest/admission.h"
 #include "server/alerting/alert_hub.h"
 #include "server/query/query_service.h"
@@ -50,6 +52,18 @@ class CheckpointSink final : public codec::StateSink {
 
 Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
   options_.limits.max_message_bytes = options_.max_message_bytes;
+  if (!options_.listen_plan) {
+    auto plan = PlanListeners(options_.listen, options_.metrics_listen,
+                              {.tls = options_.tls.enabled(),
+                               .tokens = options_.authorizer != nullptr,
+                               .insecure = false});
+    if (plan.ok()) {
+      options_.listen_plan = *std::move(plan);
+    } else {
+      listen_status_ = plan.status();
+      options_.listen_plan.emplace();
+    }
+  }
   if (options_.workers <= 0) {
     options_.workers = std::max(1u, std::thread::hardware_concurrency());
   }
@@ -73,7 +87,11 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
     AlertmanagerOptions am;
     am.url = options_.alertmanager_url;
     am.resend_interval = options_.alertmanager_resend_interval;
-    am.generator_url = "http://" + options_.metrics_listen + "/";
+    // Where a human finds the source: the first HTTP address, as served.
+    if (!options_.listen_plan->http.empty()) {
+      const ListenAddress& http = options_.listen_plan->http.front();
+      am.generator_url = absl::StrCat(http.tls ? "https://" : "http://", http.ToString(), "/");
+    }
     notifier = std::make_unique<AlertmanagerNotifier>(am, *metrics_);
   }
   alerts_ = std::make_unique<AlertHub>(options_.alert_config, *metrics_, std::move(notifier));
@@ -239,6 +257,7 @@ void Daemon::CheckpointLoop() {
 Daemon::~Daemon() { Shutdown(std::chrono::milliseconds(0)); }
 
 absl::Status Daemon::Start() {
+  if (!listen_status_.ok()) return listen_status_;
   if (!init_status_.ok()) {
     return absl::Status(init_status_.code(),
                         absl::StrCat("cannot open the data directory '",
@@ -264,7 +283,19 @@ absl::Status Daemon::Start() {
     }
     credentials = grpc::SslServerCredentials(ssl);
   }
-  builder.AddListeningPort(options_.listen, credentials, &grpc_port_);
+  // Every address with the same credentials: TLS on all of them or none.
+  const ListenPlan& plan = *options_.listen_plan;
+  if (plan.grpc.empty()) return absl::InvalidArgumentError("gRPC: no address to listen on");
+  grpc_ports_.assign(plan.grpc.size(), 0);
+  for (size_t i = 0; i < plan.grpc.size(); ++i) {
+    if (plan.grpc[i].tls != options_.tls.enabled()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "refusing to serve gRPC on ", plan.grpc[i].ToString(),
+          options_.tls.enabled() ? " without TLS while --tls_cert is set"
+                                 : " with TLS but no certificate"));
+    }
+    builder.AddListeningPort(plan.grpc[i].ToString(), credentials, &grpc_ports_[i]);
+  }
   // Above --max_message_mb the ingest service refuses (and counts) a message
   // itself; gRPC's transport only stops what is far beyond it.
   builder.SetMaxReceiveMessageSize(TransportMessageLimit(options_.max_message_bytes));
@@ -282,11 +313,19 @@ absl::Status Daemon::Start() {
   builder.RegisterService(ingest_.get());
   builder.RegisterService(query_.get());
   grpc_server_ = builder.BuildAndStart();
-  if (!grpc_server_ || grpc_port_ == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot serve gRPC on ", options_.listen));
+  // gRPC reports a port it could not bind as 0 (unix: sockets as 1).
+  const bool every_port_bound =
+      std::find(grpc_ports_.begin(), grpc_ports_.end(), 0) == grpc_ports_.end();
+  if (!grpc_server_ || !every_port_bound) {
+    if (grpc_server_) {
+      grpc_server_->Shutdown();
+      grpc_server_.reset();
+    }
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve gRPC on ", JoinAddresses(plan.grpc)));
   }
-  if (absl::Status status =
-          http_->Start(options_.metrics_listen, options_.tls, options_.http_limits);
+  grpc_port_ = grpc_ports_.front();
+  if (absl::Status status = http_->Start(plan.http, options_.tls, options_.http_limits);
       !status.ok()) {
     grpc_server_->Shutdown();
     grpc_server_.reset();
@@ -294,7 +333,7 @@ absl::Status Daemon::Start() {
   }
   spdlog::info("foreshockd serving gRPC on {} (port {}), metrics, API and UI on {} (port {}), "
                "{} workers, data in {}",
-               options_.listen, grpc_port_, options_.metrics_listen, http_->port(),
+               JoinAddresses(plan.grpc), grpc_port_, JoinAddresses(plan.http), http_->port(),
                pool_->size(),
                durable_ ? options_.store_options.data_dir : std::string("memory only"));
   spdlog::info("security: {}; {}",
@@ -305,6 +344,11 @@ absl::Status Daemon::Start() {
                options_.authorizer
                    ? absl::StrCat(options_.authorizer->size(), " token(s) from --token_file")
                    : std::string("no --token_file: every client that reaches the ports is trusted"));
+  if (!options_.alertmanager_url.empty()) {
+    // Never the URL as given: it may carry user:password@.
+    spdlog::info("alerts are delivered to Alertmanager at {}",
+                 RedactUrlUserinfo(options_.alertmanager_url));
+  }
   memory_->Start();
   if (options_.max_memory_bytes > 0) {
     spdlog::info("memory bound: ingest pauses at {} MiB resident (--max_memory_mb), now {} MiB",

@@ -8,13 +8,16 @@
 #include <memory>
 #include <set>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "alerts/config.h"
 #include "detectors/detector.h"
 #include "server/security/auth.h"
+#include "server/security/listen_address.h"
 #include "server/http/http_server.h"
 #include "server/ingest/memory_guard.h"
 #include "server/ingest/state_budget.h"
@@ -52,8 +55,14 @@ struct DaemonOptions {
     options.data_dir.clear();
     return options;
   }
+  // Comma lists of addresses (server/security/listen_address.h).
   std::string listen = "127.0.0.1:50051";
   std::string metrics_listen = "127.0.0.1:9464";
+  // The addresses both ports serve, each with its TLS decision, as
+  // PlanListeners made it at start (foreshockd.cc). Unset: the Daemon plans
+  // them from listen/metrics_listen, tls and authorizer, without --insecure,
+  // and Start fails when that plan refuses.
+  std::optional<ListenPlan> listen_plan;
   // Threads, request timeout and per-address connection bound of the HTTP
   // port (server/http/http_server.h).
   HttpLimits http_limits;
@@ -150,7 +159,9 @@ class Daemon {
   std::set<std::string> state_gauge_runs_;  // runs with a foreshock_run_state_bytes series
   std::unique_ptr<grpc::Server> grpc_server_;
   std::unique_ptr<HttpServer> http_;
-  int grpc_port_ = 0;
+  int grpc_port_ = 0;                 // the first of grpc_ports_
+  std::vector<int> grpc_ports_;       // one per listen_plan.grpc address
+  absl::Status listen_status_;        // a refused listen_plan: Start fails with it
   bool shut_down_ = false;
 
   void RestoreFromStore();

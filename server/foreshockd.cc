@@ -11,16 +11,24 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "server/alerting/alertmanager_url.h"
 #include "server/daemon.h"
+#include "server/security/listen_address.h"
+#include "server/security/secret_file.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "HOST:PORT for the gRPC ingest service (foreshock.v1.Ingest), the gRPC health "
-          "service and reflection. Port 0 picks a free port (logged at start).");
+          "service and reflection, or a comma-separated list of them; IPv6 as [ADDRESS]:PORT, "
+          "or unix:PATH for a Unix socket. Port 0 picks a free port (the first address's is "
+          "logged at start). A malformed list (an empty element, a missing or bad port, junk) "
+          "is refused at start (exit 2), as is any non-loopback address without TLS and "
+          "tokens (see --insecure).");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "HOST:PORT for HTTP: Prometheus exposition at /metrics, a liveness probe at "
-          "/-/healthy, the JSON API under /api/v1/ and the web UI at /. HTTPS (with client "
-          "certificates under --tls_client_ca) when --tls_cert is set. Port 0 picks a free port "
-          "(logged at start).");
+          "/-/healthy, the JSON API under /api/v1/ and the web UI at /; or a comma-separated "
+          "list of them, IPv6 as [ADDRESS]:PORT. With --tls_cert every address speaks HTTPS "
+          "only (with client certificates under --tls_client_ca). Port 0 picks a free port "
+          "(the first address's is logged at start). Refused at start (exit 2) like --listen.");
 ABSL_FLAG(int32_t, http_threads, 32,
           "Worker threads of the HTTP port (--metrics_listen). An open connection holds one "
           "from when a worker takes it until it is closed (one request per connection: no "
@@ -218,8 +226,11 @@ ABSL_FLAG(std::string, config, "",
 ABSL_FLAG(std::string, alertmanager_url, "",
           "Base URL of an Alertmanager (e.g. http://127.0.0.1:9093). Alerts are POSTed to "
           "<url>/api/v2/alerts, re-sent while they fire, sent with endsAt when they resolve, "
-          "and retried with backoff while Alertmanager is unreachable. Empty: no delivery "
-          "(alerts still reach WatchAlerts and foreshock_alert_active).");
+          "and retried with backoff while Alertmanager is unreachable. http:// or https://, "
+          "a host, an optional port and path; user:password@ before the host is sent as basic "
+          "auth and is never logged (logs show ***@). A malformed URL (another scheme, no "
+          "host, a bad port, a query, whitespace) is refused at start (exit 2). Empty: no "
+          "delivery (alerts still reach WatchAlerts and foreshock_alert_active).");
 ABSL_FLAG(int64_t, alertmanager_resend_s, 60,
           "Seconds between re-sends of firing alerts to Alertmanager.");
 ABSL_FLAG(std::string, record_dir, "",
@@ -269,12 +280,22 @@ ABSL_FLAG(std::string, token_file, "",
           "File of bearer tokens, one grant per line: '<token> <run-prefix>[,...] "
           "<right>[,...]' with rights ingest, query, metrics ('*' as the prefix: every run; "
           "/metrics needs a '*' grant with the metrics right). Clients send "
-          "'authorization: Bearer <token>'. Empty: no authorization, and the daemon only "
-          "listens on loopback (unless --insecure).");
+          "'authorization: Bearer <token>'. The file must be readable and writable by its "
+          "owner only (chmod 600): one that its group or others may read or write is refused at "
+          "start (exit 2) unless --allow_insecure_token_file. Empty: no authorization, and the "
+          "daemon only listens on loopback (unless --insecure).");
+ABSL_FLAG(bool, allow_insecure_token_file, false,
+          "Accept a --token_file that its group or other users may read or write (anyone who "
+          "can read it holds every grant in it; anyone who can write it can add one), with a "
+          "warning at start. Without it such a file is refused (exit 2). Use it only where the "
+          "file's group is the daemon's own or the mode cannot be changed; prefer chmod 600.");
 ABSL_FLAG(bool, insecure, false,
           "Allow --listen or --metrics_listen on a non-loopback address without both TLS "
           "(--tls_cert) and tokens (--token_file), e.g. inside a cluster network that is "
-          "protected otherwise. Without it such a start is refused (exit 2).");
+          "protected otherwise. Without it such a start is refused (exit 2). Checked per "
+          "address of each comma list; loopback is 127.0.0.0/8, [::1], localhost and unix:. "
+          "It never turns TLS off for some addresses: with --tls_cert every address of both "
+          "flags speaks TLS.");
 ABSL_FLAG(std::string, log_level, "info", "Log level: trace, debug, info, warn, error, off.");
 
 int main(int argc, char** argv) {
@@ -366,7 +387,15 @@ int main(int argc, char** argv) {
       std::max(0.0, absl::GetFlag(FLAGS_retention_max_gb)) * double(uint64_t{1} << 30));
   options.checkpoint_interval =
       std::chrono::seconds(std::max<int64_t>(0, absl::GetFlag(FLAGS_checkpoint_interval_s)));
-  options.alertmanager_url = absl::GetFlag(FLAGS_alertmanager_url);
+  if (const std::string url = absl::GetFlag(FLAGS_alertmanager_url); !url.empty()) {
+    auto parsed = foreshock::server::ParseAlertmanagerUrl(url);
+    if (!parsed.ok()) {
+      // The reason quotes no part of the URL: it may hold a password.
+      spdlog::critical("{}", std::string(parsed.status().message()));
+      return 2;
+    }
+    options.alertmanager_url = parsed->url;
+  }
   options.alertmanager_resend_interval =
       std::chrono::seconds(std::max<int64_t>(1, absl::GetFlag(FLAGS_alertmanager_resend_s)));
   if (const std::string path = absl::GetFlag(FLAGS_config); !path.empty()) {
@@ -392,6 +421,16 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
+    // Before reading it: a file others can read has leaked its tokens already.
+    if (absl::Status mode = foreshock::server::CheckSecretFileMode(
+            "--token_file", path, "--allow_insecure_token_file");
+        !mode.ok()) {
+      if (!absl::IsFailedPrecondition(mode) || !absl::GetFlag(FLAGS_allow_insecure_token_file)) {
+        spdlog::critical("{}", std::string(mode.message()));
+        return 2;
+      }
+      spdlog::warn("--allow_insecure_token_file: {}", std::string(mode.message()));
+    }
     auto authorizer = foreshock::server::Authorizer::LoadFile(path);
     if (!authorizer.ok()) {
       spdlog::critical("--token_file: {}", std::string(authorizer.status().message()));
@@ -400,40 +439,19 @@ int main(int argc, char** argv) {
     options.authorizer = *std::move(authorizer);
   }
   {
-    using foreshock::server::IsLoopbackAddress;
+    // One rule for every address of both ports (server/security/listen_address.h):
+    // the daemon serves exactly the addresses planned here, or does not start.
     const bool insecure = absl::GetFlag(FLAGS_insecure);
-    const bool secured = options.tls.enabled() && options.authorizer != nullptr;
-    if (!IsLoopbackAddress(options.listen) && !secured) {
-      if (!insecure) {
-        spdlog::critical(
-            "refusing --listen={} (not loopback) without TLS (--tls_cert/--tls_key) and tokens "
-            "(--token_file): anyone who can reach the port could write and read every run. "
-            "Bind to 127.0.0.1, add TLS and tokens, or pass --insecure if the network is "
-            "protected otherwise.",
-            options.listen);
-        return 2;
-      }
-      spdlog::warn("--insecure: gRPC on {} without {}", options.listen,
-                   options.tls.enabled() ? "tokens"
-                   : options.authorizer  ? "TLS"
-                                         : "TLS and tokens");
+    auto plan = foreshock::server::PlanListeners(
+        options.listen, options.metrics_listen,
+        {.tls = options.tls.enabled(), .tokens = options.authorizer != nullptr,
+         .insecure = insecure});
+    if (!plan.ok()) {
+      spdlog::critical("{}", std::string(plan.status().message()));
+      return 2;
     }
-    if (!IsLoopbackAddress(options.metrics_listen) && !secured) {
-      if (!insecure) {
-        spdlog::critical(
-            "refusing --metrics_listen={} (not loopback) without TLS (--tls_cert/--tls_key) and "
-            "tokens (--token_file): anyone who can reach the port could read every run's "
-            "series and alerts. Bind to 127.0.0.1, add TLS and tokens, or pass --insecure if "
-            "the network is protected otherwise.",
-            options.metrics_listen);
-        return 2;
-      }
-      spdlog::warn("--insecure: HTTP{} on {} without {}", options.tls.enabled() ? "S" : "",
-                   options.metrics_listen,
-                   options.tls.enabled() ? "tokens"
-                   : options.authorizer  ? "TLS"
-                                         : "TLS and tokens");
-    }
+    for (const std::string& warning : plan->warnings) spdlog::warn("{}", warning);
+    options.listen_plan = *std::move(plan);
     if (!options.authorizer && !insecure) {
       spdlog::info("no --token_file: listening on loopback only; every local client is trusted");
     }

@@ -7,6 +7,7 @@
 #include <ctime>
 #include <nlohmann/json.hpp>
 
+#include "server/alerting/alertmanager_url.h"
 #include "server/clock.h"
 
 namespace foreshock::server {
@@ -29,7 +30,9 @@ size_t DiscardBody(char*, size_t size, size_t count, void*) { return size * coun
 }  // namespace
 
 AlertmanagerNotifier::AlertmanagerNotifier(AlertmanagerOptions options, DaemonMetrics& metrics)
-    : options_(std::move(options)), metrics_(metrics) {
+    : options_(std::move(options)),
+      log_url_(RedactUrlUserinfo(options_.url)),
+      metrics_(metrics) {
   curl_global_init(CURL_GLOBAL_DEFAULT);
   metrics_.alertmanager_dropped_total.Add({});
   thread_ = std::thread([this] { Run(); });
@@ -185,14 +188,14 @@ void AlertmanagerNotifier::Run() {
         }
       }
       metrics_.alertmanager_tracked_alerts.Add({}).Set(static_cast<double>(alerts_.size()));
-      if (failing) spdlog::info("alertmanager: delivering again to {}", options_.url);
+      if (failing) spdlog::info("alertmanager: delivering again to {}", log_url_);
       failing = false;
       backoff = std::chrono::milliseconds(500);
       last_sent = Clock::now();
       delivered_.notify_all();
     } else {
       if (!failing) spdlog::warn("alertmanager: POST {}/api/v2/alerts failed: {}; retrying with backoff",
-                                 options_.url, error);
+                                 log_url_, error);
       failing = true;
       next_attempt = Clock::now() + backoff;
       backoff = std::min(backoff * 2, options_.max_backoff);

@@ -22,7 +22,10 @@
 namespace foreshock::server {
 
 struct AlertmanagerOptions {
-  std::string url;  // base URL, e.g. http://127.0.0.1:9093
+  // Base URL, e.g. http://127.0.0.1:9093, checked by ParseAlertmanagerUrl
+  // (alertmanager_url.h). May carry user:password@: never log it, log
+  // RedactUrlUserinfo(url).
+  std::string url;
   std::chrono::milliseconds resend_interval{60000};
   std::chrono::milliseconds request_timeout{5000};
   std::chrono::milliseconds max_backoff{30000};
@@ -62,6 +65,7 @@ class AlertmanagerNotifier {
   static std::string Fingerprint(const AlertmanagerAlert& alert);
 
   const AlertmanagerOptions options_;
+  const std::string log_url_;  // options_.url without its userinfo: the form that is logged
   DaemonMetrics& metrics_;
   std::mutex mu_;
   std::condition_variable wake_;

@@ -390,16 +390,33 @@ absl::Status CheckCivetwebTls() {
 
 }  // namespace
 
-absl::Status HttpServer::Start(const std::string& listen, const TlsFiles& tls,
+absl::Status HttpServer::Start(const std::vector<ListenAddress>& listen, const TlsFiles& tls,
                               const HttpLimits& limits) {
   limits_ = limits;
   limits_.threads = std::clamp(limits_.threads, 1, 4096);
   limits_.request_timeout_ms = std::max(1, limits_.request_timeout_ms);
+  if (listen.empty()) return absl::InvalidArgumentError("HTTP: no address to listen on");
+  // civetweb takes TLS per port (a trailing "s"), so every address gets it
+  // here, and one that would not is refused: never half the ports in plain.
+  std::string ports;
+  for (const ListenAddress& address : listen) {
+    if (address.kind == ListenAddress::Kind::kUnix) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("HTTP cannot listen on ", address.ToString()));
+    }
+    if (address.tls != tls.enabled()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "refusing to serve HTTP", address.tls ? "S" : "", " on ", address.ToString(),
+          tls.enabled() ? " without TLS while --tls_cert is set" : " without a certificate"));
+    }
+    if (!ports.empty()) ports += ',';
+    ports += address.ToString() + (address.tls ? "s" : "");
+  }
   // Keep-alive off: a connection holds its worker only for one request.
   // request_timeout_ms bounds how long civetweb waits for a request (in
   // total, however slowly it trickles in).
   std::vector<std::string> options = {
-      "listening_ports", tls.enabled() ? listen + "s" : listen,
+      "listening_ports", ports,
       "num_threads", std::to_string(limits_.threads),
       "request_timeout_ms", std::to_string(limits_.request_timeout_ms),
       "enable_keep_alive", "no"};
@@ -425,8 +442,25 @@ absl::Status HttpServer::Start(const std::string& listen, const TlsFiles& tls,
     server_ = std::make_unique<CivetServer>(options, &callbacks, this);
   } catch (const CivetException& e) {
     return absl::UnavailableError(absl::StrCat("cannot serve HTTP", tls.enabled() ? "S" : "",
-                                               " on ", listen, ": ", e.what()));
+                                               " on ", JoinAddresses(listen), ": ", e.what()));
   }
+  // What civetweb actually opened, checked against what was asked: one port
+  // per address, each with TLS exactly when TLS is configured.
+  const std::vector<mg_server_port> opened = server_->getListeningPortsFull();
+  bool as_asked = opened.size() == listen.size();
+  for (const mg_server_port& port : opened) {
+    as_asked = as_asked && (port.is_ssl != 0) == tls.enabled() && port.is_redirect == 0;
+  }
+  if (!as_asked) {
+    server_->close();
+    server_.reset();
+    return absl::InternalError(absl::StrCat(
+        "HTTP: civetweb opened ", opened.size(), " port(s) for ", listen.size(),
+        " address(es) of ", JoinAddresses(listen), ", not all ", tls.enabled() ? "HTTPS" : "HTTP",
+        "; refusing to start"));
+  }
+  ports_.clear();
+  for (const mg_server_port& port : opened) ports_.push_back(port.port);
   metrics_handler_ = std::make_unique<MetricsHandler>(registry_, before_scrape_, metrics_allowed_);
   index_handler_ = std::make_unique<TextHandler>(
       "text/html; charset=utf-8",
@@ -443,8 +477,6 @@ absl::Status HttpServer::Start(const std::string& listen, const TlsFiles& tls,
     has_index |= path == "/";
   }
   if (!has_index) server_->addHandler("/$", *index_handler_);
-  const std::vector<int> ports = server_->getListeningPorts();
-  port_ = ports.empty() ? 0 : ports.front();
   return absl::OkStatus();
 }
 

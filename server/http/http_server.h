@@ -15,6 +15,7 @@
 #include "prometheus/counter.h"
 #include "prometheus/registry.h"
 #include "server/security/auth.h"
+#include "server/security/listen_address.h"
 
 class CivetServer;
 struct mg_connection;
@@ -64,13 +65,18 @@ class HttpServer {
   void GuardMetrics(std::function<bool(const std::string&)> allowed) {
     metrics_allowed_ = std::move(allowed);
   }
-  // `listen` is HOST:PORT; port 0 picks a free port. With `tls` enabled the
-  // port speaks HTTPS only (TLS 1.2+), and with tls.client_ca it requires a
-  // client certificate signed by that CA (mutual TLS), as the gRPC port does.
-  absl::Status Start(const std::string& listen, const TlsFiles& tls = {},
+  // Serves on every address of `listen` (server/security/listen_address.h;
+  // port 0 picks a free port). With `tls` enabled every one speaks HTTPS only
+  // (TLS 1.2+), and with tls.client_ca requires a client certificate signed by
+  // that CA (mutual TLS), as the gRPC port does. Refuses to start when an
+  // address's `tls` differs from `tls.enabled()`, or when civetweb did not
+  // open exactly one port per address, each with TLS as configured.
+  absl::Status Start(const std::vector<ListenAddress>& listen, const TlsFiles& tls = {},
                      const HttpLimits& limits = {});
   void Stop();
-  int port() const { return port_; }
+  // The first address's port, and every address's in order.
+  int port() const { return ports_.empty() ? 0 : ports_.front(); }
+  const std::vector<int>& ports() const { return ports_; }
 
  private:
   class MetricsHandler;
@@ -97,7 +103,7 @@ class HttpServer {
   std::unique_ptr<TextHandler> healthy_handler_;
   std::vector<std::pair<std::string, HttpHandler>> routes_;
   std::vector<std::unique_ptr<RouteHandler>> route_handlers_;
-  int port_ = 0;
+  std::vector<int> ports_;
   HttpLimits limits_;
   prometheus::Counter* refused_;
   std::mutex connections_mu_;

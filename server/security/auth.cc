@@ -170,25 +170,4 @@ std::string AccessCheck::name() const {
   return principal_ ? principal_->name : "anonymous";
 }
 
-bool IsLoopbackAddress(std::string_view listen) {
-  if (absl::StartsWith(A(listen), "unix:")) return true;
-  absl::string_view host = A(listen);
-  if (!host.empty() && host.front() == '[') {
-    const size_t close = host.find(']');
-    if (close == absl::string_view::npos) return false;
-    host = host.substr(1, close - 1);
-  } else if (const size_t colon = host.rfind(':'); colon != absl::string_view::npos) {
-    host = host.substr(0, colon);
-  }
-  if (host == "localhost" || host == "::1") return true;
-  // 127.0.0.0/8
-  std::vector<absl::string_view> octets = absl::StrSplit(host, '.');
-  if (octets.size() != 4 || octets[0] != "127") return false;
-  for (absl::string_view octet : octets) {
-    int value = 0;
-    if (!absl::SimpleAtoi(octet, &value) || value < 0 || value > 255) return false;
-  }
-  return true;
-}
-
 }  // namespace foreshock::server

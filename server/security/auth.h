@@ -95,10 +95,6 @@ class AccessCheck {
   absl::Status authenticated_;
 };
 
-// Whether HOST of a HOST:PORT (or [v6]:PORT, unix:path) address can only be
-// reached from this machine.
-bool IsLoopbackAddress(std::string_view listen);
-
 struct TlsFiles {
   std::string cert;       // PEM server certificate (chain)
   std::string key;        // PEM private key

@@ -403,6 +403,7 @@ def test_safe_defaults(tmp_path, certs):
     # TLS and tokens: gRPC and HTTPS may listen on every address without --insecure.
     token_file = tmp_path / "tokens"
     token_file.write_text(TOKEN_FILE)
+    token_file.chmod(0o600)  # owner only, or the daemon refuses it (issue 34)
     d = Daemon([f"--tls_cert={certs['server']}.pem", f"--tls_key={certs['server']}.key",
                 f"--token_file={token_file}", "--listen=0.0.0.0:0",
                 "--metrics_listen=0.0.0.0:0"], str(tmp_path / "tls.log"))
