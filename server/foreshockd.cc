@@ -280,15 +280,18 @@ ABSL_FLAG(std::string, token_file, "",
           "File of bearer tokens, one grant per line: '<token> <run-prefix>[,...] "
           "<right>[,...]' with rights ingest, query, metrics ('*' as the prefix: every run; "
           "/metrics needs a '*' grant with the metrics right). Clients send "
-          "'authorization: Bearer <token>'. The file must be readable and writable by its "
-          "owner only (chmod 600): one that its group or others may read or write is refused at "
-          "start (exit 2) unless --allow_insecure_token_file. Empty: no authorization, and the "
-          "daemon only listens on loopback (unless --insecure).");
+          "'authorization: Bearer <token>'. The file must be the daemon's alone (chmod 600; "
+          "group read is accepted when the group is one of the daemon's own, as a Kubernetes "
+          "Secret with fsGroup, mode 0440): one that others may read or write, its group may "
+          "write, or another group may read is refused at start (exit 2) unless "
+          "--allow_insecure_token_file. Empty: no authorization, and the daemon only listens "
+          "on loopback (unless --insecure).");
 ABSL_FLAG(bool, allow_insecure_token_file, false,
-          "Accept a --token_file that its group or other users may read or write (anyone who "
-          "can read it holds every grant in it; anyone who can write it can add one), with a "
-          "warning at start. Without it such a file is refused (exit 2). Use it only where the "
-          "file's group is the daemon's own or the mode cannot be changed; prefer chmod 600.");
+          "Accept a --token_file that other users may read or write, its group may write, or a "
+          "group that is not the daemon's may read (anyone who can read it holds every grant "
+          "in it; anyone who can write it can add one), with a warning at start. Without it "
+          "such a file is refused (exit 2). Use it only where the mode cannot be changed; "
+          "prefer chmod 600.");
 ABSL_FLAG(bool, insecure, false,
           "Allow --listen or --metrics_listen on a non-loopback address without both TLS "
           "(--tls_cert) and tokens (--token_file), e.g. inside a cluster network that is "

@@ -145,6 +145,8 @@ def test_token_file_readable_by_others_is_refused_unless_allowed(start, tmp_path
                     f"--token_file={tokens}")
     assert "mode 0644" in text and "chmod 600" in text and "--allow_insecure_token_file" in text
     assert METRICS_TOKEN not in text and INGEST_TOKEN not in text
+    # Group-readable by a group that is not the daemon's (nogroup): refused.
+    os.chown(tokens, -1, 65534)
     tokens.chmod(0o640)
     assert "mode 0640" in _refused(start, "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
                                    f"--token_file={tokens}")
@@ -153,7 +155,13 @@ def test_token_file_readable_by_others_is_refused_unless_allowed(start, tmp_path
                    f"--token_file={tokens}", "--allow_insecure_token_file")
     assert daemon.outcome() is None, daemon.text()
     assert "--allow_insecure_token_file: --token_file" in daemon.text()
-    # And 0600 starts without the override.
+    # A group that is the daemon's own (a Kubernetes Secret with fsGroup, 0440)
+    # starts without the override, and so does 0600.
+    os.chown(tokens, -1, os.getegid())
+    tokens.chmod(0o440)
+    daemon = start("--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
+                   f"--token_file={tokens}")
+    assert daemon.outcome() is None, daemon.text()
     tokens.chmod(0o600)
     daemon = start("--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
                    f"--token_file={tokens}")

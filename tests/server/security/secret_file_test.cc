@@ -42,6 +42,8 @@ TEST_F(SecretFileTest, OwnerOnlyModesPass) {
 }
 
 TEST_F(SecretFileTest, GroupOrOthersAccessIsRefusedWithTheFix) {
+  // A group the test process is not in (nogroup), so group read exposes it.
+  ASSERT_EQ(::chown(path_.c_str(), static_cast<uid_t>(-1), 65534), 0) << "tests run as root";
   for (mode_t mode : {0644, 0640, 0604, 0660, 0606, 0620, 0602, 0666}) {
     ASSERT_EQ(::chmod(path_.c_str(), mode), 0);
     const absl::Status status = Check(path_);
@@ -55,6 +57,21 @@ TEST_F(SecretFileTest, GroupOrOthersAccessIsRefusedWithTheFix) {
     EXPECT_NE(message.find("--allow_insecure_token_file"), std::string::npos) << message;
     EXPECT_NE(message.find(path_), std::string::npos) << message;
     EXPECT_EQ(message.find("tok-do-not-print"), std::string::npos) << message;
+  }
+}
+
+// A Kubernetes Secret mounted with the pod's fsGroup: mode 0440, group one
+// of the daemon's own. Its group is the daemon's, so it passes; group write
+// or others' read never does.
+TEST_F(SecretFileTest, GroupReadByTheDaemonsOwnGroupPasses) {
+  ASSERT_EQ(::chown(path_.c_str(), static_cast<uid_t>(-1), ::getegid()), 0);
+  for (mode_t mode : {0440, 0640}) {
+    ASSERT_EQ(::chmod(path_.c_str(), mode), 0);
+    EXPECT_TRUE(Check(path_).ok()) << std::oct << mode << ": " << Check(path_);
+  }
+  for (mode_t mode : {0460, 0660, 0444}) {
+    ASSERT_EQ(::chmod(path_.c_str(), mode), 0);
+    EXPECT_EQ(Check(path_).code(), absl::StatusCode::kFailedPrecondition) << std::oct << mode;
   }
 }
 
