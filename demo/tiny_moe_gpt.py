@@ -310,6 +310,10 @@ class GPTConfig:
     moe_layers: tuple = (1, 3)
     n_kv_head: int = None  # grouped-query attention: K/V heads (None: n_head)
     head_dim: int = None  # None: d_model // n_head
+    # QK-layernorm (Dehghani et al. 2023; Wortsman et al. 2023): a LayerNorm over
+    # each head's q and k before the logits, which keeps attention logits from
+    # growing without bound at high learning rates.
+    qk_norm: bool = False
 
 
 def moe_layers_for(placement, n_layer):
@@ -340,6 +344,8 @@ class CausalSelfAttention(nn.Module):
         self.split = (q_dim, kv_dim, kv_dim)
         self.qkv = nn.Linear(cfg.d_model, q_dim + 2 * kv_dim, bias=False)  # [Q | K | V]
         self.proj = nn.Linear(q_dim, cfg.d_model, bias=False)
+        self.q_norm = nn.LayerNorm(self.head_dim) if cfg.qk_norm else None
+        self.k_norm = nn.LayerNorm(self.head_dim) if cfg.qk_norm else None
         self.qk_hook = None  # e.g. monitor.capture_qk
         self.out_hook = None  # e.g. monitor.check_attention_output
         self.lowprec_strength = 0.0
@@ -353,6 +359,8 @@ class CausalSelfAttention(nn.Module):
         b, t, c = x.shape
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2)
                    for z in self.qkv(x).split(self.split, dim=2))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.qk_hook is not None:
             self.qk_hook(self.layer_idx, q, k)  # the capture point: Q, K as attention uses them
         k_kv, v_kv = k, v  # one head per K/V group, as the monitor's reference takes them

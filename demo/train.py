@@ -172,6 +172,12 @@ def parse_args(argv=None):
     o.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     o.add_argument("--no-balance-loss", action="store_true",
                    help="fault: train without the MoE load-balance loss (router collapse)")
+    o.add_argument("--qk-norm", action="store_true",
+                   help="architecture: LayerNorm on each head's q and k (QK-layernorm), the "
+                        "mitigation of attention-logit growth at high learning rates")
+    o.add_argument("--z-loss", type=float, default=0.0,
+                   help="architecture: weight of the output z-loss, mean(logsumexp(logits)^2) "
+                        "(PaLM uses 1e-4), the mitigation of output-logit drift; 0: off")
     o.add_argument("--batch-size-change-step", type=int, default=None,
                    help="benign: the batch size becomes --batch-size-to here")
     o.add_argument("--batch-size-to", type=int, default=None)
@@ -196,6 +202,9 @@ def parse_args(argv=None):
     g.add_argument("--stop-after-divergence", type=int, default=None, metavar="N",
                    help="stop N steps after the divergence rule (divergence_step) triggers "
                         "(default: run all --steps)")
+    g.add_argument("--losses-out", default=None, metavar="PATH",
+                   help="write {\"losses\": [...]} (every step's loss) as JSON to PATH at the "
+                        "end; '-': as the last line of standard output")
     return p.parse_args(argv)
 
 
@@ -269,6 +278,17 @@ def lr_at(step, args, applied=False):
     return lr
 
 
+def training_loss(args, model, logits, targets):
+    """(cross-entropy, the loss trained on): the MoE balance loss at 0.01 unless
+    --no-balance-loss, and the output z-loss (mean squared log-partition) at
+    --z-loss."""
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss = ce if args.no_balance_loss else ce + 0.01 * model.moe_aux_loss()
+    if args.z_loss > 0:
+        loss = loss + args.z_loss * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+    return ce, loss
+
+
 def model_config(args, vocab_size):
     """GPTConfig from the shape flags (the defaults give GPTConfig's defaults)."""
     return tmg.GPTConfig(
@@ -276,7 +296,7 @@ def model_config(args, vocab_size):
         d_model=args.d_model, n_head=args.n_head, mlp_hidden=args.mlp_hidden,
         n_experts=args.n_experts, top_k=args.top_k, expert_hidden=args.expert_hidden,
         moe_layers=tmg.moe_layers_for(args.moe, args.n_layer),
-        n_kv_head=args.n_kv_head, head_dim=args.head_dim)
+        n_kv_head=args.n_kv_head, head_dim=args.head_dim, qk_norm=args.qk_norm)
 
 
 def reported_attention_dtype(args):
@@ -500,8 +520,7 @@ def run(args, tap=None, out=print):
                 group["lr"] = lr_at(step, args, applied=True)
             x, y = data.batch(batch_size, batches)
             logits = model(x)
-            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-            loss = ce if args.no_balance_loss else ce + 0.01 * model.moe_aux_loss()
+            ce, loss = training_loss(args, model, logits, y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -603,7 +622,15 @@ def alert_timeline(events, divergence, args):
 
 
 def main(argv=None):
-    run(parse_args(argv))
+    args = parse_args(argv)
+    result = run(args)
+    if args.losses_out:
+        text = json.dumps({"losses": [x if math.isfinite(x) else None for x in result["losses"]]})
+        if args.losses_out == "-":
+            print(text, flush=True)
+        else:
+            with open(args.losses_out, "w") as f:
+                f.write(text)
 
 
 if __name__ == "__main__":

@@ -224,3 +224,43 @@ def test_weight_qk_view_hands_over_each_heads_bilinear_form_and_its_spectrum():
             dense = np.linalg.svd(form, compute_uv=False)[:hd]
             np.testing.assert_allclose(row["singular_values"][layer][h], dense,
                                        rtol=1e-9, atol=1e-12 * dense[0])
+
+
+def test_qk_norm_normalizes_each_heads_q_and_k_before_the_logits():
+    # The natural-instability benchmark's mitigation (issue 33): LayerNorm over
+    # each head's q and k, applied before the capture point, so the monitor sees
+    # what attention uses.
+    torch.manual_seed(0)
+    cfg = tmg.GPTConfig(vocab_size=17, block_size=8, n_layer=1, d_model=16, n_head=2,
+                        moe_layers=(), qk_norm=True)
+    model = tmg.TinyMoEGPT(cfg)
+    seen = {}
+    model.set_qk_hook(lambda layer, q, k: seen.update(q=q.detach(), k=k.detach()))
+    with torch.no_grad():
+        model.blocks[0].attn.qkv.weight.mul_(50.0)  # huge raw projections
+        model(torch.randint(0, 17, (3, 8)))
+    for t in (seen["q"], seen["k"]):
+        assert t.shape == (3, 2, 8, 8)
+        assert torch.allclose(t.mean(-1), torch.zeros(()), atol=1e-4)
+        assert torch.allclose(t.var(-1, unbiased=False), torch.ones(()), atol=1e-2)
+    plain = tmg.TinyMoEGPT(tmg.GPTConfig(vocab_size=17, block_size=8, n_layer=1, d_model=16,
+                                         n_head=2, moe_layers=()))
+    assert plain.blocks[0].attn.q_norm is None
+
+
+def test_training_loss_adds_the_z_loss_and_the_balance_loss_as_flagged():
+    torch.manual_seed(0)
+    cfg = tmg.GPTConfig(vocab_size=11, block_size=8, n_layer=2, d_model=16, n_head=2,
+                        moe_layers=(1,))
+    model = tmg.TinyMoEGPT(cfg)
+    x = torch.randint(0, 11, (2, 8))
+    logits = model(x)
+    y = torch.randint(0, 11, (2, 8))
+    base = train.parse_args(["--endpoint", ""])
+    ce, loss = train.training_loss(base, model, logits, y)
+    assert torch.allclose(loss, ce + 0.01 * model.moe_aux_loss())
+    z = train.parse_args(["--endpoint", "", "--z-loss", "1e-3", "--no-balance-loss"])
+    ce2, loss2 = train.training_loss(z, model, logits, y)
+    lse = torch.logsumexp(logits, dim=-1)
+    assert torch.allclose(ce2, ce)
+    assert torch.allclose(loss2, ce + 1e-3 * (lse ** 2).mean())
