@@ -415,6 +415,78 @@ int RunWatch(const Args& args, const Globals& g) {
   return RpcFailed("watch", "WatchAlerts", status, g) == kExitUsage ? kExitUsage : kExitFailed;
 }
 
+// A raw answer over the daemon's --max_query_mb is refused
+// (RESOURCE_EXHAUSTED): the range is then fetched in step windows, a window
+// the daemon still refuses halved, one it is too busy for (UNAVAILABLE,
+// --max_query_total_mb held by other queries) retried after a second, and
+// the pages joined into one answer.
+grpc::Status GetSeriesPaged(v1::Query::Stub& stub, const v1::GetSeriesRequest& request,
+                            const Globals& g, v1::GetSeriesResponse* out) {
+  auto call = [&](const v1::GetSeriesRequest& query, v1::GetSeriesResponse* answer) {
+    for (int attempt = 0;; ++attempt) {
+      grpc::ClientContext context;
+      SetDeadline(context, g);
+      answer->Clear();
+      const grpc::Status status = stub.GetSeries(&context, query, answer);
+      if (status.error_code() != grpc::StatusCode::UNAVAILABLE || attempt >= 60) return status;
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+    }
+  };
+  const grpc::Status status = call(request, out);
+  if (status.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED || request.max_points() != 0) {
+    return status;
+  }
+  // The series' steps, for the windows.
+  v1::ListSeriesRequest list;
+  list.set_run(request.run());
+  v1::ListSeriesResponse series;
+  {
+    grpc::ClientContext context;
+    SetDeadline(context, g);
+    if (!stub.ListSeries(&context, list, &series).ok()) return status;
+  }
+  const int32_t layer = request.has_layer() ? request.layer() : -1;
+  const int32_t head = request.has_head() ? request.head() : -1;
+  const auto info = std::find_if(series.series().begin(), series.series().end(),
+                                 [&](const v1::SeriesInfo& s) {
+                                   return s.signal() == request.signal() && s.layer() == layer &&
+                                          s.head() == head;
+                                 });
+  if (info == series.series().end()) return status;
+  int64_t lo = std::max(request.has_from_step() ? request.from_step() : INT64_MIN, info->first_step());
+  const int64_t end = std::min(request.has_to_step() ? request.to_step() : INT64_MAX, info->last_step());
+  uint64_t width = (static_cast<uint64_t>(end - lo) >> 1) + 1;
+  uint64_t total = 0;
+  out->Clear();
+  while (lo <= end) {
+    const int64_t hi = static_cast<uint64_t>(end - lo) < width
+                           ? end
+                           : static_cast<int64_t>(static_cast<uint64_t>(lo) + width - 1);
+    v1::GetSeriesRequest page_request = request;
+    page_request.set_from_step(lo);
+    page_request.set_to_step(hi);
+    v1::GetSeriesResponse page;
+    const grpc::Status page_status = call(page_request, &page);
+    if (page_status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED && width > 1) {
+      width >>= 1;
+      continue;
+    }
+    if (!page_status.ok()) return page_status;
+    if (out->run().empty()) {
+      out->set_run(page.run());
+      out->set_signal(page.signal());
+      out->set_layer(page.layer());
+      out->set_head(page.head());
+    }
+    total += page.total_points();
+    for (v1::SeriesPoint& point : *page.mutable_points()) *out->add_points() = std::move(point);
+    if (hi == end) break;
+    lo = hi + 1;
+  }
+  out->set_total_points(total);
+  return grpc::Status::OK;
+}
+
 int RunSeries(const Args& args, const Globals& g) {
   if (args.Flag("csv") && g.json) {
     std::fprintf(stderr, "foreshockctl series: --csv and --json exclude each other\n");
@@ -450,10 +522,8 @@ int RunSeries(const Args& args, const Globals& g) {
   auto channel = Connect(g);
   if (!channel) return kExitUsage;
   auto stub = v1::Query::NewStub(channel);
-  grpc::ClientContext context;
-  SetDeadline(context, g);
   v1::GetSeriesResponse response;
-  const grpc::Status status = stub->GetSeries(&context, request, &response);
+  const grpc::Status status = GetSeriesPaged(*stub, request, g, &response);
   if (!status.ok()) return RpcFailed("series", "GetSeries", status, g);
   if (g.json) return PrintJson(response, false) ? kExitOk : kExitFailed;
   if (args.Flag("csv")) {
@@ -680,7 +750,8 @@ std::vector<Command> Commands() {
       "  --from S          first step, inclusive (default: the first point)\n"
       "  --to S            last step, inclusive (default: the last point)\n"
       "  --max_points N    at most N rows: above that the daemon returns buckets of\n"
-      "                    min/mean/max (default 0: every point)\n"
+      "                    min/mean/max (default 0: every point; a range larger than\n"
+      "                    the daemon's --max_query_mb answer is fetched page by page)\n"
       "  --csv             CSV on stdout, one header line then one row per point:\n"
       "                      step,value,wall_time_unix_ms\n"
       "                    or, when the daemon downsampled, one row per bucket:\n"

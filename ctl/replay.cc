@@ -86,10 +86,14 @@ class ReplayReactor final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grp
         const v1::Ack& ack = response.ack();
         ++result_.acks;
         result_.accepted += ack.accepted();
-        result_.rejected += static_cast<uint64_t>(ack.rejections_size());
+        // The daemon lists at most 256 rejections and counts the rest by code.
+        result_.rejected += static_cast<uint64_t>(ack.rejections_size()) + ack.omitted_rejections();
         for (const v1::Rejection& rejection : ack.rejections()) {
           const std::string& reason = rejection.reason();
           ++result_.rejection_reasons[reason.substr(0, reason.find(':'))];
+        }
+        for (const auto& [code, count] : ack.omitted_by_reason()) {
+          result_.rejection_reasons[code] += count;
         }
         if (expected_seqs_.empty() || expected_seqs_.front() != ack.seq()) {
           ++result_.ack_mismatches;

@@ -6,6 +6,9 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <set>
+#include <map>
+#include <limits>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -19,6 +22,7 @@
 #include "server/query/query_backend.h"
 #include "server/ingest/ingest_service.h"
 #include "server/metrics.h"
+#include "server/pipeline/rank_scalars.h"
 #include "server/pipeline/run_lifecycle.h"
 #include "server/pipeline/run_tracker.h"
 #include "server/ingest/series_limit.h"
@@ -48,6 +52,13 @@ class CheckpointSink final : public codec::StateSink {
  private:
   store::CheckpointOutput& out_;
 };
+
+StreamRecorderOptions RecordingOptions(const DaemonOptions& options) {
+  StreamRecorderOptions recording(options.record_dir);
+  recording.max_total_bytes = options.record_max_bytes;
+  recording.max_age = options.record_max_age;
+  return recording;
+}
 }  // namespace
 
 Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
@@ -97,6 +108,9 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
   alerts_ = std::make_unique<AlertHub>(options_.alert_config, *metrics_, std::move(notifier));
   sink_ = std::make_unique<FanoutSink>(std::vector<ObservationSink*>{export_sink_.get(), alerts_.get()});
   backend_ = std::make_unique<QueryBackend>(*store_, *alerts_, *runs_);
+  query_budget_ = std::make_unique<QueryBudget>(options_.max_query_bytes,
+                                                options_.max_query_total_bytes, *metrics_);
+  backend_->SetBudget(query_budget_.get());
   query_ = std::make_unique<QueryService>(*alerts_, *metrics_, *backend_);
   gate_ = std::make_unique<AdmissionGate>(options_.max_queue_bytes);
   series_limit_ =
@@ -111,7 +125,7 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
         // that refuses writes says so through its own health and counters.
         store->AppendEvent(kHelloEvents, hello.SerializeAsString()).IgnoreError();
       },
-      options_.record_dir);
+      RecordingOptions(options_));
   delivery_ = std::make_unique<DeliveryTracker>(*store_);
   ingest_->SetDeliveryTracker(delivery_.get());
   ingest_->SetStore(store_.get());
@@ -155,9 +169,11 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
     return HttpResponse{200, "text/html; charset=utf-8", std::string(kWebUiHtml, kWebUiHtmlSize)};
   });
   if (init_status_.ok()) RestoreFromStore();
-  // Recovered runs count toward --max_runs; --max_step_jump counts from their last step.
+  // Recovered runs count toward --max_runs and their tenant's share (as
+  // before the restart, or one tenant adding a run per restart would fill
+  // --max_runs for everyone); --max_step_jump counts from their last step.
   for (const RunTracker::RunSummary& run : runs_->Runs()) {
-    ingest_->NoteKnownRun(run.run, run.last_step, run.job);
+    ingest_->NoteKnownRun(run.run, run.last_step, run.job, lifecycle_->TenantOf(run.run));
   }
   if (init_status_.ok()) delivery_->Restore();
   alerts_->SetEventLog([store = store_.get()](const foreshock::v1::AlertEvent& event) {
@@ -209,6 +225,7 @@ void Daemon::RestoreFromStore() {
   }
   // Runs that ended or resumed after those checkpoints (server/pipeline/run_lifecycle.h).
   lifecycle_->Restore();
+  RecoverOpenRankScalars();
   // The state budget counts what the detectors hold now, as they report it.
   state_budget_->Rebuild([this](const detectors::RetainedVisitor& visit) { pool_->VisitRetained(visit); });
   if (durable_) {
@@ -219,6 +236,79 @@ void Daemon::RestoreFromStore() {
     for (const std::string& problem : durable_->Problems()) {
       spdlog::warn("data directory {}: {}", options_.store_options.data_dir, problem);
     }
+  }
+}
+
+void Daemon::RecoverOpenRankScalars() {
+  // Each rank's own step scalars (head = rank) are stored with the batch that
+  // brought them, before its Ack; the run-level mean (head kAllHeads) with
+  // the batch that completed its step. So the reports stored beyond the last
+  // merged step are exactly the steps open when the daemon stopped, which a
+  // kill -9 may have kept out of the detector checkpoint. (Non-finite values
+  // are not stored as a rank's own: such a field is missing from the mean.)
+  constexpr std::string_view kFields[] = {"loss", "grad_norm", "lr"};
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  for (const store::RunInfo& info : store_->ListRuns()) {
+    const std::optional<RunLifecycle::Status> status = lifecycle_->GetStatus(info.run);
+    if (status && status->ended) continue;
+    const std::vector<RunLifecycle::Boundary> boundaries = lifecycle_->Boundaries(info.run);
+    int64_t from_step = std::numeric_limits<int64_t>::min();  // the latest attempt's points
+    for (const RunLifecycle::Boundary& b : boundaries) from_step = std::max(from_step, b.from_step);
+    std::vector<store::SeriesInfo> own;
+    int64_t merged_through = -1;
+    for (const store::SeriesInfo& series : store_->ListSeries(info.run)) {
+      if (series.key.layer != detectors::kNoLayer ||
+          std::find(std::begin(kFields), std::end(kFields), series.key.signal) == std::end(kFields)) {
+        continue;
+      }
+      if (series.key.head >= 0) {
+        own.push_back(series);
+        continue;
+      }
+      if (series.key.head != detectors::kAllHeads) continue;
+      std::vector<Point> tail = store_->Range(series.key, from_step, kMax);
+      RunLifecycle::LatestAttempt(tail, boundaries);
+      if (!tail.empty()) merged_through = std::max(merged_through, tail.back().step);
+    }
+    if (own.empty()) continue;
+    std::map<std::pair<int64_t, int32_t>, detectors::ScalarsSample> by_step_rank;
+    std::set<int32_t> ranks;
+    for (const store::SeriesInfo& series : own) {
+      const int32_t rank = series.key.head;
+      if (series.last_step > merged_through - RankScalars::kDefaultWindow) ranks.insert(rank);
+      std::vector<Point> points = store_->Range(series.key, merged_through + 1, kMax);
+      RunLifecycle::LatestAttempt(points, boundaries);
+      for (const Point& p : points) {
+        detectors::ScalarsSample& s = by_step_rank[{p.step, rank}];
+        if (series.key.signal == "loss") {
+          s.has_loss = true;
+          s.loss = p.value;
+        } else if (series.key.signal == "grad_norm") {
+          s.has_grad_norm = true;
+          s.grad_norm = p.value;
+        } else {
+          s.has_lr = true;
+          s.lr = p.value;
+        }
+      }
+    }
+    if (by_step_rank.empty()) continue;
+    const int32_t world_size = status ? std::max(status->world_size, 0) : 0;
+    std::vector<detectors::Sample> reports;
+    for (const auto& [key, scalars] : by_step_rank) {
+      detectors::Sample sample;
+      sample.run = info.run;
+      sample.rank = key.second;
+      sample.world_size = world_size;
+      sample.step = key.first;
+      sample.payload = scalars;
+      reports.push_back(std::move(sample));
+    }
+    spdlog::info("run {}: {} rank report(s) after step {} were acknowledged but not merged; "
+                 "their steps are open again",
+                 info.run, reports.size(), merged_through);
+    pool_->RecoverRankScalars(info.run, world_size, merged_through,
+                              std::vector<int32_t>(ranks.begin(), ranks.end()), reports);
   }
 }
 

@@ -21,6 +21,7 @@
 #include "server/http/http_server.h"
 #include "server/ingest/memory_guard.h"
 #include "server/ingest/state_budget.h"
+#include "server/query/query_budget.h"
 #include "server/pipeline/series_store.h"
 #include "server/ingest/validation.h"
 #include "store/durable_store.h"
@@ -83,6 +84,11 @@ struct DaemonOptions {
   // Detector state one run's probes may retain (server/ingest/state_budget.h);
   // further probes that would grow it are rejected (state_limit). 0: no bound.
   int64_t max_state_bytes_per_run = 0;
+  // Query answers (server/query/query_budget.h): the most one GetSeries
+  // answer may hold, and what all requests in progress may hold together.
+  // 0: no limit (each).
+  int64_t max_query_bytes = int64_t{64} << 20;
+  int64_t max_query_total_bytes = 0;
   IngestLimits limits;
   // Distinct (signal, layer, head) series a run may create; observations
   // of further new series are dropped and counted (server/ingest/series_limit.h).
@@ -95,6 +101,9 @@ struct DaemonOptions {
   // Directory for recordings of the raw ingest streams (record/recording.h),
   // one file per stream. Empty: nothing is recorded.
   std::string record_dir;
+  // --record_max_mb / --record_max_age_h (0: no bound, kept forever).
+  uint64_t record_max_bytes = 0;
+  std::chrono::seconds record_max_age{0};
   // The durable series store (store/durable_store.h): data_dir and its
   // fsync/retention/segment settings. An empty data_dir keeps everything in
   // memory (series_capacity points per series) and nothing survives a restart.
@@ -155,6 +164,7 @@ class Daemon {
   std::unique_ptr<IngestService> ingest_;
   std::unique_ptr<MemoryGuard> memory_;
   std::unique_ptr<StateBudget> state_budget_;
+  std::unique_ptr<QueryBudget> query_budget_;
   std::mutex state_gauges_mu_;
   std::set<std::string> state_gauge_runs_;  // runs with a foreshock_run_state_bytes series
   std::unique_ptr<grpc::Server> grpc_server_;
@@ -165,6 +175,9 @@ class Daemon {
   bool shut_down_ = false;
 
   void RestoreFromStore();
+  // The open steps of multi-rank runs' scalars acknowledged after the last
+  // detector checkpoint, read back from the ranks' own stored values.
+  void RecoverOpenRankScalars();
   void ExportStateGauges();  // foreshock_run_state_bytes, at each scrape
   void CheckpointLoop();
   std::thread checkpoint_thread_;

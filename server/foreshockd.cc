@@ -1,5 +1,6 @@
 // foreshockd: the Foreshock sidecar. Training ranks stream samples over gRPC;
 // detectors run on worker threads; signals are exported to Prometheus.
+#include <malloc.h>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -143,6 +144,15 @@ ABSL_FLAG(int64_t, max_message_mb, 64,
           "foreshock_ingest_rejected_total{reason=\"message_too_large\"}; the batches acked "
           "before it stay stored. gRPC's transport refuses messages over twice this before "
           "they are read (RESOURCE_EXHAUSTED, not counted). Also the limit for Query requests.");
+ABSL_FLAG(int64_t, max_records_per_batch, 262144,
+          "Records one ingest Batch may carry. A batch with more is not parsed (in memory a "
+          "record costs some 50 bytes, an empty one only 2 on the wire, so a 10 MB batch of "
+          "empty records would parse into hundreds of MB): every one of its records is "
+          "rejected in the Ack with reason too_many_records (counted in "
+          "foreshock_ingest_rejected_total{reason=\"too_many_records\"}) and the stream goes "
+          "on. The Python and C++ clients send batches of at most 1 MiB, far below it. An Ack "
+          "lists at most 256 rejections whatever the batch; the rest are counted in its "
+          "omitted_rejections and omitted_by_reason. 0: no limit.");
 ABSL_FLAG(int64_t, grpc_stream_window_kb, 1024,
           "HTTP/2 receive window of each gRPC stream, in KiB, with gRPC's BDP probing off: "
           "how much of a message the transport buffers for a stream before the daemon asks "
@@ -194,10 +204,12 @@ ABSL_FLAG(int64_t, max_step_jump, 100000000,
           "training runs take far fewer than 10^8 steps; raise it if yours counts steps "
           "otherwise. 0: no bound.");
 ABSL_FLAG(int64_t, max_memory_mb, -1,
-          "Resident memory, in MiB, at which the daemon refuses probes: QK and router records "
+          "Resident memory, in MiB, at which the daemon refuses probes: QK and router records, "
+          "and curvature records that carry per-layer values (layer_rayleigh: a series each), "
           "are rejected in the Ack with reason memory_limit (counted in "
-          "foreshock_ingest_rejected_total{reason=\"memory_limit\"}), while step scalars and "
-          "curvature samples, and new streams, are still accepted. Probes are accepted again "
+          "foreshock_ingest_rejected_total{reason=\"memory_limit\"}), while step scalars, "
+          "curvature records without per-layer values, and new streams, are still accepted. "
+          "Probes are accepted again "
           "once memory falls below 90% of the bound, or once nothing is queued and memory has "
           "stopped falling for a second (what stays is retained detector state, which refusing "
           "cannot free). Data already accepted is processed and stored. Set it below the "
@@ -207,15 +219,35 @@ ABSL_FLAG(int64_t, max_state_mb_per_run, -1,
           "Detector state, in MiB, that one run's probes may keep in the daemon: the QK "
           "detector keeps the previous Q and K of every (layer, probe_id, head) for the next "
           "increment, the router detector the previous routing and a window of expert loads, "
-          "for as long as the run lives. A QK or router record that would grow its run's state "
-          "past this (a new layer, probe_id or head, or a larger shape) is rejected in the Ack "
+          "for as long as the run lives; a curvature record's per-layer values (layer_rayleigh) "
+          "count 8 KiB each, the series each of them opens. A QK, router or curvature record "
+          "that would grow its run's state "
+          "past this (a new layer, probe_id or head, or a larger shape; more per-layer values) "
+          "is rejected in the Ack "
           "with reason state_limit (counted in foreshock_ingest_rejected_total{reason="
           "\"state_limit\"}); records that replace state of the same shape, step scalars and "
-          "curvature samples are still accepted, and other runs are not affected. The state "
+          "curvature records without per-layer values are still accepted, and other runs are "
+          "not affected. The state "
           "is freed when the run ends or starts a new attempt; foreshock_run_state_bytes{run} "
           "shows it. -1: a quarter of --max_memory_mb, so that one run cannot hold the daemon "
           "at its memory bound and starve the other runs' probes (no bound when "
           "--max_memory_mb is 0). 0: no bound.");
+ABSL_FLAG(int64_t, max_query_mb, 64,
+          "Memory, in MiB, one query answer may take (GetSeries over gRPC, /api/v1/points): "
+          "the points read from the store and the answer encoded, about 220 bytes a raw point "
+          "and 320 a downsampled bucket. A larger answer is refused with RESOURCE_EXHAUSTED "
+          "(HTTP 413) and a message that says how to page through the range (the from_step "
+          "and to_step of the first page, and where the next begins) or to downsample it "
+          "(max_points); counted in foreshock_query_refused_total{reason=\"too_large\"}. "
+          "64 MiB is about 300k raw points. 0: no limit.");
+ABSL_FLAG(int64_t, max_query_total_mb, -1,
+          "Memory, in MiB, all query answers in progress may take together: a request that "
+          "does not fit beside the others now is refused with UNAVAILABLE (HTTP 503, trailing "
+          "metadata retry-after-ms over gRPC), counted in "
+          "foreshock_query_refused_total{reason=\"busy\"}; retry it. A request larger than "
+          "the whole budget is refused as too_large. foreshock_query_bytes shows what is "
+          "taken. -1: a quarter of --max_memory_mb, at least --max_query_mb (--max_query_mb "
+          "when --max_memory_mb is 0). 0: no bound.");
 ABSL_FLAG(int64_t, shutdown_grace_ms, 5000,
           "On SIGTERM or SIGINT, how long open streams may stay open before they are "
           "cancelled. Everything already accepted is processed before exit.");
@@ -241,7 +273,19 @@ ABSL_FLAG(std::string, record_dir, "",
           "The directory is created if missing. Recording never fails or slows a stream: when "
           "the disk cannot keep up or a write fails, frames are dropped, logged once per stream "
           "and counted in foreshock_record_frames_total{outcome=\"dropped\"}. Empty: no "
-          "recording.");
+          "recording. Bounded by --record_max_mb and --record_max_age_h.");
+ABSL_FLAG(int64_t, record_max_mb, 10240,
+          "At most this many MiB of recordings (*.fsrec) in --record_dir, those there at start "
+          "included. Closed recordings are deleted oldest first to make room "
+          "(foreshock_record_files_deleted_total{reason=\"size\"}); an open recording (a live "
+          "stream) is never deleted: when only open ones are left, further messages are not "
+          "recorded (counted as dropped, logged once per stream) and each file stays a complete "
+          "prefix of its stream. foreshock_record_bytes says how much the directory holds. "
+          "0: no bound.");
+ABSL_FLAG(int64_t, record_max_age_h, 168,
+          "Closed recordings in --record_dir older than this many hours (by modification time) "
+          "are deleted, checked every 10 s (foreshock_record_files_deleted_total"
+          "{reason=\"age\"}). 0: kept until --record_max_mb needs the room.");
 ABSL_FLAG(std::string, data_dir, "./foreshock-data",
           "Directory of the durable series store: every signal value of every step, alert "
           "transitions, run Hellos and the detector/alert-engine checkpoints, in an append-only "
@@ -302,6 +346,15 @@ ABSL_FLAG(bool, insecure, false,
 ABSL_FLAG(std::string, log_level, "info", "Log level: trace, debug, info, warn, error, off.");
 
 int main(int argc, char** argv) {
+  // Freed memory goes back to the kernel, whichever thread freed it. By
+  // default glibc raises its mmap and trim thresholds to 32-64 MiB as large
+  // blocks come and go, and each thread's arena then keeps what it freed: a
+  // query answer of 20 MB left 31 MiB resident in each HTTP thread that ever
+  // answered one (eight threads: 250 MiB), and an ingest batch the same in
+  // gRPC's threads. Fixed at 1 MiB: blocks above it are mapped and unmapped,
+  // and an arena's free top above it is returned when memory is freed.
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 20);
   absl::SetProgramUsageMessage(
       "foreshockd: the Foreshock sidecar. Training ranks stream Q/K, router, curvature and "
       "step samples over gRPC; detectors compute instability signals; Prometheus scrapes "
@@ -354,6 +407,8 @@ int main(int argc, char** argv) {
   options.limits.max_ranks_per_run = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_ranks_per_run));
   options.limits.rank_takeover_grace =
       std::chrono::milliseconds(std::max<int64_t>(0, absl::GetFlag(FLAGS_rank_takeover_grace_ms)));
+  options.limits.max_records_per_batch =
+      std::max<int64_t>(0, absl::GetFlag(FLAGS_max_records_per_batch));
   options.max_series_per_run = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_series_per_run));
   options.max_queue_bytes = static_cast<size_t>(std::max<int64_t>(1, absl::GetFlag(FLAGS_max_queue_mb))) << 20;
   if (const int64_t mb = absl::GetFlag(FLAGS_max_memory_mb); mb >= 0) {
@@ -366,11 +421,20 @@ int main(int argc, char** argv) {
   } else {
     options.max_state_bytes_per_run = options.max_memory_bytes / 4;
   }
+  options.max_query_bytes = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_query_mb)) << 20;
+  if (const int64_t mb = absl::GetFlag(FLAGS_max_query_total_mb); mb >= 0) {
+    options.max_query_total_bytes = mb << 20;
+  } else {
+    options.max_query_total_bytes =
+        std::max(options.max_memory_bytes / 4, options.max_query_bytes);
+  }
   options.max_message_bytes = static_cast<int>(std::clamp<int64_t>(absl::GetFlag(FLAGS_max_message_mb), 1, 2047)) << 20;
   options.grpc_stream_window_bytes =
       static_cast<int>(std::clamp<int64_t>(absl::GetFlag(FLAGS_grpc_stream_window_kb), 0, 1 << 20)) << 10;
 
   options.record_dir = absl::GetFlag(FLAGS_record_dir);
+  options.record_max_bytes = static_cast<uint64_t>(std::max<int64_t>(0, absl::GetFlag(FLAGS_record_max_mb))) << 20;
+  options.record_max_age = std::chrono::hours(std::max<int64_t>(0, absl::GetFlag(FLAGS_record_max_age_h)));
   options.store_options.data_dir = absl::GetFlag(FLAGS_data_dir);
   options.store_options.cache_points_per_series =
       static_cast<size_t>(std::max<int64_t>(1, absl::GetFlag(FLAGS_series_cache_points)));

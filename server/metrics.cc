@@ -35,13 +35,17 @@ constexpr std::string_view kRejectionReasons[] = {
     reason::kNegativeStep,
     reason::kTensorTooLarge,
     reason::kTooManyLayers,
+    reason::kTooManyRecords,
     reason::kStepOutOfRange,
+    reason::kStepAheadOfRun,
     reason::kTooManyProbeIds,
     reason::kBatchBeforeHello,
     reason::kDuplicateHello,
     reason::kBadHello,
+    reason::kBadLabels,
     reason::kBadRank,
     reason::kWorldSizeOverLimit,
+    reason::kWorldSizeConflict,
     reason::kEmptyRequest,
     "malformed_request",  // kMalformedRequest, private to ingest_service.cc
     reason::kTooManyStreams,
@@ -95,6 +99,8 @@ DaemonMetrics::DaemonMetrics(prometheus::Registry& registry, bool per_head_metri
   ingest_active_streams.Add({});
   streams_waiting_for_queue.Add({});
   queue_bytes.Add({});
+  query_bytes.Add({});
+  for (const char* reason : {"too_large", "busy"}) query_refused_total.Add({{"reason", reason}});
   for (size_t i = 0; i < kSampleKinds; ++i) {
     const std::string kind = detectors::SampleKindName(static_cast<detectors::SampleKind>(i));
     records_accepted_[i] = &ingest_records_total.Add({{"kind", kind}});

@@ -56,16 +56,26 @@ namespace foreshock::server {
     "Received StreamRequests recorded with --record_dir, by outcome: written (handed to the "  \
     "kernel) or dropped (the recorder fell behind, or a file could not be created or "        \
     "written; logged once per stream).")                                                   \
+  X(record_files_deleted_total, "record_files_deleted_total",                               \
+    "Closed recordings deleted from --record_dir by retention, by reason: size (over "       \
+    "--record_max_mb, oldest first) or age (older than --record_max_age_h).")              \
   X(series_limited_total, "series_limited_total",                                           \
     "Detector observations dropped (not exported, stored or alerted on) because they would " \
     "open a new series for a run that already has --max_series_per_run series.")          \
   X(metrics_series_dropped_total, "metrics_series_dropped_total",                           \
     "Detector observations not exported to /metrics because --max_metrics_series signal "   \
     "series exist (they are still stored and alerted on; the Query API and the web UI show " \
-    "them).")
+    "them).")                                                                                \
+  X(query_refused_total, "query_refused_total",                                             \
+    "Query requests (GetSeries over gRPC, /api/v1/points) refused for memory, by reason: "   \
+    "too_large (the answer would be over --max_query_mb, or over --max_query_total_mb; the " \
+    "message says how to page or downsample it) or busy (the queries in progress hold "     \
+    "--max_query_total_mb; retry).")
 
 #define FORESHOCK_DAEMON_GAUGES(X)                                                              \
   X(ingest_active_streams, "ingest_active_streams", "Ingest streams open now.")                 \
+  X(record_bytes, "record_bytes",                                                               \
+    "Bytes of recordings in --record_dir (closed and open), bounded by --record_max_mb.")       \
   X(queue_bytes, "queue_bytes",                                                                 \
     "Bytes of accepted samples waiting for or in a worker. Bounded by --max_queue_mb; at "   \
     "the bound, streams stop reading and gRPC flow control pushes back on clients.")            \
@@ -82,6 +92,8 @@ namespace foreshock::server {
     "Detector state the run's probes retain (previous QK and router samples), by run; a "      \
     "probe that would grow it past --max_state_mb_per_run is rejected with reason "            \
     "state_limit.")                                                                             \
+  X(query_bytes, "query_bytes",                                                                 \
+    "Bytes the query requests in progress hold (leased from --max_query_total_mb).")          \
   X(metrics_signal_series, "metrics_signal_series",                                             \
     "Signal series (detector values by run, layer, head) in /metrics; at most "              \
     "--max_metrics_series.")                                                                    \

@@ -648,7 +648,15 @@ void DurableSeriesStore::IndexEventLocked(std::string_view kind, std::string_vie
     it = events_.emplace(std::string(kind), BoundedRing<std::string>(options_.events_per_kind))
              .first;
   }
-  it->second.push_back(std::string(bytes));
+  BoundedRing<std::string>& ring = it->second;
+  size_t& held = event_bytes_[it->first];
+  if (ring.size() == ring.capacity()) held -= ring.front().size();  // overwritten
+  ring.push_back(std::string(bytes));
+  held += bytes.size();
+  while (held > options_.event_bytes_per_kind && ring.size() > 1) {
+    held -= ring.front().size();
+    ring.pop_front();
+  }
 }
 
 int DurableSeriesStore::InjectedFault(StoreFileOp op) const {

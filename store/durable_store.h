@@ -109,6 +109,10 @@ struct DurableStoreOptions {
   std::chrono::milliseconds fsync_interval{1000};
   size_t cache_points_per_series = 2048;
   size_t events_per_kind = 1024;
+  // And at most this many bytes of them per kind (the oldest go first), so
+  // that large events (a Hello with many labels) cannot make the in-memory
+  // log large; the newest event is always kept.
+  size_t event_bytes_per_kind = size_t{4} << 20;
   uint64_t retention_max_bytes = 0;         // 0: no size limit
   std::chrono::milliseconds retention_max_age{0};  // 0: no age limit
   std::chrono::milliseconds retention_check_interval{60000};
@@ -327,6 +331,7 @@ class DurableSeriesStore final : public SeriesStore {
   bool abandon_pending_ = false;    // after an fsync error: leave it unsealed
   bool restart_block_ = false;      // after a failed write: encoder state unknown
   std::map<std::string, BoundedRing<std::string>, std::less<>> events_;
+  std::map<std::string, size_t, std::less<>> event_bytes_;  // bytes in events_, by kind
   DurableStoreStats stats_;  // the counters below are kept apart
   std::string scratch_;
   std::string payload_scratch_;

@@ -245,7 +245,8 @@ void Sender::OnAck(const v1::Ack& ack) {
     state_.Settle(ack);
     stats_.acked += ack.accepted();
     stats_.duplicates += ack.duplicates();
-    stats_.rejected += static_cast<uint64_t>(ack.rejections_size());
+    // The daemon lists at most 256 rejections and counts the rest.
+    stats_.rejected += static_cast<uint64_t>(ack.rejections_size()) + ack.omitted_rejections();
   }
   cv_.notify_all();
 }

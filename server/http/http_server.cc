@@ -138,6 +138,10 @@ class HttpServer::RouteHandler final : public CivetHandler {
       response = HttpResponse{500, "text/plain", std::string("internal error: ") + e.what()};
     }
     Reply(conn, head, response.status, response.content_type.c_str(), response.body);
+    // The body first, then what it held (a query's lease, which may return
+    // the freed memory to the kernel).
+    std::string().swap(response.body);
+    response.hold.reset();
     return true;
   }
 

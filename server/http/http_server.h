@@ -32,6 +32,8 @@ struct HttpResponse {
   int status = 200;
   std::string content_type = "application/json";
   std::string body;
+  // Kept until the body is written to the client (a query's memory lease).
+  std::shared_ptr<void> hold;
 };
 
 using HttpHandler = std::function<HttpResponse(const HttpRequest&)>;

@@ -14,6 +14,7 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
+#include "server/ingest/batch_scan.h"
 #include "server/pipeline/run_lifecycle.h"
 
 namespace foreshock::server {
@@ -153,7 +154,26 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       return;
     }
     grpc::Status parsed;
-    if (received_.Valid()) {
+    // --max_records_per_batch, on the wire bytes: a batch over it is not
+    // parsed (an empty record is 2 bytes there and ~50 in memory); only its
+    // seq and goodbye are kept, and HandleBatch rejects every record.
+    oversized_records_.reset();
+    const int64_t max_records = service_.limits_.max_records_per_batch;
+    std::optional<BatchShape> oversized;
+    if (max_records > 0 && received_.Valid() &&
+        static_cast<int64_t>(received_bytes) > 2 * max_records) {  // a record is >= 2 bytes
+      if (auto shape = ScanBatch(received_); shape && shape->records > max_records) {
+        oversized = shape;
+      }
+    }
+    if (oversized) {
+      received_.Clear();
+      request_.Clear();
+      v1::Batch& skeleton = *request_.mutable_batch();
+      skeleton.set_seq(oversized->seq);
+      if (oversized->goodbye) skeleton.mutable_goodbye();
+      oversized_records_ = oversized->records;
+    } else if (received_.Valid()) {
       parsed = grpc::SerializationTraits<v1::StreamRequest>::Deserialize(&received_, &request_);
     } else {
       request_.Clear();  // a zero-length message: an empty StreamRequest
@@ -289,7 +309,8 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     const std::string run_tenant = service_.authorizer_ != nullptr
                                        ? absl::StrCat("token ", access_.name())
                                        : RunTenantOfJob(request_.hello().job());
-    if (auto refused = service_.AdmitRun(request_.hello().run_id(), run_tenant)) {
+    std::string counted_in;  // the tenant whose share the run counts in
+    if (auto refused = service_.AdmitRun(request_.hello().run_id(), run_tenant, counted_in)) {
       call_->AddTrailingMetadata("retry-after-ms", std::to_string(IngestService::kRetryAfterMs));
       RefuseStream(refused->code,
                    absl::StrCat(refused->detail, "; retry after ", IngestService::kRetryAfterMs,
@@ -303,8 +324,17 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     context_->rank = hello.rank();
     context_->world_size = WorldSizeOf(hello);
     context_->model = hello.model();
-    // Rank ownership: a rank belongs to the live stream that holds it.
     lifecycle_sender_ = hello.first_seq() > 0 ? hello.sender_id() : 0;
+    // The world size the run's attempt declared: no other client raises it
+    // (a run waiting for ranks that do not exist would never end).
+    if (service_.lifecycle_ != nullptr) {
+      if (auto conflict = service_.lifecycle_->WorldSizeConflict(
+              context_->run_id, context_->rank, lifecycle_sender_, context_->world_size)) {
+        FailStream(reason::kWorldSizeConflict, *conflict, grpc::StatusCode::FAILED_PRECONDITION);
+        return;
+      }
+    }
+    // Rank ownership: a rank belongs to the live stream that holds it.
     std::vector<IngestService::RevokedSender> revoked;
     if (auto in_use = service_.ClaimRank(this, context_->run_id, context_->rank,
                                          lifecycle_sender_, access_.name(), revoked)) {
@@ -340,7 +370,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       // Before the HelloAck: a restart has closed the old attempt's alerts
       // by the time the client learns it is connected.
       service_.lifecycle_->OnHello(context_->run_id, context_->rank, lifecycle_sender_,
-                                   context_->world_size);
+                                   context_->world_size, counted_in);
       lifecycle_registered_ = true;
       lifecycle_open_ = true;
       // Taken over meanwhile: the stream close is this thread's to report.
@@ -397,8 +427,17 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     // everything else (step scalars, curvature: a few bytes each) is still
     // accepted, so that one client's flood of probes cannot stop every run's
     // loss curve. The refused records' memory goes with request_.Clear().
+    // A curvature per-layer value is 8 bytes on the wire and a series in
+    // memory: the guard weighs it at what the state budget counts, so that a
+    // batch of them gets the fresh check a large batch of probes gets.
+    int64_t admission_bytes = static_cast<int64_t>(batch_bytes);
+    for (const v1::Record& record : batch.records()) {
+      if (record.payload_case() == v1::Record::kCurvature) {
+        admission_bytes += record.curvature().layer_rayleigh_size() * kCurvatureValueBytes;
+      }
+    }
     const bool refuse_probes =
-        service_.memory_ != nullptr && !service_.memory_->AdmitProbes(static_cast<int64_t>(batch_bytes));
+        service_.memory_ != nullptr && !service_.memory_->AdmitProbes(admission_bytes);
     std::string memory_detail;  // set when probes of this batch are refused
 
     ack_ = v1::StreamResponse();
@@ -408,33 +447,41 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     item_index_.clear();
     size_t bytes = 0;
 
+    // Records of the batch: those parsed, or of one over --max_records_per_batch.
+    const int64_t records = oversized_records_.value_or(batch.records_size());
     if (last_seq_ && batch.seq() <= *last_seq_) {
       const std::string detail =
           absl::StrCat("batch seq ", batch.seq(), " is not above the previous ", *last_seq_);
-      for (int i = 0; i < batch.records_size(); ++i) {
-        auto* rejection = ack.add_rejections();
-        rejection->set_index(i);
-        rejection->set_reason(absl::StrCat(reason::kNonIncreasingSeq, ": ", detail));
-      }
-      metrics.CountRejection(reason::kNonIncreasingSeq, std::max(1, batch.records_size()));
-    } else if (last_seq_ = batch.seq(); dedup_ && BeginDedup(batch)) {
+      AddRejections(ack, 0, records, reason::kNonIncreasingSeq,
+                    absl::StrCat(reason::kNonIncreasingSeq, ": ", detail));
+      metrics.CountRejection(reason::kNonIncreasingSeq, std::max<int64_t>(1, records));
+    } else if (last_seq_ = batch.seq(); dedup_ && BeginDedup(batch, records)) {
       // A resend of a batch already stored (or being stored): acked, not stored again.
       batch_goodbye_ = batch.has_goodbye();  // applied again: a no-op if it was
+    } else if (oversized_records_) {
+      batch_goodbye_ = batch.has_goodbye();
+      AddRejections(ack, 0, records, reason::kTooManyRecords,
+                    absl::StrCat(reason::kTooManyRecords, ": the batch has ", records,
+                                 " records; the limit is ",
+                                 service_.limits_.max_records_per_batch,
+                                 " (--max_records_per_batch): send smaller batches"));
+      metrics.CountRejection(reason::kTooManyRecords, records);
     } else {
       batch_goodbye_ = batch.has_goodbye();
       bool raised_max_step = false;  // run_max_step_ grew: tell the service once
       int64_t min_step = std::numeric_limits<int64_t>::max();
       int64_t max_step = -1;
       for (int i = 0; i < batch.records_size(); ++i) {
-        if (refuse_probes && IsProbe(batch.records(i))) {
+        if (refuse_probes && RefusedAtMemoryBound(batch.records(i))) {
           if (memory_detail.empty()) {
-            memory_detail = absl::StrCat(reason::kMemoryLimit, ": probes are refused while ",
+            memory_detail = absl::StrCat(reason::kMemoryLimit,
+                                         ": probes and curvature per-layer values are refused "
+                                         "while ",
                                          service_.MemoryLimitDetail(),
-                                         "; step scalars are still accepted");
+                                         "; step scalars and curvature without layer_rayleigh "
+                                         "are still accepted");
           }
-          auto* r = ack.add_rejections();
-          r->set_index(i);
-          r->set_reason(memory_detail);
+          AddRejection(ack, i, reason::kMemoryLimit, memory_detail);
           metrics.CountRejection(reason::kMemoryLimit);
           continue;
         }
@@ -444,9 +491,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         if (!rejection) rejection = CheckStep(item.sample.step);
         if (!rejection) rejection = CheckProbeId(item.sample);
         if (rejection) {
-          auto* r = ack.add_rejections();
-          r->set_index(i);
-          r->set_reason(rejection->ToString());
+          AddRejection(ack, i, rejection->code, rejection->ToString());
           metrics.CountRejection(rejection->code);
           continue;
         }
@@ -459,7 +504,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         items_.push_back(std::move(item));
         item_index_.push_back(i);
       }
-      if (raised_max_step) service_.NoteStep(context_->run_id, run_max_step_);
+      if (raised_max_step) service_.NoteStep(context_->run_id, run_max_step_, rank_established_);
       // A new attempt's first records say where it resumed; the run is
       // rewound before they are dispatched.
       if (!items_.empty() && lifecycle_registered_) {
@@ -503,13 +548,12 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     size_t kept = 0;
     for (size_t j = 0; j < items_.size(); ++j) {
       std::optional<std::string> refusal;
-      if (auto footprint = detectors::RetainedBy(items_[j].sample, service_.pool_.options())) {
-        refusal = budget->Admit(context_->run_id, *footprint);
-      }
+      auto footprint = detectors::RetainedBy(items_[j].sample, service_.pool_.options());
+      if (!footprint) footprint = CurvatureFootprint(items_[j].sample);
+      if (footprint) refusal = budget->Admit(context_->run_id, *footprint);
       if (refusal) {
-        auto* r = ack.add_rejections();
-        r->set_index(item_index_[j]);
-        r->set_reason(absl::StrCat(reason::kStateLimit, ": ", *refusal));
+        AddRejection(ack, item_index_[j], reason::kStateLimit,
+                     absl::StrCat(reason::kStateLimit, ": ", *refusal));
         service_.metrics_.CountRejection(reason::kStateLimit);
         continue;
       }
@@ -523,12 +567,26 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     return record.payload_case() == v1::Record::kQk || record.payload_case() == v1::Record::kRouter;
   }
 
+  // What --max_memory_mb refuses: probes, and curvature records with
+  // per-layer values (each value a series of its own, up to --max_layers of
+  // them); not step scalars nor curvature's few run-level values.
+  static bool RefusedAtMemoryBound(const v1::Record& record) {
+    return IsProbe(record) || (record.payload_case() == v1::Record::kCurvature &&
+                               record.curvature().layer_rayleigh_size() > 0);
+  }
+
   // --max_step_jump: a step more than that beyond the run's highest accepted
   // step (0 before the first) is refused, so that one corrupt step cannot
   // become the run's last and make every real later step look stale. The
   // stream's own view of the run's highest step is a lower bound; the
   // service is asked only when a step looks too far ahead of it.
   std::optional<Rejection> CheckStep(int64_t step) {
+    if (!rank_established_) {
+      if (auto ahead = service_.AdmitLateJoinerStep(context_->run_id, context_->rank, step,
+                                                    rank_established_)) {
+        return ahead;
+      }
+    }
     const int64_t jump = service_.limits_.max_step_jump;
     if (jump <= 0) return std::nullopt;
     // step >= 0 (negative_step is checked first): no overflow.
@@ -570,7 +628,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   // For a dedup stream: true when the batch is a resend (Admitted queues its
   // ack, done once the batch is stored), false when it is new.
-  bool BeginDedup(const v1::Batch& batch) {
+  bool BeginDedup(const v1::Batch& batch, int64_t records) {
     auto wait = std::make_shared<DuplicateWait>();
     const auto admission = service_.delivery_->Begin(
         sender_, batch.seq(), [this, wait](bool committed) {
@@ -590,7 +648,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     service_.metrics_.ingest_duplicate_batches_total.Add({}).Increment();
     if (admission == DeliveryTracker::Admission::kDuplicate) wait->settled = true;
     duplicate_ = wait;
-    duplicate_records_ = static_cast<uint32_t>(batch.records_size());
+    duplicate_records_ = static_cast<uint32_t>(records);
     return true;
   }
 
@@ -768,13 +826,14 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     MaybeFinishLocked();
   }
 
-  // Ends the stream with INVALID_ARGUMENT once queued acks are written.
-  void FailStream(std::string_view code, const std::string& detail) {
+  // Ends the stream with INVALID_ARGUMENT (or `status`) once queued acks are written.
+  void FailStream(std::string_view code, const std::string& detail,
+                  grpc::StatusCode status = grpc::StatusCode::INVALID_ARGUMENT) {
     service_.metrics_.CountRejection(code);
     spdlog::warn("stream {} rejected: {}: {}", session_, code, detail);
     std::lock_guard<std::mutex> lock(mu_);
     reads_done_ = true;
-    finish_status_ = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(code) + ": " + detail);
+    finish_status_ = grpc::Status(status, std::string(code) + ": " + detail);
     MaybeFinishLocked();
   }
 
@@ -838,6 +897,9 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   std::string tenant_;  // the --max_streams_per_tenant slot held; empty: none
   grpc::ByteBuffer received_;
   v1::StreamRequest request_;
+  // The message was a Batch of this many records, over --max_records_per_batch,
+  // and request_ holds only its seq and goodbye.
+  std::optional<int64_t> oversized_records_;
   bool recording_ = false;    // the recorder has a file for this stream
   bool drop_logged_ = false;  // a dropped recording frame was logged
   std::optional<StreamContext> context_;
@@ -852,6 +914,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   std::unordered_set<std::string> admitted_probe_ids_;  // --max_probe_ids_per_run
   std::optional<uint64_t> last_seq_;
   int64_t run_max_step_ = -1;  // --max_step_jump: the run's highest step as this stream knows it
+  bool rank_established_ = false;  // see IngestService::AdmitLateJoinerStep
   bool dedup_ = false;                 // Hello.first_seq: resends are deduplicated
   DeliveryTracker::Sender sender_;     // with dedup_: whose seqs these are
   std::optional<uint64_t> dedup_seq_;  // the new batch in progress of a dedup stream
@@ -901,7 +964,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
 IngestService::IngestService(const IngestLimits& limits, AdmissionGate& gate, WorkerPool& pool,
                              DaemonMetrics& metrics, HelloObserver on_hello,
-                             std::string record_dir)
+                             StreamRecorderOptions recording)
     : limits_(limits),
       gate_(gate),
       pool_(pool),
@@ -909,10 +972,8 @@ IngestService::IngestService(const IngestLimits& limits, AdmissionGate& gate, Wo
       on_hello_(std::move(on_hello)),
       tenant_limit_(TenantStreamLimit(limits)),
       tenant_run_limit_(TenantRunLimit(limits)) {
-  if (!record_dir.empty()) {
-    StreamRecorderOptions options;
-    options.dir = std::move(record_dir);
-    recorder_ = std::make_unique<StreamRecorder>(std::move(options), metrics_);
+  if (!recording.dir.empty()) {
+    recorder_ = std::make_unique<StreamRecorder>(std::move(recording), metrics_);
   }
 }
 
@@ -1009,13 +1070,15 @@ std::string IngestService::MemoryLimitDetail() const {
 }
 
 std::optional<Rejection> IngestService::AdmitRun(const std::string& run_id,
-                                                 const std::string& tenant) {
+                                                 const std::string& tenant,
+                                                 std::string& counted_in) {
   std::lock_guard<std::mutex> lock(runs_mu_);
   const auto now = std::chrono::steady_clock::now();
   if (auto it = runs_.find(run_id); it != runs_.end()) {
     ++it->second.open_streams;
     it->second.last_seen = now;
     if (it->second.tenant.empty()) it->second.tenant = tenant;
+    counted_in = it->second.tenant;
     return std::nullopt;
   }
   auto tenant_runs = [&] {
@@ -1050,6 +1113,7 @@ std::optional<Rejection> IngestService::AdmitRun(const std::string& run_id,
   slot.open_streams = 1;
   slot.last_seen = now;
   slot.tenant = tenant;
+  counted_in = tenant;
   runs_.emplace(run_id, std::move(slot));
   return std::nullopt;
 }
@@ -1127,13 +1191,16 @@ bool IngestService::AdmitProbeId(const std::string& run_id, const std::string& p
 }
 
 void IngestService::NoteKnownRun(const std::string& run_id, int64_t last_step,
-                                 const std::string& job) {
+                                 const std::string& job, const std::string& tenant) {
   std::lock_guard<std::mutex> lock(runs_mu_);
   auto [it, _] = runs_.try_emplace(run_id, RunSlot{0, std::chrono::steady_clock::now(), {}});
   it->second.max_step = std::max(it->second.max_step, last_step);
-  // Without tokens a tenant is a job, which the recovered Hello says; a
-  // token is not stored, so with --token_file the run counts in the total only.
-  if (it->second.tenant.empty() && authorizer_ == nullptr && !job.empty()) {
+  if (!it->second.tenant.empty()) return;
+  // The tenant stored with the run (its lifecycle); for runs from before it
+  // was stored, without tokens, the job of a recovered Hello.
+  if (!tenant.empty()) {
+    it->second.tenant = tenant;
+  } else if (authorizer_ == nullptr && !job.empty()) {
     it->second.tenant = RunTenantOfJob(job);
   }
 }
@@ -1144,10 +1211,37 @@ int64_t IngestService::RunMaxStep(const std::string& run_id) {
   return it == runs_.end() ? -1 : it->second.max_step;
 }
 
-void IngestService::NoteStep(const std::string& run_id, int64_t step) {
+void IngestService::NoteStep(const std::string& run_id, int64_t step, bool established) {
   std::lock_guard<std::mutex> lock(runs_mu_);
-  int64_t& max_step = runs_[run_id].max_step;
-  max_step = std::max(max_step, step);
+  RunSlot& slot = runs_[run_id];
+  slot.max_step = std::max(slot.max_step, step);
+  if (established) slot.established_max_step = std::max(slot.established_max_step, step);
+}
+
+std::optional<Rejection> IngestService::AdmitLateJoinerStep(const std::string& run_id,
+                                                            int32_t rank, int64_t step,
+                                                            bool& established) {
+  std::lock_guard<std::mutex> lock(runs_mu_);
+  RunSlot& slot = runs_[run_id];
+  RunSlot::RankHistory& own = slot.rank_history[rank];
+  if (own.steps < kLateJoinSteps && slot.established_max_step >= 0 &&
+      step > slot.established_max_step + kLateJoinLeadSteps) {
+    return Rejection{reason::kStepAheadOfRun,
+                     absl::StrCat("step ", step, " of rank ", rank, " is more than ",
+                                  kLateJoinLeadSteps, " beyond run '", run_id, "' (at step ",
+                                  slot.established_max_step, ") while the rank has ", own.steps,
+                                  " of the ", kLateJoinSteps,
+                                  " steps of its own a rank joining a live run needs first")};
+  }
+  if (step > own.last_step) {
+    own.last_step = step;
+    ++own.steps;
+  }
+  if (own.steps >= kLateJoinSteps) {
+    established = true;
+    slot.established_max_step = std::max(slot.established_max_step, own.last_step);
+  }
+  return std::nullopt;
 }
 
 bool IngestService::AcquireTenant(const std::string& tenant) {

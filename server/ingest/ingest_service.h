@@ -46,7 +46,8 @@ class IngestService final
   // With a non-empty `record_dir`, every stream is recorded there
   // (server/ingest/stream_recorder.h).
   IngestService(const IngestLimits& limits, AdmissionGate& gate, WorkerPool& pool,
-                DaemonMetrics& metrics, HelloObserver on_hello, std::string record_dir = "");
+                DaemonMetrics& metrics, HelloObserver on_hello,
+                StreamRecorderOptions recording = {});
   ~IngestService() override;
 
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Stream(
@@ -60,12 +61,14 @@ class IngestService final
   }
 
   // A run the daemon already has (recovered from its data directory): it
-  // counts toward --max_runs (and, without --token_file, toward the share of
-  // its `job`), and its Hellos are admitted while it counts. Its `last_step`
-  // (-1: none) is where --max_step_jump counts from; a run without one stops
-  // counting after --empty_run_release_s.
+  // counts toward --max_runs and toward its `tenant`'s share (the one its
+  // first Hello counted in, as RunLifecycle stored it; when that is empty,
+  // without --token_file, the share of its `job`), and its Hellos are
+  // admitted while it counts. Its `last_step` (-1: none) is where
+  // --max_step_jump counts from; a run without one stops counting after
+  // --empty_run_release_s.
   void NoteKnownRun(const std::string& run_id, int64_t last_step = -1,
-                    const std::string& job = "");
+                    const std::string& job = "", const std::string& tenant = "");
 
   // --max_memory_mb: at the bound, probe records (QK, router) are rejected
   // in the Ack (memory_limit) and everything else is still accepted. Call
@@ -112,7 +115,10 @@ class IngestService final
   // --max_runs and --max_runs_per_tenant: nullopt when the run is admitted
   // (a known run, or a new one within both), else the refusal's code and
   // detail. `tenant`: the token, or without --token_file the Hello's job.
-  std::optional<Rejection> AdmitRun(const std::string& run_id, const std::string& tenant);
+  // Admitted, `counted_in` is the tenant whose share the run counts in (its
+  // first Hello's).
+  std::optional<Rejection> AdmitRun(const std::string& run_id, const std::string& tenant,
+                                    std::string& counted_in);
   void ReleaseRun(const std::string& run_id);  // its stream ended
   // Runs that stopped counting: no stream open, and no sample stored for
   // --empty_run_release_s, or idle for kIdleRunRelease. Under runs_mu_.
@@ -145,9 +151,21 @@ class IngestService final
   // false: `probe_id` would be one more than --max_probe_ids_per_run for the run.
   bool AdmitProbeId(const std::string& run_id, const std::string& probe_id);
   // --max_step_jump: the highest step accepted for the run so far (-1: none),
-  // and raising it.
+  // and raising it (`established`: by a rank with a history, below).
   int64_t RunMaxStep(const std::string& run_id);
-  void NoteStep(const std::string& run_id, int64_t step);
+  void NoteStep(const std::string& run_id, int64_t step, bool established = true);
+  // A rank joining a live run late: until the daemon has accepted
+  // kLateJoinSteps steps of its own (since start), a step of it more than
+  // kLateJoinLeadSteps beyond the highest step of the run's ranks that have
+  // such a history is refused (step_ahead_of_run), so that a second client
+  // cannot move foreshock_last_step far ahead of the job. Counts `step`
+  // toward the rank's history otherwise; `established` becomes true once it
+  // has one. The run's first ranks are never held to it: no rank has a
+  // history yet when they start (nor right after a daemon restart).
+  std::optional<Rejection> AdmitLateJoinerStep(const std::string& run_id, int32_t rank,
+                                               int64_t step, bool& established);
+  static constexpr int kLateJoinSteps = 8;  // RankScalars::kLateJoinSteps, the same rule
+  static constexpr int64_t kLateJoinLeadSteps = 1000;
   // A run with no open stream for this long stops counting toward --max_runs,
   // so that a long-lived sidecar keeps admitting new runs as old ones finish.
   static constexpr std::chrono::hours kIdleRunRelease{24};
@@ -180,6 +198,12 @@ class IngestService final
     std::unordered_set<std::string> probe_ids;  // seen since start
     int64_t max_step = -1;  // highest step accepted (or recovered); -1: none
     std::string tenant;     // whose share of --max_runs it counts in; empty: none known
+    struct RankHistory {
+      int64_t last_step = -1;
+      int steps = 0;  // accepted steps above the previous one, up to kLateJoinSteps
+    };
+    std::unordered_map<int32_t, RankHistory> rank_history;  // since start
+    int64_t established_max_step = -1;  // highest step of ranks with a history; -1: none
   };
   std::unordered_map<std::string, RunSlot> runs_;  // admitted or recovered runs
   DeliveryTracker* delivery_ = nullptr;

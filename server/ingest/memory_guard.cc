@@ -88,8 +88,8 @@ void MemoryGuard::Sample() {
   } else if (over) {
     times_over_.fetch_add(1, std::memory_order_relaxed);
     spdlog::warn("resident memory {} MiB reached --max_memory_mb={}: refusing probes (QK and "
-                 "router records, rejected with reason memory_limit; step scalars are still "
-                 "accepted) until it is below {} MiB or has settled with nothing in flight",
+                 "router records, and curvature with per-layer values, rejected with reason "
+                 "memory_limit; step scalars are still accepted) until it is below {} MiB or has settled with nothing in flight",
                  resident >> 20, limit_bytes_ >> 20,
                  resume_mark >> 20);
   } else {

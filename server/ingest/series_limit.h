@@ -29,6 +29,11 @@ class SeriesLimitSink final : public ObservationSink {
     inner_.OnNonFinite(sample, kind, count);
   }
   void OnSampleDone(const detectors::Sample& sample) override { inner_.OnSampleDone(sample); }
+  // A series that exists already (its step was observed): no limit to apply.
+  void OnCorrection(const detectors::Sample& sample,
+                    const detectors::Observation& observation) override {
+    inner_.OnCorrection(sample, observation);
+  }
   void OnDetectorTime(std::string_view detector, double seconds) override {
     inner_.OnDetectorTime(detector, seconds);
   }

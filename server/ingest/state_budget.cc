@@ -6,6 +6,17 @@
 
 namespace foreshock::server {
 
+std::optional<detectors::RetainedFootprint> CurvatureFootprint(const detectors::Sample& sample) {
+  const auto* curvature = std::get_if<detectors::CurvatureSample>(&sample.payload);
+  if (curvature == nullptr || curvature->layer_rayleigh.empty()) return std::nullopt;
+  detectors::RetainedFootprint footprint;
+  footprint.kind = detectors::SampleKind::kCurvature;
+  footprint.layer = -1;
+  footprint.heads.emplace_back(
+      -1, static_cast<int64_t>(curvature->layer_rayleigh.size()) * kCurvatureValueBytes);
+  return footprint;
+}
+
 std::optional<std::string> StateBudget::Admit(const std::string& run,
                                               const detectors::RetainedFootprint& footprint) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -28,10 +39,15 @@ std::optional<std::string> StateBudget::Admit(const std::string& run,
   if (limit_bytes_ > 0 && growth > 0 && after > limit_bytes_) {
     const int64_t before = state.bytes;
     if (state.series.empty()) runs_.erase(run);
+    const std::string what =
+        footprint.kind == detectors::SampleKind::kCurvature
+            ? absl::StrCat("curvature record's per-layer values (", growth / kCurvatureValueBytes,
+                           " more series, counted at ", kCurvatureValueBytes, " bytes each)")
+            : absl::StrCat(detectors::SampleKindName(footprint.kind), " probe (layer ",
+                           footprint.layer, ", probe_id '", footprint.probe_id, "')");
     return absl::StrCat(
-        "run '", run, "' holds ", before, " bytes of detector state; this ",
-        detectors::SampleKindName(footprint.kind), " probe (layer ", footprint.layer,
-        ", probe_id '", footprint.probe_id, "') would make it ", after,
+        "run '", run, "' holds ", before, " bytes of detector state; this ", what,
+        " would make it ", after,
         ", above --max_state_mb_per_run (", limit_bytes_,
         " bytes). Probes that replace state of the same shape and step scalars are still "
         "accepted; send fewer layers, heads or tokens, or raise the budget");

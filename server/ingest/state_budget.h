@@ -29,6 +29,16 @@
 
 namespace foreshock::server {
 
+// A curvature record's per-layer values (layer_rayleigh) each open a series
+// of their own (its store cache of --series_cache_points, its gauge): about
+// 1 KiB each plus 30 bytes a cached point, measured. They are counted in the
+// run's budget at kCurvatureValueBytes apiece (a full default cache of 256
+// points), as a footprint of kind curvature, layer -1, so that one run
+// cannot fill the daemon with them either.
+inline constexpr int64_t kCurvatureValueBytes = int64_t{8} << 10;
+// nullopt for anything but a curvature sample with per-layer values.
+std::optional<detectors::RetainedFootprint> CurvatureFootprint(const detectors::Sample& sample);
+
 class StateBudget {
  public:
   // `limit_bytes` per run; 0: counted (for the gauge), never refused.

@@ -3,6 +3,7 @@
 #include <grpcpp/support/slice.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <vector>
 
@@ -19,19 +20,29 @@ struct StreamRecorder::File {
   bool logged = false;     // the failure was logged
   uint64_t unflushed = 0;  // frames appended since the last successful flush
   uint64_t frames = 0;
+  uint64_t bytes = 0;      // the file's size once flushed: header and frames
+  bool bound_logged = false;  // a frame was dropped at the size bound (logged)
 };
 
 StreamRecorder::StreamRecorder(StreamRecorderOptions options, DaemonMetrics& metrics)
     : options_(std::move(options)),
       written_(metrics.record_frames_total.Add({{"outcome", "written"}})),
-      dropped_(metrics.record_frames_total.Add({{"outcome", "dropped"}})) {
+      dropped_(metrics.record_frames_total.Add({{"outcome", "dropped"}})),
+      deleted_for_size_(metrics.record_files_deleted_total.Add({{"reason", "size"}})),
+      deleted_for_age_(metrics.record_files_deleted_total.Add({{"reason", "age"}})),
+      bytes_gauge_(metrics.record_bytes.Add({})) {
   std::error_code error;
   std::filesystem::create_directories(options_.dir, error);
   if (error) {
     spdlog::error("--record_dir {}: cannot create the directory: {}; streams will not be recorded",
                   options_.dir, error.message());
   } else {
-    spdlog::info("recording ingest streams to {}", options_.dir);
+    spdlog::info("recording ingest streams to {} (at most {} MiB{})", options_.dir,
+                 options_.max_total_bytes >> 20,
+                 options_.max_age.count() > 0
+                     ? absl::StrCat(", closed recordings kept ", options_.max_age.count(), " s")
+                     : std::string());
+    ScanDirectory();
   }
   thread_ = std::thread([this] { Run(); });
 }
@@ -137,6 +148,10 @@ void StreamRecorder::Run() {
       for (auto& [session, file] : files) FlushFile(*file);
       last_flush = now;
     }
+    if (options_.max_age.count() > 0 && now - last_expiry_check_ >= std::chrono::seconds(10)) {
+      DeleteExpired();
+      last_expiry_check_ = now;
+    }
     if (stop && !have_op) break;
   }
   while (!files.empty()) {  // streams still open when the daemon stops
@@ -163,7 +178,12 @@ void StreamRecorder::Apply(Op& op, std::map<uint64_t, std::unique_ptr<File>>& fi
       for (int attempt = 1;; ++attempt) {
         file->path = (dir / (attempt == 1 ? op.name : absl::StrCat(stem, "-", attempt, extension)))
                          .string();
-        if (file->writer->Create(file->path, &error)) break;
+        if (file->writer->Create(file->path, &error)) {
+          file->bytes = record::kFileHeaderBytes;
+          total_bytes_ += file->bytes;
+          bytes_gauge_.Set(static_cast<double>(total_bytes_));
+          break;
+        }
         std::error_code ec;
         if (attempt >= 100 || !std::filesystem::exists(file->path, ec)) {
           file->failed = true;
@@ -186,6 +206,17 @@ void StreamRecorder::Apply(Op& op, std::map<uint64_t, std::unique_ptr<File>>& fi
         dropped_.Increment();
         return;
       }
+      const uint64_t frame_bytes = record::kFrameHeaderBytes + op.bytes;
+      if (!MakeRoom(frame_bytes)) {
+        dropped_.Increment();
+        if (!file.bound_logged) {
+          file.bound_logged = true;
+          spdlog::warn("recording of stream s{}: --record_max_mb reached with only open "
+                       "recordings left; its further messages are not recorded (the file so far "
+                       "is intact)", file.session);
+        }
+        return;
+      }
       std::vector<grpc::Slice> slices;
       if (op.bytes > 0 && !op.message.Dump(&slices).ok()) {
         Drop(file, 1, "cannot read the received message's bytes");
@@ -204,6 +235,9 @@ void StreamRecorder::Apply(Op& op, std::map<uint64_t, std::unique_ptr<File>>& fi
       }
       ++file.unflushed;
       ++file.frames;
+      file.bytes += frame_bytes;
+      total_bytes_ += frame_bytes;
+      bytes_gauge_.Set(static_cast<double>(total_bytes_));
       return;
     }
     case Op::kClose: {
@@ -217,6 +251,14 @@ void StreamRecorder::Apply(Op& op, std::map<uint64_t, std::unique_ptr<File>>& fi
         spdlog::info("stream s{} recorded to {} ({} messages)", file.session, file.path,
                      file.frames);
       }
+      // What is on disk now is what retention counts and may delete.
+      std::error_code ec;
+      const uint64_t on_disk = file.bytes > 0 ? std::filesystem::file_size(file.path, ec) : 0;
+      total_bytes_ = total_bytes_ - file.bytes + (ec ? 0 : on_disk);
+      if (file.bytes > 0 && !ec) {
+        closed_.push_back({file.path, on_disk, std::filesystem::last_write_time(file.path, ec)});
+      }
+      bytes_gauge_.Set(static_cast<double>(total_bytes_));
       files.erase(it);
       return;
     }
@@ -235,6 +277,62 @@ void StreamRecorder::FlushFile(File& file) {
     Drop(file, file.unflushed, error);
   }
   file.unflushed = 0;
+}
+
+void StreamRecorder::ScanDirectory() {
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(options_.dir, ec)) {
+    std::error_code entry_ec;
+    if (!entry.is_regular_file(entry_ec) ||
+        entry.path().extension() != record::kRecordingExtension) {
+      continue;
+    }
+    Closed closed{entry.path().string(), entry.file_size(entry_ec), entry.last_write_time(entry_ec)};
+    if (entry_ec) continue;
+    total_bytes_ += closed.bytes;
+    closed_.push_back(std::move(closed));
+  }
+  std::sort(closed_.begin(), closed_.end(),
+            [](const Closed& a, const Closed& b) { return a.modified < b.modified; });
+  bytes_gauge_.Set(static_cast<double>(total_bytes_));
+  if (options_.max_total_bytes > 0 && total_bytes_ > options_.max_total_bytes) {
+    MakeRoom(0);
+  }
+}
+
+bool StreamRecorder::MakeRoom(uint64_t incoming) {
+  if (options_.max_total_bytes == 0) return true;
+  while (total_bytes_ + incoming > options_.max_total_bytes && !closed_.empty()) {
+    const Closed oldest = closed_.front();
+    closed_.pop_front();
+    DeleteClosed(oldest, "size");
+  }
+  return total_bytes_ + incoming <= options_.max_total_bytes;
+}
+
+void StreamRecorder::DeleteExpired() {
+  const auto cutoff = std::filesystem::file_time_type::clock::now() - options_.max_age;
+  while (!closed_.empty() && closed_.front().modified < cutoff) {
+    const Closed oldest = closed_.front();
+    closed_.pop_front();
+    DeleteClosed(oldest, "age");
+  }
+}
+
+void StreamRecorder::DeleteClosed(const Closed& closed, const char* reason) {
+  std::error_code ec;
+  std::filesystem::remove(closed.path, ec);
+  if (ec) {
+    spdlog::warn("--record_dir retention: cannot delete {}: {}", closed.path, ec.message());
+  } else {
+    (std::string_view(reason) == "age" ? deleted_for_age_ : deleted_for_size_).Increment();
+    spdlog::info("--record_dir retention: deleted {} ({} bytes, {})", closed.path, closed.bytes,
+                 std::string_view(reason) == "age" ? "older than --record_max_age_h"
+                                                   : "over --record_max_mb");
+  }
+  // Counted out either way: a file that cannot be deleted is not retried forever.
+  total_bytes_ -= std::min(total_bytes_, closed.bytes);
+  bytes_gauge_.Set(static_cast<double>(total_bytes_));
 }
 
 void StreamRecorder::Drop(File& file, uint64_t frames, const std::string& why) {

@@ -9,6 +9,13 @@
 // created or written, frames are dropped, counted in
 // foreshock_record_frames_total{outcome="dropped"} and logged once per
 // stream. Recording never fails or stalls a stream.
+//
+// Retention (issue 36): the directory's recordings, closed and open, stay
+// within max_total_bytes. Closed recordings go first, oldest first (those
+// already in the directory at start included), and those older than max_age;
+// an open recording is never deleted: when only open ones are left and the
+// next frame would pass the bound, that frame is dropped (logged once per
+// stream), so a live recording is always a complete prefix of its stream.
 #pragma once
 
 #include <grpcpp/support/byte_buffer.h>
@@ -17,6 +24,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -28,6 +36,8 @@
 namespace foreshock::server {
 
 struct StreamRecorderOptions {
+  StreamRecorderOptions() = default;
+  StreamRecorderOptions(std::string directory) : dir(std::move(directory)) {}  // NOLINT: implicit
   std::string dir;
   // Bytes of received messages waiting for the writer thread, all streams together.
   size_t max_queued_bytes = size_t{64} << 20;
@@ -35,6 +45,11 @@ struct StreamRecorderOptions {
   size_t file_buffer_bytes = size_t{256} << 10;
   // Open files are flushed to the kernel at least this often while idle.
   std::chrono::milliseconds flush_interval{200};
+  // Bytes of *.fsrec files in `dir` (0: no bound).
+  uint64_t max_total_bytes = 0;
+  // Closed recordings older than this (by modification time) are deleted
+  // (0: kept).
+  std::chrono::seconds max_age{0};
 };
 
 class StreamRecorder {
@@ -78,8 +93,21 @@ class StreamRecorder {
     size_t bytes = 0;          // kFrame
   };
   struct File;
+  // A closed recording that retention may delete.
+  struct Closed {
+    std::string path;
+    uint64_t bytes = 0;
+    std::filesystem::file_time_type modified;
+  };
 
   void Enqueue(Op op);
+  // The *.fsrec files already in the directory, oldest first.
+  void ScanDirectory();
+  // Deletes closed recordings, oldest first, until `incoming` more bytes fit
+  // the bound. False when they do not fit even with none left.
+  bool MakeRoom(uint64_t incoming);
+  void DeleteExpired();
+  void DeleteClosed(const Closed& closed, const char* reason);
   void Run();
   void Apply(Op& op, std::map<uint64_t, std::unique_ptr<File>>& files);
   void FlushFile(File& file);
@@ -88,6 +116,15 @@ class StreamRecorder {
   const StreamRecorderOptions options_;
   prometheus::Counter& written_;
   prometheus::Counter& dropped_;
+  prometheus::Counter& deleted_for_size_;
+  prometheus::Counter& deleted_for_age_;
+  prometheus::Gauge& bytes_gauge_;
+
+  // Writer thread only: closed recordings oldest first, and the bytes of
+  // every recording in the directory (closed and open).
+  std::deque<Closed> closed_;
+  uint64_t total_bytes_ = 0;
+  std::chrono::steady_clock::time_point last_expiry_check_{};
 
   std::mutex mu_;
   std::condition_variable wake_;

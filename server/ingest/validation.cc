@@ -279,8 +279,40 @@ std::optional<Rejection> ValidateRouter(v1::RouterSample& router, const StreamCo
 
 }  // namespace
 
+static std::optional<Rejection> CheckLabels(const v1::Hello& hello, const IngestLimits& limits) {
+  const auto& labels = hello.labels();
+  if (limits.max_labels > 0 && static_cast<int64_t>(labels.size()) > limits.max_labels) {
+    return Reject(reason::kBadLabels, absl::StrCat(labels.size(), " labels; the limit is ",
+                                                   limits.max_labels));
+  }
+  int64_t total = 0;
+  for (const auto& [key, value] : labels) {
+    if (limits.max_label_key_bytes > 0 &&
+        static_cast<int64_t>(key.size()) > limits.max_label_key_bytes) {
+      return Reject(reason::kBadLabels,
+                    absl::StrCat("a label key of ", key.size(), " bytes; the limit is ",
+                                 limits.max_label_key_bytes));
+    }
+    if (limits.max_label_value_bytes > 0 &&
+        static_cast<int64_t>(value.size()) > limits.max_label_value_bytes) {
+      return Reject(reason::kBadLabels,
+                    absl::StrCat("the value of label '", key, "' is ", value.size(),
+                                 " bytes; the limit is ", limits.max_label_value_bytes));
+    }
+    total += static_cast<int64_t>(key.size() + value.size());
+  }
+  if (limits.max_labels_bytes > 0 && total > limits.max_labels_bytes) {
+    return Reject(reason::kBadLabels, absl::StrCat("labels of ", total,
+                                                   " bytes in all; the limit is ",
+                                                   limits.max_labels_bytes));
+  }
+  return std::nullopt;
+}
+
 std::optional<Rejection> ValidateHello(const v1::Hello& hello, const IngestLimits& limits) {
   if (hello.run_id().empty()) return Reject(reason::kBadHello, "run_id is empty");
+  // Labels first: they are the part of a Hello that can be large.
+  if (auto r = CheckLabels(hello, limits)) return r;
   if (auto r = CheckId(hello.run_id(), "run_id", limits)) return Reject(reason::kBadHello, r->detail);
   if (auto r = CheckId(hello.job(), "job", limits)) return Reject(reason::kBadHello, r->detail);
   const v1::ModelInfo& m = hello.model();
@@ -411,6 +443,21 @@ std::optional<Rejection> ValidateRecord(v1::Record& record, const StreamContext&
       break;
   }
   return Reject(reason::kMissingPayload, "record has no payload (scalars, qk, router or curvature)");
+}
+
+void AddRejections(v1::Ack& ack, int64_t first, int64_t count, std::string_view code,
+                   const std::string& reason_text) {
+  const int64_t listed =
+      std::clamp<int64_t>(kMaxAckRejections - ack.rejections_size(), 0, count);
+  for (int64_t i = 0; i < listed; ++i) {
+    auto* rejection = ack.add_rejections();
+    rejection->set_index(static_cast<uint32_t>(first + i));
+    rejection->set_reason(reason_text);
+  }
+  if (const int64_t omitted = count - listed; omitted > 0) {
+    ack.set_omitted_rejections(ack.omitted_rejections() + static_cast<uint32_t>(omitted));
+    (*ack.mutable_omitted_by_reason())[std::string(code)] += static_cast<uint32_t>(omitted);
+  }
 }
 
 size_t SampleBytes(const detectors::Sample& sample) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "detectors/sample.h"
 #include "foreshock/v1/ingest.pb.h"
@@ -82,6 +83,20 @@ struct IngestLimits {
   // (--rank_takeover_grace_ms); past it, the holder counts as gone and the
   // new sender takes the rank over.
   std::chrono::milliseconds rank_takeover_grace{60000};
+  // Records one Batch may carry (--max_records_per_batch): a batch with more
+  // is not parsed (its records would cost ~50 bytes each in memory, an empty
+  // one 2 bytes on the wire) and every record is rejected too_many_records.
+  // 0: no limit.
+  int64_t max_records_per_batch = 262144;
+  // Hello.labels: at most max_labels labels, keys of at most
+  // max_label_key_bytes, values of at most max_label_value_bytes, and
+  // max_labels_bytes of keys and values in all; beyond, the Hello is refused
+  // (bad_labels). Every Hello is kept in the Hello log, on disk and the
+  // latest in memory: its size is memory and disk. 0: no bound (each).
+  int64_t max_labels = 64;
+  int64_t max_label_key_bytes = 128;
+  int64_t max_label_value_bytes = 1024;
+  int64_t max_labels_bytes = 16 << 10;
 };
 
 // The --max_runs_per_tenant in force: the configured one, or for -1 a
@@ -141,15 +156,24 @@ inline constexpr char kTensorTooLarge[] = "tensor_too_large";
 inline constexpr char kTooManyLayers[] = "too_many_layers";
 // A step more than --max_step_jump beyond the run's highest accepted step.
 inline constexpr char kStepOutOfRange[] = "step_out_of_range";
+// A step of a rank joining a live run late, far beyond the run's progress,
+// before the rank has a history of its own (IngestService::AdmitLateJoinerStep).
+inline constexpr char kStepAheadOfRun[] = "step_ahead_of_run";
 // Stream-level (the stream ends with INVALID_ARGUMENT).
 inline constexpr char kBatchBeforeHello[] = "batch_before_hello";
 inline constexpr char kDuplicateHello[] = "duplicate_hello";
 inline constexpr char kBadHello[] = "bad_hello";
+// Hello.labels over a bound of IngestLimits (count, key, value, total bytes).
+inline constexpr char kBadLabels[] = "bad_labels";
 // A Hello's rank outside [0, world_size) (or [0, --max_ranks_per_run)
 // without the world_size label), and a world_size label above
 // --max_ranks_per_run.
 inline constexpr char kBadRank[] = "bad_rank";
 inline constexpr char kWorldSizeOverLimit[] = "world_size_over_limit";
+// Stream-level, FAILED_PRECONDITION: a Hello whose world_size label raises
+// the one the run's attempt declared with its first Hello, or whose rank is
+// outside it (RunLifecycle::WorldSizeConflict).
+inline constexpr char kWorldSizeConflict[] = "world_size_conflict";
 inline constexpr char kEmptyRequest[] = "empty_request";
 // Stream-level, RESOURCE_EXHAUSTED (the client may retry later).
 inline constexpr char kTooManyStreams[] = "too_many_streams";
@@ -165,6 +189,8 @@ inline constexpr char kStateLimit[] = "state_limit";
 inline constexpr char kDiskFull[] = "disk_full";
 inline constexpr char kStoreUnavailable[] = "store_unavailable";
 inline constexpr char kTooManyProbeIds[] = "too_many_probe_ids";  // record-level
+// Record-level: every record of a batch of more than --max_records_per_batch.
+inline constexpr char kTooManyRecords[] = "too_many_records";
 inline constexpr char kTooManyStreamsForTenant[] = "too_many_streams_for_tenant";
 inline constexpr char kTooManyRunsForTenant[] = "too_many_runs_for_tenant";
 // Stream-level, ALREADY_EXISTS: a Hello for a rank another sender's live
@@ -174,6 +200,20 @@ inline constexpr char kRankInUse[] = "rank_in_use";
 inline constexpr char kHelloTimeout[] = "hello_timeout";
 inline constexpr char kStreamIdleTimeout[] = "stream_idle_timeout";
 }  // namespace reason
+
+// An Ack lists at most this many rejections; the rest are counted in
+// Ack.omitted_rejections and omitted_by_reason, so that an Ack stays small
+// whatever the batch (5M bad records made an Ack of 408 MB).
+inline constexpr int kMaxAckRejections = 256;
+
+// Rejects `count` records of the batch from index `first` on, all with
+// `reason_text` ("<code>: <detail>"), within kMaxAckRejections.
+void AddRejections(foreshock::v1::Ack& ack, int64_t first, int64_t count, std::string_view code,
+                   const std::string& reason_text);
+inline void AddRejection(foreshock::v1::Ack& ack, int64_t index, std::string_view code,
+                         const std::string& reason_text) {
+  AddRejections(ack, index, 1, code, reason_text);
+}
 
 // What a stream's Hello established; records are checked against it.
 struct StreamContext {

@@ -20,6 +20,13 @@ void ExportSink::OnObservation(const detectors::Sample& sample,
       Point{sample.step, observation.value, NowUnixMillis()});
 }
 
+void ExportSink::OnCorrection(const detectors::Sample& sample,
+                              const detectors::Observation& observation) {
+  pending_points.emplace_back(
+      SeriesKey{sample.run, std::string(observation.signal), observation.layer, observation.head},
+      Point{sample.step, observation.value, NowUnixMillis()});
+}
+
 void ExportSink::OnNonFinite(const detectors::Sample& sample, detectors::SampleKind kind,
                              int64_t count) {
   metrics_.nonfinite_values_total

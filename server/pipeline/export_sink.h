@@ -20,6 +20,9 @@ class ExportSink final : public ObservationSink {
   void OnNonFinite(const detectors::Sample& sample, detectors::SampleKind kind,
                    int64_t count) override;
   void OnSampleDone(const detectors::Sample& sample) override;
+  // Stored with the sample's points; the gauge keeps the latest step's value.
+  void OnCorrection(const detectors::Sample& sample,
+                    const detectors::Observation& observation) override;
   void OnDetectorTime(std::string_view detector, double seconds) override;
   void OnDetectorError(std::string_view detector, const detectors::Sample& sample,
                        const char* what) override;

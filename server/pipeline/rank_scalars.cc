@@ -82,6 +82,8 @@ bool RankScalars::CompleteThrough(const std::string& name, Run& run, int64_t thr
     merged.payload = Mean(open.by_rank);
     out.ready.push_back(std::move(merged));
     run.emitted = step;
+    run.recent[step] = open.by_rank;
+    while (static_cast<int>(run.recent.size()) > window_) run.recent.erase(run.recent.begin());
   }
   return dropped;
 }
@@ -92,6 +94,19 @@ RankScalars::Result RankScalars::Offer(const Sample& sample) {
   Run& run = run_it->second;
   run.world_size = std::max(run.world_size, sample.world_size);
   const int32_t rank = sample.rank;
+  if (run.emitted >= 0 && !run.ranks.contains(rank)) {
+    // A late joiner: its own values only until it has a history of its own.
+    JoiningRank& joining = run.joining[rank];
+    if (sample.step > joining.last_step) {
+      joining.last_step = sample.step;
+      ++joining.steps;
+    }
+    if (joining.steps < kLateJoinSteps) {
+      out.per_rank = true;
+      return out;
+    }
+    run.joining.erase(rank);  // this report is its first in the run's series
+  }
   if (!run.several &&
       (run.world_size > 1 || (!run.ranks.empty() && !run.ranks.contains(rank)))) {
     run.several = true;
@@ -105,25 +120,44 @@ RankScalars::Result RankScalars::Offer(const Sample& sample) {
   }
   out.per_rank = true;
 
-  auto [rank_it, joined] = run.ranks.try_emplace(rank);
-  if (!joined && sample.step <= rank_it->second.last_step) {
-    // The rank went back (a resumed job): close what is open and start afresh.
-    CompleteThrough(sample.run, run, INT64_MAX, out);
-    rank_it = run.ranks.try_emplace(rank).first;  // it may have been dropped just now
-    for (auto& [r, state] : run.ranks) state = RankState{};
-    run.emitted = -1;
-    run.steps = 0;
-  }
+  // A rank may go back (its process restarted from a checkpoint while the
+  // others stream on): its replayed steps that are complete stay as they
+  // are (below), and an open one gets its new value in place of its old.
+  auto rank_it = run.ranks.try_emplace(rank).first;
+  const bool replay = sample.step <= std::max(rank_it->second.high, rank_it->second.last_step);
+  rank_it->second.high = std::max({rank_it->second.high, rank_it->second.last_step, sample.step});
   rank_it->second.last_step = sample.step;
   rank_it->second.missed = 0;
-  if (sample.step <= run.emitted) return out;  // late: kept as the rank's own value only
+  if (sample.step <= run.emitted) {
+    // Late: kept as the rank's own value. A replay of a recent step it was
+    // part of revises that step's mean (a slow rank's late report does not).
+    auto recent = run.recent.find(sample.step);
+    if (!replay || recent == run.recent.end()) return out;
+    auto& by_rank = recent->second;
+    auto mine = std::lower_bound(by_rank.begin(), by_rank.end(), rank,
+                                 [](const auto& entry, int32_t r) { return entry.first < r; });
+    if (mine == by_rank.end() || mine->first != rank) return out;
+    mine->second = std::get<ScalarsSample>(sample.payload);
+    Sample revised;
+    revised.run = sample.run;
+    revised.rank = -1;
+    revised.world_size = run.world_size;
+    revised.step = sample.step;
+    revised.payload = Mean(by_rank);
+    out.corrected.push_back(std::move(revised));
+    return out;
+  }
 
   auto [open_it, opened] = run.open.try_emplace(sample.step);
   OpenStep& open = open_it->second;
   if (opened) open.index = run.steps++;
   const auto pos = std::lower_bound(open.by_rank.begin(), open.by_rank.end(), rank,
                                     [](const auto& entry, int32_t r) { return entry.first < r; });
-  open.by_rank.emplace(pos, rank, std::get<ScalarsSample>(sample.payload));
+  if (pos != open.by_rank.end() && pos->first == rank) {
+    pos->second = std::get<ScalarsSample>(sample.payload);  // a replay replaces its earlier value
+  } else {
+    open.by_rank.emplace(pos, rank, std::get<ScalarsSample>(sample.payload));
+  }
 
   bool dropped = false;
   if (Complete(run, open)) dropped |= CompleteThrough(sample.run, run, sample.step, out);
@@ -142,9 +176,31 @@ RankScalars::Result RankScalars::Offer(const Sample& sample) {
   return out;
 }
 
+RankScalars::Result RankScalars::Recover(const std::string& name, int32_t world_size,
+                                         int64_t merged_through,
+                                         const std::vector<int32_t>& ranks,
+                                         const std::vector<Sample>& reports) {
+  Run& run = runs_[name];
+  run.world_size = std::max(run.world_size, world_size);
+  run.several = true;  // only a multi-rank run stores reports of its own
+  if (merged_through > run.emitted) {
+    run.emitted = merged_through;
+    std::erase_if(run.open, [&](const auto& entry) { return entry.first <= merged_through; });
+  }
+  for (int32_t rank : ranks) {
+    run.ranks.try_emplace(rank);
+    run.joining.erase(rank);
+  }
+  Result out;
+  for (const Sample& report : reports) {
+    for (Sample& s : Offer(report).ready) out.ready.push_back(std::move(s));
+  }
+  return out;
+}
+
 namespace {
 constexpr std::string_view kRankScalarsMagic = "FSRS";
-constexpr uint32_t kRankScalarsVersion = 1;
+constexpr uint32_t kRankScalarsVersion = 2;  // v2: joining ranks
 }  // namespace
 
 void RankScalars::SaveState(codec::StateWriter& writer) const {
@@ -176,6 +232,12 @@ void RankScalars::SaveState(codec::StateWriter& writer) const {
         writer.PutDouble(s.lr);
       }
     }
+    writer.PutU64(run.joining.size());
+    for (const auto& [rank, joining] : run.joining) {
+      writer.PutI32(rank);
+      writer.PutI64(joining.last_step);
+      writer.PutI32(joining.steps);
+    }
   }
 }
 
@@ -183,7 +245,7 @@ bool RankScalars::RestoreState(codec::StateReader& reader,
                                const std::function<bool(std::string_view run)>& keep) {
   uint32_t version = 0;
   uint64_t n_runs = 0;
-  if (!reader.GetHeader(kRankScalarsMagic, kRankScalarsVersion, kRankScalarsVersion, version) ||
+  if (!reader.GetHeader(kRankScalarsMagic, 1, kRankScalarsVersion, version) ||
       !reader.GetCount(n_runs)) {
     return false;
   }
@@ -203,6 +265,7 @@ bool RankScalars::RestoreState(codec::StateReader& reader,
       if (!reader.GetI32(rank) || !reader.GetI64(state.last_step) || !reader.GetI32(state.missed)) {
         return false;
       }
+      state.high = state.last_step;
       if (!run.ranks.emplace(rank, state).second) return reader.Fail("a rank saved twice");
     }
     if (!reader.GetCount(n_open)) return false;
@@ -232,6 +295,17 @@ bool RankScalars::RestoreState(codec::StateReader& reader,
         open.by_rank.emplace_back(rank, s);
       }
       if (!run.open.emplace(step, std::move(open)).second) return reader.Fail("a step saved twice");
+    }
+    uint64_t n_joining = 0;
+    if (version >= 2 && !reader.GetCount(n_joining)) return false;
+    for (uint64_t i = 0; i < n_joining; ++i) {
+      int32_t rank = 0;
+      JoiningRank joining;
+      if (!reader.GetI32(rank) || !reader.GetI64(joining.last_step) ||
+          !reader.GetI32(joining.steps)) {
+        return false;
+      }
+      if (!run.joining.emplace(rank, joining).second) return reader.Fail("a joining rank saved twice");
     }
     if (!restored.emplace(std::move(name), std::move(run)).second) {
       return reader.Fail("a run saved twice");

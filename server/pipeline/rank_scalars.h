@@ -22,8 +22,24 @@
 //  - completing a step completes every older open step first: the series
 //    stays in step order. A report for a step already completed is late: it
 //    is kept as that rank's value only;
-//  - a rank that reports a step not above its previous one (the job resumed
-//    from a checkpoint) completes every open step and starts the run afresh.
+//  - a rank that reports a step not above its previous one (its process
+//    restarted from a checkpoint while the other ranks stream on) replays:
+//    for a step still open its new value replaces its earlier one; for one
+//    of the last `window` completed steps that had its value, the step's
+//    mean is recomputed with the new value in place of the old and returned
+//    as a correction (stored as the step's value, not scored again); older
+//    completed steps keep theirs. Either way the run's series gets no
+//    second, one-rank point. A whole job resumed under the same run_id is a
+//    new attempt instead (run lifecycle: ForgetRun);
+//  - a rank new to a run that already has a series (a step completed) joins
+//    late: its first kLateJoinSteps reports (steps above its previous one)
+//    are its own values only, not in the mean and not waited for; from the
+//    kLateJoinSteps-th on it is one of the run's ranks. So a second client
+//    that joins a live run as a free rank cannot put a NaN or a wild value
+//    into the run's series (ForeshockNonFinite, the spike rules) before it
+//    has a history of its own. A job's ranks that connect late are waited
+//    for during the first `window` steps (the world_size hint), so they are
+//    not late joiners.
 // The mean sums in rank order, and equal values give that value exactly.
 //
 // One instance per worker: all of a run's scalars go to one worker, in order
@@ -47,6 +63,7 @@ namespace foreshock::server {
 class RankScalars {
  public:
   static constexpr int kDefaultWindow = 32;
+  static constexpr int kLateJoinSteps = 8;
 
   explicit RankScalars(int window = kDefaultWindow) : window_(window < 1 ? 1 : window) {}
 
@@ -56,10 +73,24 @@ class RankScalars {
     // Run-level samples completed by this one, in ascending step order
     // (rank -1: the mean over ranks; a one-rank run's own sample unchanged).
     std::vector<detectors::Sample> ready;
+    // Run-level samples of steps completed before, revised by this one (a
+    // replaying rank's new value in place of its earlier one): stored as the
+    // step's value, not scored again.
+    std::vector<detectors::Sample> corrected;
   };
 
   // `sample` must hold a ScalarsSample.
   Result Offer(const detectors::Sample& sample);
+
+  // After a restart (kill -9 included): the reports of a multi-rank run that
+  // were acknowledged but not merged yet, read back from the store, so that
+  // the steps open when the daemon stopped are completed as they would have
+  // been. `merged_through`: the run's last merged step stored (-1: none);
+  // `ranks`: the ranks it waits for; `reports` in step order. Steps this
+  // completes are returned, as from Offer. Idempotent with the checkpoint's
+  // open steps (a rank's report for an open step replaces its earlier one).
+  Result Recover(const std::string& run, int32_t world_size, int64_t merged_through,
+                 const std::vector<int32_t>& ranks, const std::vector<detectors::Sample>& reports);
 
   // Drops the run's state, open steps included (a run resumed from a
   // checkpoint: WorkerPool::ForgetRun).
@@ -71,11 +102,13 @@ class RankScalars {
   size_t OpenSteps() const;
 
   // Every run's state, open steps included (codec, detectors/state_codec.h):
-  //   Header "FSRS" v1 | U64 runs | per run: String name, I32 world_size,
+  //   Header "FSRS" v2 | U64 runs | per run: String name, I32 world_size,
   //   Bool several, I64 emitted, I64 steps, U64 ranks, per rank: I32 rank,
   //   I64 last_step, I32 missed | U64 open steps, per step: I64 step,
   //   I64 index, U64 reports, per report: I32 rank, U8 fields present
-  //   (bit 0 loss, 1 grad_norm, 2 lr), Double loss, grad_norm, lr.
+  //   (bit 0 loss, 1 grad_norm, 2 lr), Double loss, grad_norm, lr |
+  //   (v2) U64 joining ranks, per rank: I32 rank, I64 last_step, I32 steps.
+  //   v1 is read too (no joining ranks).
   void SaveState(codec::StateWriter& writer) const;
   // Adds the runs of a SaveState blob for which keep(run) is true (the
   // worker's shard), replacing this instance's state of those runs. On a
@@ -90,7 +123,12 @@ class RankScalars {
   };
   struct RankState {
     int64_t last_step = -1;
-    int missed = 0;  // consecutive completed steps without this rank
+    int missed = 0;     // consecutive completed steps without this rank
+    int64_t high = -1;  // highest step it reported (not checkpointed: last_step then)
+  };
+  struct JoiningRank {  // a late joiner before its kLateJoinSteps-th report
+    int64_t last_step = -1;
+    int32_t steps = 0;  // reports with a step above the previous one
   };
   struct Run {
     int32_t world_size = 0;  // largest Hello hint seen
@@ -99,6 +137,10 @@ class RankScalars {
     std::map<int64_t, OpenStep> open;
     int64_t emitted = -1;  // highest step completed
     int64_t steps = 0;     // steps opened (OpenStep::index)
+    std::map<int32_t, JoiningRank> joining;
+    // The last `window` completed steps' reports, so that a replaying rank
+    // can revise its part of them (not checkpointed).
+    std::map<int64_t, std::vector<std::pair<int32_t, detectors::ScalarsSample>>> recent;
   };
 
   bool Complete(const Run& run, const OpenStep& step) const;

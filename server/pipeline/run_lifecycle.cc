@@ -8,6 +8,7 @@
 #include <set>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "detectors/state_codec.h"
 #include "server/alerting/alert_hub.h"
 #include "server/clock.h"
@@ -18,8 +19,10 @@ namespace foreshock::server {
 
 namespace {
 constexpr std::string_view kStateMagic = "FSLC";
-constexpr uint32_t kStateVersion = 1;
-constexpr uint8_t kEventVersion = 1;
+// v2: the run's tenant (events and checkpoint). v3: the declared world size
+// (joins, checkpoint) and which senders sent records. Older ones are read.
+constexpr uint32_t kStateVersion = 3;
+constexpr uint8_t kEventVersion = 3;
 }  // namespace
 
 RunLifecycle::RunLifecycle(SeriesStore* store, AlertHub* alerts, WorkerPool* pool,
@@ -28,7 +31,8 @@ RunLifecycle::RunLifecycle(SeriesStore* store, AlertHub* alerts, WorkerPool* poo
 
 // ---------------------------------------------------------------------------
 // Events: U8 version, U8 type, U64 seq, String run, I32 attempt, I32 rank,
-// U64 sender, I64 step, I64 wall_ms (codec, detectors/state_codec.h).
+// U64 sender, I64 step, I64 wall_ms, from v2 String tenant, from v3 I32
+// world_size (codec, detectors/state_codec.h).
 
 std::string RunLifecycle::Encode(const Event& e) {
   codec::StateWriter w;
@@ -41,6 +45,8 @@ std::string RunLifecycle::Encode(const Event& e) {
   w.PutU64(e.sender);
   w.PutI64(e.step);
   w.PutI64(e.wall_ms);
+  w.PutString(e.tenant);
+  w.PutI32(e.world_size);
   return w.Take();
 }
 
@@ -48,12 +54,14 @@ std::optional<RunLifecycle::Event> RunLifecycle::Decode(std::string_view bytes) 
   codec::StateReader r(bytes);
   Event e;
   uint8_t version = 0, type = 0;
-  if (!r.GetU8(version) || version != kEventVersion || !r.GetU8(type) || !r.GetU64(e.seq) ||
-      !r.GetString(e.run) || !r.GetI32(e.attempt) || !r.GetI32(e.rank) || !r.GetU64(e.sender) ||
-      !r.GetI64(e.step) || !r.GetI64(e.wall_ms) || !r.ExpectEnd()) {
+  if (!r.GetU8(version) || version < 1 || version > kEventVersion || !r.GetU8(type) ||
+      !r.GetU64(e.seq) || !r.GetString(e.run) || !r.GetI32(e.attempt) || !r.GetI32(e.rank) ||
+      !r.GetU64(e.sender) || !r.GetI64(e.step) || !r.GetI64(e.wall_ms) ||
+      (version >= 2 && !r.GetString(e.tenant)) || (version >= 3 && !r.GetI32(e.world_size)) ||
+      !r.ExpectEnd()) {
     return std::nullopt;
   }
-  if (type < static_cast<uint8_t>(EventType::kJoin) || type > static_cast<uint8_t>(EventType::kRankResume)) {
+  if (type < static_cast<uint8_t>(EventType::kJoin) || type > static_cast<uint8_t>(EventType::kSent)) {
     return std::nullopt;
   }
   e.type = static_cast<EventType>(type);
@@ -68,13 +76,16 @@ void RunLifecycle::Apply(std::map<std::string, Run, std::less<>>& runs, const Ev
       if (e.attempt <= run.attempt) return;
       run.attempt = e.attempt;
       run.senders.clear();
+      run.world_size = -1;  // the new attempt's first Hello declares it
       run.rewind_pending = true;
       run.ended = false;
       run.ended_ms = 0;
       run.ended_step = -1;
       return;
     case EventType::kJoin:
-      if (e.attempt == run.attempt) run.senders.try_emplace({e.rank, e.sender});
+      if (e.attempt != run.attempt) return;
+      run.senders.try_emplace({e.rank, e.sender});
+      if (run.world_size < 0 && e.world_size >= 0) run.world_size = e.world_size;
       return;
     case EventType::kRankResume:
       // The rank's new process replaces its predecessors in the attempt.
@@ -83,6 +94,10 @@ void RunLifecycle::Apply(std::map<std::string, Run, std::less<>>& runs, const Ev
         return entry.first.first == e.rank && entry.first.second != e.sender;
       });
       run.senders.try_emplace({e.rank, e.sender});
+      if (run.world_size < 0 && e.world_size >= 0) run.world_size = e.world_size;
+      return;
+    case EventType::kSent:
+      if (e.attempt == run.attempt) run.senders[{e.rank, e.sender}].sent = true;
       return;
     case EventType::kGoodbye:
       if (e.attempt == run.attempt) run.senders[{e.rank, e.sender}].goodbye = true;
@@ -97,6 +112,9 @@ void RunLifecycle::Apply(std::map<std::string, Run, std::less<>>& runs, const Ev
       run.ended = true;
       run.ended_ms = e.wall_ms;
       run.ended_step = e.step;
+      return;
+    case EventType::kTenant:
+      if (run.tenant.empty()) run.tenant = e.tenant;
       return;
   }
 }
@@ -128,16 +146,8 @@ alerts::LifecycleMark RunLifecycle::MarkOf(const Run& run) {
 // ---------------------------------------------------------------------------
 // Ingest.
 
-void RunLifecycle::OnHello(const std::string& run_id, int32_t rank, uint64_t sender,
-                           int32_t world_size) {
-  std::lock_guard<std::mutex> lock(mu_);
-  Run& run = runs_[run_id];
-  const std::pair<int32_t, uint64_t> key{rank, sender};
-  if (auto it = run.senders.find(key); it != run.senders.end()) {
-    run.world_size = std::max(run.world_size, world_size);
-    ++it->second.open;  // a reconnect (or a resent goodbye): nothing changes
-    return;
-  }
+RunLifecycle::HelloKind RunLifecycle::Classify(const Run& run, int32_t rank, uint64_t sender) {
+  if (run.senders.contains({rank, sender})) return HelloKind::kReconnect;
   // The rank's previous process is gone if none of its senders has a stream
   // open or said goodbye; the run's other ranks are there if one of theirs has.
   bool rank_known = false, rank_alive = false, others_alive = false;
@@ -155,30 +165,81 @@ void RunLifecycle::OnHello(const std::string& run_id, int32_t rank, uint64_t sen
   // the attempt is gone (the job restarted; a one-rank job is the usual
   // case). One rank's new process while the others stream on resumes that
   // rank only: the run's alerts, detectors and series stay as they are.
-  const bool restart = run.ended || (rank_restarted && !others_alive);
-  if (restart) {
-    const bool was_ended = run.ended;
-    RecordLocked(Event{EventType::kAttempt, 0, run_id, run.attempt + 1, rank, sender, 0,
-                       NowUnixMillis()});
-    run.world_size = 0;  // the new attempt's Hellos say it again
-    spdlog::info("run {}: attempt {} starts ({} of rank {}); {}", run_id, run.attempt,
-                 was_ended ? "a new stream after the run ended" : "a new process", rank,
-                 was_ended ? "its alerts were resolved at the end"
-                           : "the previous attempt's open alerts resolve (run_resumed)");
-    if (alerts_ != nullptr) {
-      alerts_->CloseRunEpisodes(run_id, alerts::kRunResumed, MarkOf(run));
-    }
-    RecordLocked(Event{EventType::kJoin, 0, run_id, run.attempt, rank, sender, 0, NowUnixMillis()});
-  } else if (rank_restarted) {
-    RecordLocked(Event{EventType::kRankResume, 0, run_id, run.attempt, rank, sender, 0,
-                       NowUnixMillis()});
-    spdlog::info("run {}: rank {} resumes with a new process (sender {}) while other ranks "
-                 "stream on; the run's attempt {}, its alerts and its series are unchanged",
-                 run_id, rank, sender, run.attempt);
-  } else {
-    RecordLocked(Event{EventType::kJoin, 0, run_id, run.attempt, rank, sender, 0, NowUnixMillis()});
+  if (run.ended || (rank_restarted && !others_alive)) return HelloKind::kNewAttempt;
+  return rank_restarted ? HelloKind::kRankResume : HelloKind::kJoin;
+}
+
+std::optional<std::string> RunLifecycle::WorldSizeConflict(const std::string& run_id,
+                                                           int32_t rank, uint64_t sender,
+                                                           int32_t world_size) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = runs_.find(run_id);
+  if (it == runs_.end()) return std::nullopt;
+  const Run& run = it->second;
+  if (run.world_size < 0 || Classify(run, rank, sender) == HelloKind::kNewAttempt) {
+    return std::nullopt;
   }
-  run.world_size = std::max(run.world_size, world_size);
+  // A label of 1 is the same as none: the end waits for ranks only above 1.
+  if (world_size > std::max(run.world_size, 1)) {
+    return absl::StrCat("the Hello of rank ", rank, " says world_size ", world_size,
+                        ", but attempt ", run.attempt, " of run '", run_id,
+                        "' declared world_size ", run.world_size,
+                        " with its first Hello; a later Hello cannot raise it (a second client "
+                        "of the run, or two jobs under one run_id)");
+  }
+  if (run.world_size > 0 && rank >= run.world_size) {
+    return absl::StrCat("rank ", rank, " is outside the world_size ", run.world_size,
+                        " that attempt ", run.attempt, " of run '", run_id,
+                        "' declared with its first Hello");
+  }
+  return std::nullopt;
+}
+
+void RunLifecycle::OnHello(const std::string& run_id, int32_t rank, uint64_t sender,
+                           int32_t world_size, const std::string& tenant) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Run& run = runs_[run_id];
+  if (run.tenant.empty() && !tenant.empty()) {
+    Event event{EventType::kTenant, 0, run_id, run.attempt, rank, sender, 0, NowUnixMillis()};
+    event.tenant = tenant;
+    RecordLocked(std::move(event));
+  }
+  const std::pair<int32_t, uint64_t> key{rank, sender};
+  auto join = [&](EventType type) {
+    Event event{type, 0, run_id, run.attempt, rank, sender, 0, NowUnixMillis()};
+    event.world_size = world_size;  // declares it if this is the attempt's first Hello
+    RecordLocked(std::move(event));
+  };
+  switch (Classify(run, rank, sender)) {
+    case HelloKind::kReconnect:
+      ++run.senders[key].open;  // a reconnect (or a resent goodbye): nothing changes
+      // State from before the world size was stored: the job's own Hello says it again.
+      if (run.world_size < 0) run.world_size = world_size;
+      return;
+    case HelloKind::kNewAttempt: {
+      const bool was_ended = run.ended;
+      RecordLocked(Event{EventType::kAttempt, 0, run_id, run.attempt + 1, rank, sender, 0,
+                         NowUnixMillis()});
+      spdlog::info("run {}: attempt {} starts ({} of rank {}); {}", run_id, run.attempt,
+                   was_ended ? "a new stream after the run ended" : "a new process", rank,
+                   was_ended ? "its alerts were resolved at the end"
+                             : "the previous attempt's open alerts resolve (run_resumed)");
+      if (alerts_ != nullptr) {
+        alerts_->CloseRunEpisodes(run_id, alerts::kRunResumed, MarkOf(run));
+      }
+      join(EventType::kJoin);
+      break;
+    }
+    case HelloKind::kRankResume:
+      join(EventType::kRankResume);
+      spdlog::info("run {}: rank {} resumes with a new process (sender {}) while other ranks "
+                   "stream on; the run's attempt {}, its alerts and its series are unchanged",
+                   run_id, rank, sender, run.attempt);
+      break;
+    case HelloKind::kJoin:
+      join(EventType::kJoin);
+      break;
+  }
   run.senders[key].open = 1;
   MaybeCheckpointLocked();
 }
@@ -191,12 +252,17 @@ void RunLifecycle::OnStreamClosed(const std::string& run_id, int32_t rank, uint6
   if (it != run->second.senders.end() && it->second.open > 0) --it->second.open;
 }
 
-void RunLifecycle::BeforeRecords(const std::string& run_id, int32_t /*rank*/,
-                                 uint64_t /*sender*/, int64_t min_step, int64_t /*max_step*/) {
+void RunLifecycle::BeforeRecords(const std::string& run_id, int32_t rank, uint64_t sender,
+                                 int64_t min_step, int64_t /*max_step*/) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = runs_.find(run_id);
   if (it == runs_.end()) return;
   Run& run = it->second;
+  if (auto sender_it = run.senders.find({rank, sender});
+      sender_it == run.senders.end() || !sender_it->second.sent) {
+    RecordLocked(Event{EventType::kSent, 0, run_id, run.attempt, rank, sender, 0, NowUnixMillis()});
+    MaybeCheckpointLocked();
+  }
   if (!run.rewind_pending) return;
   const int64_t wall_ms = NowUnixMillis();
   RecordLocked(Event{EventType::kRewind, 0, run_id, run.attempt, 0, 0, min_step, wall_ms});
@@ -226,11 +292,16 @@ void RunLifecycle::OnGoodbye(const std::string& run_id, int32_t rank, uint64_t s
     RecordLocked(Event{EventType::kJoin, 0, run_id, run.attempt, rank, sender, 0, NowUnixMillis()});
   }
   RecordLocked(Event{EventType::kGoodbye, 0, run_id, run.attempt, rank, sender, 0, NowUnixMillis()});
-  bool all_done = std::all_of(run.senders.begin(), run.senders.end(),
-                              [](const auto& entry) { return entry.second.goodbye; });
+  // Done: every sender that sent records said goodbye (one that only said
+  // Hello is not waited for), and with a declared world size, that many ranks did.
+  bool all_done = std::none_of(run.senders.begin(), run.senders.end(), [](const auto& entry) {
+    return entry.second.sent && !entry.second.goodbye;
+  });
   if (all_done && run.world_size > 1) {
     std::set<int32_t> ranks_done;
-    for (const auto& [k, s] : run.senders) ranks_done.insert(k.first);
+    for (const auto& [k, s] : run.senders) {
+      if (s.goodbye) ranks_done.insert(k.first);
+    }
     all_done = static_cast<int32_t>(ranks_done.size()) >= run.world_size;
   }
   if (all_done && !run.ended) {
@@ -264,6 +335,7 @@ std::optional<RunLifecycle::Status> RunLifecycle::GetStatus(const std::string& r
   status.ended = run.ended;
   status.ended_ms = run.ended_ms;
   status.ended_step = run.ended_step;
+  status.world_size = run.world_size;
   return status;
 }
 
@@ -271,6 +343,12 @@ std::vector<RunLifecycle::Boundary> RunLifecycle::Boundaries(const std::string& 
   std::lock_guard<std::mutex> lock(mu_);
   auto it = runs_.find(run_id);
   return it == runs_.end() ? std::vector<Boundary>{} : it->second.boundaries;
+}
+
+std::string RunLifecycle::TenantOf(const std::string& run_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = runs_.find(run_id);
+  return it == runs_.end() ? std::string() : it->second.tenant;
 }
 
 void RunLifecycle::LatestAttempt(std::vector<Point>& points,
@@ -284,10 +362,13 @@ void RunLifecycle::LatestAttempt(std::vector<Point>& points,
 }
 
 // ---------------------------------------------------------------------------
-// Checkpoint: Header "FSLC" v1, U64 last event seq included, U64 runs, per
+// Checkpoint: Header "FSLC" v2, U64 last event seq included, U64 runs, per
 // run (by name): String name, I32 attempt, Bool rewind_pending, Bool ended,
 // I64 ended_ms, I64 ended_step, U64 senders each (I32 rank, U64 sender, Bool
-// goodbye), U64 boundaries each (I32 attempt, I64 from_step, I64 wall_ms).
+// goodbye, v3: Bool sent), U64 boundaries each (I32 attempt, I64 from_step,
+// I64 wall_ms), v2: String tenant, v3: I32 world_size (-1: not declared).
+// Read from v1 and v2, senders count as having sent records (they were
+// waited for then) and no world size is declared.
 
 std::string RunLifecycle::SaveState() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -311,6 +392,7 @@ std::string RunLifecycle::SaveStateLocked() const {
       w.PutI32(key.first);
       w.PutU64(key.second);
       w.PutBool(sender.goodbye);
+      w.PutBool(sender.sent);
     }
     w.PutU64(run.boundaries.size());
     for (const Boundary& b : run.boundaries) {
@@ -318,6 +400,8 @@ std::string RunLifecycle::SaveStateLocked() const {
       w.PutI64(b.from_step);
       w.PutI64(b.wall_ms);
     }
+    w.PutString(run.tenant);
+    w.PutI32(run.world_size);
   }
   return w.Take();
 }
@@ -327,7 +411,7 @@ bool RunLifecycle::LoadState(std::string_view bytes) {
   std::map<std::string, Run, std::less<>> runs;
   uint32_t version = 0;
   uint64_t seq = 0, count = 0;
-  bool ok = r.GetHeader(kStateMagic, kStateVersion, kStateVersion, version) && r.GetU64(seq) &&
+  bool ok = r.GetHeader(kStateMagic, 1, kStateVersion, version) && r.GetU64(seq) &&
             r.GetCount(count, 30);
   for (uint64_t i = 0; ok && i < count; ++i) {
     std::string name;
@@ -339,9 +423,11 @@ bool RunLifecycle::LoadState(std::string_view bytes) {
     for (uint64_t j = 0; ok && j < senders; ++j) {
       int32_t rank = 0;
       uint64_t sender = 0;
-      bool goodbye = false;
-      ok = r.GetI32(rank) && r.GetU64(sender) && r.GetBool(goodbye);
+      bool goodbye = false, sent = true;
+      ok = r.GetI32(rank) && r.GetU64(sender) && r.GetBool(goodbye) &&
+           (version < 3 || r.GetBool(sent));
       run.senders[{rank, sender}].goodbye = goodbye;
+      run.senders[{rank, sender}].sent = sent;
     }
     ok = ok && r.GetCount(boundaries, 20);
     for (uint64_t j = 0; ok && j < boundaries; ++j) {
@@ -349,6 +435,8 @@ bool RunLifecycle::LoadState(std::string_view bytes) {
       ok = r.GetI32(b.attempt) && r.GetI64(b.from_step) && r.GetI64(b.wall_ms);
       run.boundaries.push_back(b);
     }
+    ok = ok && (version < 2 || r.GetString(run.tenant));
+    ok = ok && (version < 3 || r.GetI32(run.world_size));
     ok = ok && run.attempt >= 1 && runs.emplace(std::move(name), std::move(run)).second;
   }
   if (!ok || !r.ExpectEnd()) {

@@ -7,9 +7,17 @@
 // how many streams each has open and whether it said goodbye (Batch.goodbye,
 // sent by Monitor.close()).
 //
-// - End: once every sender of the current attempt has said goodbye, the run
-//   has ended: its open alert episodes close with reason run_ended (resolved
-//   in Alertmanager, WatchAlerts, the gauge) and ListRuns says so.
+// - End: once every sender of the current attempt that sent records for the
+//   run has said goodbye (and, with a world_size, that many ranks did), the
+//   run has ended: its open alert episodes close with reason run_ended
+//   (resolved in Alertmanager, WatchAlerts, the gauge) and ListRuns says so.
+//   A sender that said Hello and never sent a record is not waited for: a
+//   second client's idle Hello cannot hold the job's run open.
+// - World size: the attempt's first Hello declares it (its world_size label;
+//   0: not said). A later Hello of the same attempt may not raise it, nor
+//   name a rank outside it (WorldSizeConflict; the ingest service refuses it
+//   with world_size_conflict), so no other client can make the run wait for
+//   ranks the job does not have. A new attempt declares its own.
 // - Restart: a Hello from a sender new to the attempt starts a new attempt
 //   when the run has ended, or when every sender of the attempt is gone (no
 //   stream open, no goodbye: the whole job died and restarted; a one-rank
@@ -78,11 +86,22 @@ class RunLifecycle {
   // `world_size` (Hello label world_size, 0 when absent): with it, the run
   // ends only once that many distinct ranks said goodbye, so a rank that
   // finishes before another rank's stream opened does not end the run.
-  void OnHello(const std::string& run, int32_t rank, uint64_t sender, int32_t world_size = 0);
+  // `tenant`: whose --max_runs_per_tenant share the run counts in (the
+  // ingest service's name for it); the run's first one is kept, and stored,
+  // so that after a restart the recovered run still counts in that share.
+  void OnHello(const std::string& run, int32_t rank, uint64_t sender, int32_t world_size = 0,
+               const std::string& tenant = "");
+  // Ingest, before OnHello: why a Hello for (rank, sender) with this
+  // world_size label conflicts with the world size the run's attempt
+  // declared (it raises it above max(declared, 1), or its rank is outside a
+  // declared one); nullopt when it does not, or when it starts a new attempt.
+  std::optional<std::string> WorldSizeConflict(const std::string& run, int32_t rank,
+                                                uint64_t sender, int32_t world_size) const;
   // Ingest: a stream whose Hello went to OnHello ended.
   void OnStreamClosed(const std::string& run, int32_t rank, uint64_t sender);
   // Ingest: before a batch's accepted records of sender (rank, sender) are
   // dispatched; `min_step` and `max_step` are their smallest and largest step.
+  // From then on the run's end waits for this sender's goodbye.
   void BeforeRecords(const std::string& run, int32_t rank, uint64_t sender, int64_t min_step,
                      int64_t max_step);
   // Ingest: a Batch with goodbye, once it and every earlier batch of its
@@ -100,9 +119,13 @@ class RunLifecycle {
     bool ended = false;
     int64_t ended_ms = 0;
     int64_t ended_step = -1;  // the run's last step when it ended
+    int32_t world_size = -1;  // declared by the attempt's first Hello; -1: none
   };
   std::optional<Status> GetStatus(const std::string& run) const;  // nullopt: never seen
   std::vector<Boundary> Boundaries(const std::string& run) const;
+  // The tenant the run's first Hello counted in ("": none known), restored
+  // with the rest of the state.
+  std::string TenantOf(const std::string& run) const;
 
   // Leaves out of `points` (sorted by step, as SeriesStore::Range returns
   // them) every point a later attempt superseded: step >= b.from_step and
@@ -122,17 +145,19 @@ class RunLifecycle {
   struct Sender {
     int open = 0;  // streams open now (not stored: none survive a restart)
     bool goodbye = false;
+    bool sent = false;  // records of it were accepted in this attempt
   };
   struct Run {
     int32_t attempt = 1;
     std::map<std::pair<int32_t, uint64_t>, Sender> senders;  // of the current attempt
     bool rewind_pending = false;  // a new attempt whose first records have not come yet
-    // The largest Hello world_size of the attempt (not stored: a restart forgets it).
-    int32_t world_size = 0;
+    // The world size the attempt's first Hello declared; -1: none declared yet.
+    int32_t world_size = -1;
     bool ended = false;
     int64_t ended_ms = 0;
     int64_t ended_step = -1;
     std::vector<Boundary> boundaries;  // oldest first
+    std::string tenant;                // see OnHello; "": none known
   };
   enum class EventType : uint8_t {
     kJoin = 1,
@@ -141,7 +166,12 @@ class RunLifecycle {
     kRewind = 4,
     kEnd = 5,
     kRankResume = 6,  // a rank's new process replaces its senders in the attempt
+    kTenant = 7,      // the run's tenant (Event::tenant), once per run
+    kSent = 8,        // the sender's first accepted records of the attempt
   };
+  // What a Hello of a sender means for the run (OnHello).
+  enum class HelloKind { kReconnect, kJoin, kRankResume, kNewAttempt };
+  static HelloKind Classify(const Run& run, int32_t rank, uint64_t sender);
   struct Event {
     EventType type = EventType::kJoin;
     uint64_t seq = 0;
@@ -151,6 +181,10 @@ class RunLifecycle {
     uint64_t sender = 0;
     int64_t step = 0;
     int64_t wall_ms = 0;
+    std::string tenant;  // kTenant only
+    // kJoin, kRankResume: the Hello's world_size label; -1: not known (an
+    // event from before it was stored, or a join counted at a goodbye).
+    int32_t world_size = -1;
   };
 
   // Appends `event` (numbered here) to the store's log, then applies it to

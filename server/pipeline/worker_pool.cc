@@ -98,6 +98,19 @@ void WorkerPool::ForgetRun(const std::string& run) {
   if (on_state_dropped_) on_state_dropped_(run);
 }
 
+void WorkerPool::RecoverRankScalars(const std::string& run, int32_t world_size,
+                                    int64_t merged_through, const std::vector<int32_t>& ranks,
+                                    const std::vector<detectors::Sample>& reports) {
+  Worker& worker = *workers_[ShardOfSeries(run, detectors::kNoLayer, workers_.size())];
+  std::lock_guard<std::mutex> lock(worker.detectors_mu);
+  RankScalars::Result merged =
+      worker.rank_scalars.Recover(run, world_size, merged_through, ranks, reports);
+  for (const detectors::Sample& sample : merged.ready) {
+    RunDetectors(worker, sample);
+    sink_.OnSampleDone(sample);
+  }
+}
+
 void WorkerPool::ReleaseRunState(const std::string& run) {
   for (auto& worker : workers_) {
     std::lock_guard<std::mutex> lock(worker->detectors_mu);
@@ -318,6 +331,18 @@ void WorkerPool::Process(Worker& worker, const detectors::Sample& sample) {
     own(s.has_lr, "lr", s.lr);
   }
   for (const detectors::Sample& run_level : merged.ready) RunDetectors(worker, run_level);
+  for (const detectors::Sample& revised : merged.corrected) {
+    const auto& s = std::get<detectors::ScalarsSample>(revised.payload);
+    auto correct = [&](bool present, std::string_view signal, double value) {
+      if (present && std::isfinite(value)) {
+        sink_.OnCorrection(revised, detectors::Observation{signal, detectors::kNoLayer,
+                                                           detectors::kAllHeads, value, false});
+      }
+    };
+    correct(s.has_loss, "loss", s.loss);
+    correct(s.has_grad_norm, "grad_norm", s.grad_norm);
+    correct(s.has_lr, "lr", s.lr);
+  }
   sink_.OnSampleDone(sample);
 }
 

@@ -35,6 +35,11 @@ class ObservationSink {
                            int64_t count) = 0;
   // After every detector has seen `sample`.
   virtual void OnSampleDone(const detectors::Sample& sample) = 0;
+  // A revised value of a step whose value was observed before (a replaying
+  // rank's part of a run-level mean, rank_scalars.h): stored as the step's
+  // latest value; no detector, alert or gauge sees it.
+  virtual void OnCorrection(const detectors::Sample& sample,
+                            const detectors::Observation& observation) {}
   // How long detector `name` took on one sample.
   virtual void OnDetectorTime(std::string_view detector, double seconds) {}
   // A detector threw; the sample is skipped by that detector only.
@@ -56,6 +61,10 @@ class FanoutSink final : public ObservationSink {
   }
   void OnSampleDone(const detectors::Sample& sample) override {
     for (ObservationSink* sink : sinks_) sink->OnSampleDone(sample);
+  }
+  void OnCorrection(const detectors::Sample& sample,
+                    const detectors::Observation& observation) override {
+    for (ObservationSink* sink : sinks_) sink->OnCorrection(sample, observation);
   }
   void OnDetectorTime(std::string_view detector, double seconds) override {
     for (ObservationSink* sink : sinks_) sink->OnDetectorTime(detector, seconds);
@@ -129,6 +138,12 @@ class WorkerPool {
   // scalars): the run ended, so no later sample pairs with it. Called once
   // every sample of the run is processed.
   void ReleaseRunState(const std::string& run);
+  // At startup, after RestoreDetectorState and before the first Dispatch:
+  // RankScalars::Recover on the run's worker; the steps it completes go
+  // through the detectors and the sink as any merged step.
+  void RecoverRankScalars(const std::string& run, int32_t world_size, int64_t merged_through,
+                          const std::vector<int32_t>& ranks,
+                          const std::vector<detectors::Sample>& reports);
   // Called with the run after ForgetRun and ReleaseRunState (the per-run
   // state budget forgets it too). Set before the first Dispatch.
   void OnRunStateDropped(std::function<void(const std::string&)> hook) {

@@ -7,10 +7,36 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "detectors/detector.h"
 
 namespace foreshock::server {
 
 namespace v1 = foreshock::v1;
+
+namespace {
+// Step scalars of the run or of one rank: a rank's replay revises the
+// run-level value of a recent step (server/pipeline/rank_scalars.h), and a
+// rank reports one value per step, so such a series shows one point per
+// step, the latest stored. (Other series may hold several points per step.)
+bool OnePointPerStep(const SeriesKey& key) {
+  return key.layer == detectors::kNoLayer &&
+         (key.signal == "loss" || key.signal == "grad_norm" || key.signal == "lr");
+}
+
+// `points` sorted by step: of the points of one step, the last stored.
+void KeepLatestPerStep(std::vector<Point>& points) {
+  std::vector<Point> kept;
+  kept.reserve(points.size());
+  for (const Point& p : points) {
+    if (!kept.empty() && kept.back().step == p.step) {
+      if (p.wall_time_ms >= kept.back().wall_time_ms) kept.back() = p;
+      continue;
+    }
+    kept.push_back(p);
+  }
+  points = std::move(kept);
+}
+}  // namespace
 
 v1::ListRunsResponse QueryBackend::ListRuns() const {
   std::map<std::string, std::string> jobs;
@@ -68,8 +94,21 @@ absl::StatusOr<v1::ListSeriesResponse> QueryBackend::ListSeries(
   return response;
 }
 
+namespace {
+// Points of `series` with from <= step <= to, estimated from its step span
+// (before reading them): all of them when the range covers the series.
+int64_t EstimatePoints(const store::SeriesInfo& series, int64_t from, int64_t to) {
+  const int64_t lo = std::max(from, series.first_step), hi = std::min(to, series.last_step);
+  if (hi < lo) return 0;
+  if (lo == series.first_step && hi == series.last_step) return static_cast<int64_t>(series.points);
+  const double span = static_cast<double>(series.last_step) - static_cast<double>(series.first_step) + 1;
+  const double fraction = (static_cast<double>(hi) - static_cast<double>(lo) + 1) / span;
+  return static_cast<int64_t>(fraction * static_cast<double>(series.points)) + 1;
+}
+}  // namespace
+
 absl::StatusOr<v1::GetSeriesResponse> QueryBackend::GetSeries(
-    const v1::GetSeriesRequest& request) const {
+    const v1::GetSeriesRequest& request, QueryBudget::Lease* lease) const {
   if (request.run().empty() || request.signal().empty()) {
     return absl::InvalidArgumentError("run and signal are required");
   }
@@ -86,10 +125,9 @@ absl::StatusOr<v1::GetSeriesResponse> QueryBackend::GetSeries(
   }
   // An unknown series: say what the run does have, so a typo is easy to fix.
   const std::vector<store::SeriesInfo> series = store_.ListSeries(request.run());
-  const bool known = std::any_of(series.begin(), series.end(), [&](const store::SeriesInfo& s) {
-    return s.key == key;
-  });
-  if (!known) {
+  const auto info = std::find_if(series.begin(), series.end(),
+                                 [&](const store::SeriesInfo& s) { return s.key == key; });
+  if (info == series.end()) {
     if (series.empty()) {
       return absl::NotFoundError(absl::StrCat("no run '", request.run(), "' in the store"));
     }
@@ -117,11 +155,53 @@ absl::StatusOr<v1::GetSeriesResponse> QueryBackend::GetSeries(
   response.set_signal(key.signal);
   response.set_layer(key.layer);
   response.set_head(key.head);
+  QueryBudget::Lease local;
+  if (lease == nullptr) lease = &local;
+  const std::string what = absl::StrCat("GetSeries of run '", key.run, "' ", key.signal,
+                                        " (layer ", key.layer, ", head ", key.head, ")");
+  const uint32_t max_points = request.max_points();
+  if (budget_ != nullptr) {
+    // Before the read: what the store's read of the range will hold.
+    if (absl::Status leased = budget_->Grow(
+            *lease, EstimatePoints(*info, from, to) * QueryBudget::kRangePointBytes, what);
+        !leased.ok()) {
+      return leased;
+    }
+  }
   std::vector<Point> points = store_.Range(key, from, to);
   // A run resumed from a checkpoint: one point per step, the latest attempt's.
   if (lifecycle_ != nullptr) RunLifecycle::LatestAttempt(points, lifecycle_->Boundaries(key.run));
+  if (OnePointPerStep(key)) KeepLatestPerStep(points);
   response.set_total_points(points.size());
-  const uint32_t max_points = request.max_points();
+  if (budget_ != nullptr) {
+    // The request's size is known now: within --max_query_mb, or how to page.
+    const int64_t n = static_cast<int64_t>(points.size());
+    const bool raw = max_points == 0 || n <= max_points;
+    const int64_t answer = raw ? n * QueryBudget::kRawPointBytes
+                               : std::min<int64_t>(n, max_points) * QueryBudget::kBucketBytes;
+    const int64_t cost = n * QueryBudget::kRangePointBytes + answer;
+    const int64_t limit = budget_->per_request_bytes();
+    if (limit > 0 && cost > limit) {
+      budget_->CountTooLarge();
+      const std::string over = absl::StrCat("about ", cost >> 20, " MiB, over --max_query_mb=",
+                                            limit >> 20);
+      if (!raw) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            what, ": downsampling the ", n, " points of the range to ", max_points,
+            " takes ", over, ": narrow the range (from_step and to_step; from and to in "
+            "/api/v1/points) or ask for fewer points"));
+      }
+      const size_t page = static_cast<size_t>(std::max<int64_t>(
+          1, limit / (QueryBudget::kRangePointBytes + QueryBudget::kRawPointBytes)));
+      return absl::ResourceExhaustedError(absl::StrCat(
+          what, ": the ", n, " points of the range make an answer of ", over,
+          ". Page through it at most ", page, " points at a time: steps ", points[0].step,
+          " to ", points[page - 1].step, " first, then from step ", points[page].step,
+          " on (GetSeriesRequest from_step and to_step; from and to in /api/v1/points); or "
+          "set max_points to downsample it"));
+    }
+    if (absl::Status leased = budget_->Grow(*lease, cost, what); !leased.ok()) return leased;
+  }
   if (max_points == 0 || points.size() <= max_points) {
     if (points.size() > kMaxRawPoints) {
       return absl::ResourceExhaustedError(
@@ -202,11 +282,12 @@ absl::StatusOr<foreshock::v1::ListSeriesResponse> QueryBackend::ListSeries(
 }
 
 absl::StatusOr<foreshock::v1::GetSeriesResponse> QueryBackend::GetSeries(
-    const foreshock::v1::GetSeriesRequest& request, const AccessCheck& access) const {
+    const foreshock::v1::GetSeriesRequest& request, const AccessCheck& access,
+    QueryBudget::Lease* lease) const {
   if (absl::Status status = access.Check(request.run(), Right::kQuery); !status.ok()) {
     return status;
   }
-  return GetSeries(request);
+  return GetSeries(request, lease);
 }
 
 absl::StatusOr<foreshock::v1::ListAlertsResponse> QueryBackend::ListAlerts(

@@ -12,6 +12,7 @@
 #include "server/pipeline/run_lifecycle.h"
 #include "server/pipeline/run_tracker.h"
 #include "server/pipeline/series_store.h"
+#include "server/query/query_budget.h"
 
 namespace foreshock::server {
 
@@ -28,6 +29,9 @@ class QueryBackend {
   // run's end and attempt, GetSeries shows a resumed run's latest attempt.
   // Null: neither.
   void SetLifecycle(const RunLifecycle* lifecycle) { lifecycle_ = lifecycle; }
+  // --max_query_mb, --max_query_total_mb: GetSeries leases what it will
+  // hold before building it (server/query/query_budget.h). Null: no bound.
+  void SetBudget(QueryBudget* budget) { budget_ = budget; }
 
   foreshock::v1::ListRunsResponse ListRuns() const;
   // NOT_FOUND for a run the store does not hold.
@@ -36,9 +40,12 @@ class QueryBackend {
   // INVALID_ARGUMENT for a missing run/signal or from_step > to_step;
   // NOT_FOUND for an unknown series (the message names the run's signals or
   // the layers the signal has); RESOURCE_EXHAUSTED for an undownsampled
-  // range over kMaxRawPoints.
+  // range over kMaxRawPoints, or for an answer over --max_query_mb (the
+  // message says how to page it); UNAVAILABLE when the queries in progress
+  // hold --max_query_total_mb. The memory the answer holds stays leased in
+  // `lease` (null: released on return) until the caller has sent it.
   absl::StatusOr<foreshock::v1::GetSeriesResponse> GetSeries(
-      const foreshock::v1::GetSeriesRequest& request) const;
+      const foreshock::v1::GetSeriesRequest& request, QueryBudget::Lease* lease = nullptr) const;
   // Alerts of every run, or of request.run; NOT_FOUND for a named run the
   // daemon has never seen (no series in the store, no alerts, no Hello), as
   // ListSeries and GetSeries answer. A known run without alerts: an empty
@@ -54,7 +61,8 @@ class QueryBackend {
   absl::StatusOr<foreshock::v1::ListSeriesResponse> ListSeries(
       const foreshock::v1::ListSeriesRequest& request, const AccessCheck& access) const;
   absl::StatusOr<foreshock::v1::GetSeriesResponse> GetSeries(
-      const foreshock::v1::GetSeriesRequest& request, const AccessCheck& access) const;
+      const foreshock::v1::GetSeriesRequest& request, const AccessCheck& access,
+      QueryBudget::Lease* lease = nullptr) const;
   absl::StatusOr<foreshock::v1::ListAlertsResponse> ListAlerts(
       const foreshock::v1::ListAlertsRequest& request, const AccessCheck& access) const;
 
@@ -67,6 +75,7 @@ class QueryBackend {
   const AlertHub& alerts_;
   const RunTracker& runs_;
   const RunLifecycle* lifecycle_ = nullptr;
+  QueryBudget* budget_ = nullptr;
 };
 
 }  // namespace foreshock::server

@@ -53,10 +53,33 @@ grpc::ServerUnaryReactor* QueryService::ListSeries(grpc::CallbackServerContext* 
   return Answer(context, backend_.ListSeries(*request, Access(context)), response);
 }
 
+namespace {
+// Holds a GetSeries answer's memory lease until gRPC has sent the answer.
+class LeasedReactor final : public grpc::ServerUnaryReactor {
+ public:
+  explicit LeasedReactor(QueryBudget::Lease lease) : lease_(std::move(lease)) {}
+  void OnDone() override { delete this; }
+
+ private:
+  QueryBudget::Lease lease_;
+};
+}  // namespace
+
 grpc::ServerUnaryReactor* QueryService::GetSeries(grpc::CallbackServerContext* context,
                                                   const v1::GetSeriesRequest* request,
                                                   v1::GetSeriesResponse* response) {
-  return Answer(context, backend_.GetSeries(*request, Access(context)), response);
+  QueryBudget::Lease lease;
+  absl::StatusOr<v1::GetSeriesResponse> result =
+      backend_.GetSeries(*request, Access(context), &lease);
+  if (result.ok()) {
+    *response = std::move(*result);
+  } else if (absl::IsUnavailable(result.status())) {
+    // --max_query_total_mb is taken by other queries: retry after the hint.
+    context->AddTrailingMetadata("retry-after-ms", std::to_string(QueryBudget::kRetryAfterMs));
+  }
+  auto* reactor = new LeasedReactor(std::move(lease));
+  reactor->Finish(ToGrpc(result.status()));
+  return reactor;
 }
 
 namespace {

@@ -198,6 +198,27 @@ TEST_F(SenderTest, ABatchOverTheDaemonsMessageLimitIsDroppedNotResentForever) {
             1);
 }
 
+TEST_F(SenderTest, RejectionsTheAckOnlyCountsAreCountedToo) {
+  // An Ack lists at most 256 rejections and counts the rest (issue 34): the
+  // stats must settle every record all the same. Queued while the daemon is
+  // down, the 1,000 records go out in one batch.
+  Sender sender(endpoint(), MakeHello("omitted"), FastBackoff());
+  for (int64_t step = 0; step < 1000; ++step) {
+    v1::Record record;  // no payload: missing_payload
+    record.set_step(step);
+    sender.Enqueue(record);
+  }
+  Start();
+  ASSERT_TRUE(sender.Close(std::chrono::seconds(30)));
+  const SenderStats stats = sender.stats();
+  EXPECT_EQ(stats.acked, 0u);
+  EXPECT_EQ(stats.rejected, 1000u);
+  EXPECT_EQ(foreshock::testing::CounterValue(daemon_->registry(),
+                                             "foreshock_ingest_rejected_total",
+                                             {{"reason", "missing_payload"}}),
+            1000);
+}
+
 TEST_F(SenderTest, ARefusedStreamWaitsForTheDaemonsRetryHint) {
   // --max_streams=1 and the slot is taken: the daemon refuses with
   // retry-after-ms 1000, which replaces the sender's 20 ms backoff.

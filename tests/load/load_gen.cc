@@ -339,6 +339,9 @@ class LoadStream {
         ++report_.rejected[ReasonOf(rej.reason())];
         rejected_indices.insert(rej.index());
       }
+      // Beyond the 256 listed, rejections are counted, not indexed: those
+      // records are then not told apart from accepted ones below.
+      for (const auto& [code, count] : ack.omitted_by_reason()) report_.rejected[code] += count;
       // Accepted records: every record the ack does not reject (a duplicate ack
       // means the first copy was stored).
       const auto& records = request.batch().records();

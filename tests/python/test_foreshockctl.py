@@ -253,6 +253,33 @@ def scalars_batch(seq, steps, loss):
     return batch
 
 
+def test_series_over_the_daemons_query_limit_is_fetched_page_by_page(start_foreshockd):
+    # Issue 34: a raw answer over --max_query_mb is refused (RESOURCE_EXHAUSTED,
+    # so that a long run cannot take the daemon's memory); foreshockctl
+    # series then asks for it in step windows and joins them. 1 MiB is some
+    # 4,700 raw points.
+    daemon = start_foreshockd("--max_query_mb=1")
+    n = 20000
+    acks = stream(daemon.endpoint, "ctl-pages", [
+        scalars_batch(i + 1, range(i * 5000, (i + 1) * 5000), lambda step: 1.0 + step)
+        for i in range(n // 5000)])
+    assert sum(a.accepted for a in acks) == n
+    out = ctl("series", "ctl-pages", "loss", "--csv", "--endpoint", daemon.endpoint, timeout=120)
+    assert out.returncode == 0, out.stderr
+    header, *rows = out.stdout.splitlines()
+    assert header == "step,value,wall_time_unix_ms"
+    assert [int(r.split(",")[0]) for r in rows] == list(range(n))
+    assert [float(r.split(",")[1]) for r in rows] == [1.0 + s for s in range(n)]
+    # Within a range too, and the daemon did refuse the whole.
+    out = ctl("series", "ctl-pages", "loss", "--csv", "--from", "7000", "--to", "17999",
+              "--endpoint", daemon.endpoint, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert [int(r.split(",")[0]) for r in out.stdout.splitlines()[1:]] == list(range(7000, 18000))
+    refused = [v for name, labels, v in daemon.scrape()
+               if name == "foreshock_query_refused_total" and labels.get("reason") == "too_large"]
+    assert refused and refused[0] >= 2, refused
+
+
 def test_runs_and_series_csv_match_the_points_sent(foreshockd):
     endpoint = foreshockd.endpoint
     loss = lambda step: 3.0 / (1.0 + step) + math.sin(step) / 3.0  # noqa: E731

@@ -70,6 +70,14 @@ def series(daemon, run, signal_name, layer=-1):
     return [(p.step, p.value) for p in response.points]
 
 
+def series_head(daemon, run, signal_name, head):
+    channel, stub = query(daemon)
+    with channel:
+        response = stub.GetSeries(query_pb2.GetSeriesRequest(run=run, signal=signal_name,
+                                                             layer=-1, head=head), timeout=10)
+    return [(p.step, p.value) for p in response.points]
+
+
 def http_json(daemon, path):
     with urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}{path}", timeout=5) as r:
         return json.load(r)
@@ -439,3 +447,200 @@ def test_a_batch_field_the_daemon_does_not_know_is_ignored(foreshockd):
             list(stream(iter([hello, b"\x1a\x00"]), timeout=10))  # StreamRequest field 3: {}
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.value.details().startswith("empty_request"), error.value.details()
+
+
+# -- a run only its own job can end (issue 34 item 4) -------------------------
+
+class HelloOnly:
+    """A second client of a run: one stream with a Hello (its own sender_id)
+    and then nothing, held open until close()."""
+
+    def __init__(self, endpoint, run, rank, world_size=None):
+        self.release = threading.Event()
+        labels = {"world_size": str(world_size)} if world_size else {}
+        hello = pb.StreamRequest(hello=pb.Hello(run_id=run, job="intruder", rank=rank,
+                                                labels=labels, first_seq=1,
+                                                sender_id=0x5EC0ADC11E47))
+
+        def requests():
+            yield hello
+            self.release.wait(60)
+
+        self.channel = grpc.insecure_channel(endpoint)
+        self.call = pb_grpc.IngestStub(self.channel).Stream(requests(), timeout=60)
+
+    def first_response(self):
+        """The HelloAck, or the RpcError that refused the stream."""
+        try:
+            return next(self.call)
+        except grpc.RpcError as e:
+            return e
+
+    def close(self):
+        self.release.set()
+        self.call.cancel()
+        self.channel.close()
+
+
+def refused_world_size(daemon, run, rank, world_size):
+    intruder = HelloOnly(daemon.endpoint, run, rank, world_size)
+    try:
+        response = intruder.first_response()
+    finally:
+        intruder.close()
+    assert isinstance(response, grpc.RpcError), f"admitted: {response}"
+    assert response.code() == grpc.StatusCode.FAILED_PRECONDITION, response
+    assert response.details().startswith("world_size_conflict: "), response.details()
+
+
+def rejected(daemon, reason):
+    return prometheus.value(daemon.scrape(), "foreshock_ingest_rejected_total", reason=reason)
+
+
+def test_another_clients_hello_cannot_raise_the_world_size_the_run_waits_for(foreshockd):
+    # A 2-rank job; a second client of the same tenant says Hello for rank
+    # 65535 of 65536 (within --max_ranks_per_run). Admitted, it made the run
+    # wait for 65536 ranks' goodbyes: the job's own close never ended it.
+    run = "ownership-world-size"
+    monitors = [Monitor(foreshockd.endpoint, run_id=run, job="own", rank=rank,
+                        labels={"world_size": "2"}) for rank in (0, 1)]
+    for step in range(4):
+        for monitor in monitors:
+            monitor.step(step, loss=1.0)
+    assert wait_until(lambda: all(m.stats()["acked_records"] >= 4 for m in monitors), 20)
+    refused_world_size(foreshockd, run, rank=65535, world_size=65536)
+    refused_world_size(foreshockd, run, rank=5, world_size=None)  # a rank outside it
+    assert rejected(foreshockd, "world_size_conflict") == 2
+    for monitor in monitors:
+        monitor.close(timeout=10)
+        assert monitor.stats()["goodbye_acked"]
+    info = run_info(foreshockd, run)
+    assert info.ended, info
+
+
+def test_a_hello_that_never_sends_anything_does_not_hold_the_run_open(foreshockd):
+    # A one-rank job (no world_size label) and a second client's Hello for a
+    # free rank that then sends nothing and keeps its stream open: the job's
+    # goodbye ends the run (the end waits for the senders that sent records).
+    run = "ownership-idle-hello"
+    monitor = Monitor(foreshockd.endpoint, run_id=run, job="own")
+    for step in range(4):
+        monitor.step(step, loss=1.0)
+    assert wait_until(lambda: monitor.stats()["acked_records"] >= 4, 20)
+    # Nor can it declare a world size the job never did.
+    refused_world_size(foreshockd, run, rank=65535, world_size=65536)
+    idle = HelloOnly(foreshockd.endpoint, run, rank=65535)
+    try:
+        assert idle.first_response().HasField("hello_ack")
+        monitor.close(timeout=10)
+        assert monitor.stats()["goodbye_acked"]
+        info = run_info(foreshockd, run)
+        assert info.ended, info
+    finally:
+        idle.close()
+
+
+def test_a_rank_joining_a_live_run_cannot_alert_or_move_its_last_step(foreshockd):
+    # A one-rank job streams 20 steps; a second client joins as the free rank
+    # 1 and sends NaN losses and a step 10^7 ahead. Before it has a history of
+    # its own (8 steps) its values stay its own: no ForeshockNonFinite on the
+    # run, and the far step is refused (step_ahead_of_run), so
+    # foreshock_last_step stays the job's.
+    run = "ownership-late-joiner"
+    monitor = Monitor(foreshockd.endpoint, run_id=run, job="own")
+    for step in range(20):
+        monitor.step(step, loss=1.0)
+    assert wait_until(lambda: monitor.stats()["acked_records"] >= 20, 20)
+
+    batch = pb.Batch(seq=1)
+    for step, loss in ((20, float("nan")), (21, float("nan")), (20 + 10**7, 1.0)):
+        batch.records.add(step=step).scalars.loss = loss
+    hello = pb.Hello(run_id=run, job="intruder", rank=1, first_seq=1, sender_id=0x1A7E)
+    with grpc.insecure_channel(foreshockd.endpoint) as channel:
+        responses = list(pb_grpc.IngestStub(channel).Stream(
+            iter([pb.StreamRequest(hello=hello), pb.StreamRequest(batch=batch)]), timeout=20))
+    (ack,) = [r.ack for r in responses if r.HasField("ack")]  # processed when acked
+    assert ack.accepted == 2, ack
+    assert [r.index for r in ack.rejections] == [2], ack
+    assert ack.rejections[0].reason.startswith("step_ahead_of_run: "), ack
+    assert rejected(foreshockd, "step_ahead_of_run") == 1
+
+    for step in range(20, 30):
+        monitor.step(step, loss=1.0)
+    assert wait_until(lambda: monitor.stats()["acked_records"] >= 30, 20)
+    assert [a.alertname for a in list_alerts(foreshockd, run)] == []
+    assert prometheus.value(foreshockd.scrape(), "foreshock_last_step", run=run) == 29
+    # The job's own NaN is the run's: the same check sees it.
+    monitor.step(30, loss=float("nan"))
+    assert wait_until(lambda: "ForeshockNonFinite" in
+                      [a.alertname for a in list_alerts(foreshockd, run)], 20)
+    monitor.close(timeout=10)
+
+
+def test_a_restarted_ranks_replay_adds_no_one_rank_points(foreshockd):
+    # A 2-rank job; rank 1's process dies after step 9 (no goodbye) while
+    # rank 0 goes on to step 14; rank 1's new process resumes from its
+    # checkpoint at step 5 (a rank resume: the run's attempt is unchanged).
+    # The run-level loss has one point per step: at the replayed steps 5-9
+    # rank 1's new value replaces its old one in the mean, and steps 10-14,
+    # which waited for rank 1, are the mean of both ranks, not rank 0 alone
+    # followed by a rank-1-only point.
+    run = "replay-rank"
+    labels = {"world_size": "2"}
+    rank0 = Monitor(foreshockd.endpoint, run_id=run, job="own", rank=0, labels=labels)
+    rank1 = Monitor(foreshockd.endpoint, run_id=run, job="own", rank=1, labels=labels)
+    for step in range(10):
+        rank0.step(step, loss=1.0)
+        rank1.step(step, loss=3.0)
+    assert wait_until(lambda: rank1.stats()["acked_records"] >= 10, 20)
+    rank1.close(timeout=10, end=False)  # the process dies: no goodbye
+    for step in range(10, 15):
+        rank0.step(step, loss=1.0)
+    assert wait_until(lambda: rank0.stats()["acked_records"] >= 15, 20)
+    restarted = Monitor(foreshockd.endpoint, run_id=run, job="own", rank=1, labels=labels)
+    for step in range(5, 15):
+        restarted.step(step, loss=5.0)
+    assert wait_until(lambda: restarted.stats()["acked_records"] >= 10, 20)
+    assert run_info(foreshockd, run).attempt == 1
+    points = series(foreshockd, run, "loss")
+    assert [s for s, _ in points] == list(range(15)), points
+    assert [v for _, v in points] == [2.0] * 5 + [3.0] * 10, points
+    # Rank 1's own series, too, is the replay's where it replayed.
+    own = series_head(foreshockd, run, "loss", head=1)
+    assert own == [(s, 3.0) for s in range(5)] + [(s, 5.0) for s in range(5, 15)], own
+    rank0.close(timeout=10)
+    restarted.close(timeout=10)
+    assert run_info(foreshockd, run).ended
+
+
+def test_the_merge_of_ranks_is_recovered_after_kill_9_as_acknowledged(start_foreshockd):
+    # A 2-rank run with rank 0 ten acknowledged steps ahead (steps 5-14 wait
+    # for rank 1), then kill -9, with no detector checkpoint since (a long
+    # --checkpoint_interval_s). After the restart rank 1 sends steps 5-15
+    # and rank 0 step 15: the run-level loss at 5-14 is the mean of both
+    # ranks, as acknowledged, not rank 1's value alone.
+    daemon = start_foreshockd("--checkpoint_interval_s=3600")
+    run = "merge-kill9"
+    labels = {"world_size": "2"}
+    monitors = [Monitor(daemon.endpoint, run_id=run, job="own", rank=rank, labels=labels,
+                        backoff_initial_s=0.05, backoff_max_s=0.5) for rank in (0, 1)]
+    rank0, rank1 = monitors
+    for step in range(5):
+        rank0.step(step, loss=1.0)
+        rank1.step(step, loss=3.0)
+    assert wait_until(lambda: rank1.stats()["acked_records"] >= 5, 20)
+    for step in range(5, 15):
+        rank0.step(step, loss=1.0)
+    assert wait_until(lambda: rank0.stats()["acked_records"] >= 15, 20)
+    daemon.stop(sig=signal.SIGKILL)
+    daemon.start()
+    for step in range(5, 16):
+        rank1.step(step, loss=3.0)
+    rank0.step(15, loss=1.0)
+    assert wait_until(lambda: rank0.stats()["acked_records"] >= 16
+                      and rank1.stats()["acked_records"] >= 16, 30)
+    points = series(daemon, run, "loss")
+    assert [s for s, _ in points] == list(range(16)), points
+    assert [v for _, v in points] == [2.0] * 16, points
+    for monitor in monitors:
+        monitor.close(timeout=10)

@@ -26,6 +26,7 @@ namespace {
 namespace fs = std::filesystem;
 namespace v1 = foreshock::v1;
 using testing::CounterValue;
+using testing::MetricValue;
 
 std::string Varint(uint64_t v) {
   std::string out;
@@ -326,6 +327,96 @@ TEST_F(RecordReplayTest, AFileNameInUseGetsASuffix) {
   record::ReadStatus end;
   EXPECT_EQ(ReadAll(dir_ / "taken-2.fsrec", &end).size(), 1u);
   EXPECT_EQ(end, record::ReadStatus::kEnd);
+}
+
+// Issue 36: --record_max_mb. The directory holds an old recording from an
+// earlier daemon, a closed one, and a live one that outgrows the bound:
+// closed recordings go oldest first, the live one is never touched, and what
+// it could not hold is dropped and counted, so its file stays a complete
+// prefix of its stream.
+uint64_t DirectoryBytes(const fs::path& dir) {
+  uint64_t bytes = 0;
+  for (const auto& entry : fs::directory_iterator(dir)) bytes += entry.file_size();
+  return bytes;
+}
+
+TEST_F(RecordReplayTest, RetentionKeepsTheDirectoryUnderItsBoundAndNeverTouchesAnOpenRecording) {
+  prometheus::Registry registry;
+  server::DaemonMetrics metrics(registry, false);
+  const fs::path dir = dir_ / "bounded";
+  fs::create_directories(dir);
+  const fs::path old_file = dir / "20200101T000000-old-rank0-s1.fsrec";
+  std::ofstream(old_file) << std::string(3000, 'x');
+  std::ofstream(dir / "notes.txt") << "not a recording: neither counted nor deleted";
+  server::StreamRecorderOptions options(dir.string());
+  options.max_total_bytes = 8000;
+  const std::string hello = OddHello("bounded-run");
+  std::vector<std::string> batches;
+  for (uint64_t i = 0; i < 200; ++i) batches.push_back(ScalarsBatch(i + 1, {int64_t(i)}));
+  uint64_t live_written = 0;
+  {
+    server::StreamRecorder recorder(options, metrics);
+    EXPECT_EQ(MetricValue(registry, "foreshock_record_bytes"), 3000);
+    auto record = [&](uint64_t session, const std::string& bytes, bool first) {
+      grpc::Slice slice(bytes);
+      return recorder.Record(session, grpc::ByteBuffer(&slice, 1), 1, first);
+    };
+    // A closed recording of about 2.7 KB.
+    recorder.Open(2, server::StreamRecorder::FileName(1714521600000000, "closed-run", 0, 2));
+    record(2, hello, true);
+    for (int i = 0; i < 60; ++i) record(2, batches[i], false);
+    recorder.Close(2);
+    recorder.Flush();
+    const uint64_t closed_bytes = DirectoryBytes(dir) - 3000 - 44;
+    ASSERT_GT(closed_bytes, 2000u);
+    // The live one: far more than the bound.
+    recorder.Open(3, server::StreamRecorder::FileName(1714521700000000, "bounded-run", 0, 3));
+    record(3, hello, true);
+    for (const std::string& batch : batches) record(3, batch, false);
+    recorder.Flush();
+    // Both closed recordings are gone, oldest first; the live one holds what fit.
+    EXPECT_FALSE(fs::exists(old_file));
+    EXPECT_EQ(CounterValue(registry, "foreshock_record_files_deleted_total", {{"reason", "size"}}), 2);
+    EXPECT_TRUE(fs::exists(dir / "notes.txt"));
+    const uint64_t recordings = DirectoryBytes(dir) - 44;
+    EXPECT_LE(recordings, options.max_total_bytes);
+    EXPECT_EQ(MetricValue(registry, "foreshock_record_bytes"), recordings);
+    EXPECT_GT(CounterValue(registry, "foreshock_record_frames_total", {{"outcome", "dropped"}}), 0);
+    live_written = recordings;
+  }
+  record::ReadStatus end;
+  const auto frames = ReadAll(dir / "20240501T000140-bounded-run-rank0-s3.fsrec", &end);
+  EXPECT_EQ(end, record::ReadStatus::kEnd);
+  ASSERT_GT(frames.size(), 10u);
+  ASSERT_LT(frames.size(), 201u);
+  EXPECT_EQ(frames[0].payload, hello);
+  for (size_t i = 1; i < frames.size(); ++i) EXPECT_EQ(frames[i].payload, batches[i - 1]) << i;
+  EXPECT_GT(live_written, options.max_total_bytes - 200);  // it filled the bound
+}
+
+TEST_F(RecordReplayTest, RetentionDeletesClosedRecordingsOlderThanTheMaxAge) {
+  prometheus::Registry registry;
+  server::DaemonMetrics metrics(registry, false);
+  const fs::path dir = dir_ / "aged";
+  fs::create_directories(dir);
+  const fs::path stale = dir / "20200101T000000-stale-rank0-s1.fsrec";
+  const fs::path recent = dir / "20200101T000000-recent-rank0-s2.fsrec";
+  std::ofstream(stale) << std::string(100, 'x');
+  std::ofstream(recent) << std::string(100, 'x');
+  fs::last_write_time(stale, fs::file_time_type::clock::now() - std::chrono::hours(3));
+  server::StreamRecorderOptions options(dir.string());
+  options.max_age = std::chrono::hours(2);
+  {
+    server::StreamRecorder recorder(options, metrics);
+    recorder.Flush();  // the first expiry check runs as the writer starts
+    for (int i = 0; i < 100 && fs::exists(stale); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    EXPECT_FALSE(fs::exists(stale));
+    EXPECT_TRUE(fs::exists(recent));
+    EXPECT_EQ(CounterValue(registry, "foreshock_record_files_deleted_total", {{"reason", "age"}}), 1);
+    EXPECT_EQ(MetricValue(registry, "foreshock_record_bytes"), 100);
+  }
 }
 
 TEST_F(RecordReplayTest, WithoutARecordDirNothingIsRecorded) {

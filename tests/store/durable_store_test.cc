@@ -201,6 +201,29 @@ TEST(DurableStoreTest, EventsArePersistedAndBounded) {
   EXPECT_EQ(store->Stats().recovered_events, 6u);
 }
 
+TEST(DurableStoreTest, EventsInMemoryAreBoundedInBytesToo) {
+  // Issue 34: 30 Hellos of 8 MiB labels each were all held in the Hello log.
+  ScratchDir dir;
+  DurableStoreOptions options = SmallOptions(dir.path());
+  options.events_per_kind = 100;
+  options.event_bytes_per_kind = 10'000;
+  const std::string big(4'000, 'x');
+  {
+    auto store = OpenStore(options);
+    for (int i = 0; i < 5; ++i) store->AppendEvent("hello", big + std::to_string(i));
+    // 3 of 4,001 bytes would be over the bound: the newest 2 stay.
+    EXPECT_EQ(store->Events("hello"), (std::vector<std::string>{big + "3", big + "4"}));
+    // One event larger than the bound is still kept, alone.
+    store->AppendEvent("hello", std::string(20'000, 'y'));
+    EXPECT_EQ(store->Events("hello"), (std::vector<std::string>{std::string(20'000, 'y')}));
+    store->AppendEvent("hello", "small");
+    EXPECT_EQ(store->Events("hello"), (std::vector<std::string>{"small"}));
+  }
+  // Recovery from disk indexes them under the same bound.
+  auto store = OpenStore(options);
+  EXPECT_EQ(store->Events("hello"), (std::vector<std::string>{"small"}));
+}
+
 // The ingest dedup marks rely on it: a batch's points and its event are one
 // write (whole after a process crash), event last, so that a write torn by
 // power loss never leaves the event without the points.

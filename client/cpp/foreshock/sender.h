@@ -69,7 +69,7 @@ struct SenderStats {
   uint64_t resent = 0;              // records written again on a new stream
   uint64_t acked = 0;               // records the daemon accepted
   uint64_t duplicates = 0;          // records acked as already stored
-  uint64_t rejected = 0;            // records rejected (reason in the Ack)
+  uint64_t rejected = 0;            // records rejected (listed in the Ack, or counted there)
   uint64_t dropped_queue_full = 0;  // oldest queued records dropped
   uint64_t dropped_unacked = 0;     // oldest unacked records dropped
   uint64_t dropped_too_large = 0;   // records in batches over the daemon's message limit

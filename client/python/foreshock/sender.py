@@ -11,7 +11,8 @@ One sender thread owns the gRPC stream `foreshock.v1.Ingest/Stream`:
   not per stream: it starts at the current Unix time in microseconds (so a
   restarted process numbers above its predecessor) and keeps increasing across
   streams; Hello.first_seq says so, and the daemon deduplicates by
-  (run_id, rank, sender_id, seq), sender_id being random per Sender;
+  (run_id, rank, sender_id, seq), sender_id being drawn from the OS (not
+  the seedable `random`) per Sender;
 - every batch stays in an unacked buffer (at most `max_unacked_bytes`; beyond
   that the oldest batches are dropped and their records counted as
   `dropped_unacked`) until its Ack settles it: accepted records, rejections (by
@@ -41,6 +42,7 @@ One sender thread owns the gRPC stream `foreshock.v1.Ingest/Stream`:
 import collections
 import logging
 import random
+import secrets
 import re
 import threading
 import time
@@ -56,6 +58,9 @@ log = logging.getLogger("foreshock")
 
 # How often blocked waits wake up to notice a closed stream or an abort.
 _POLL_S = 0.05
+# Reconnect jitter from the OS: with a seeded global `random`, every rank of a
+# job would back off in lockstep.
+_JITTER = random.SystemRandom()
 
 
 class RecordQueue:
@@ -147,7 +152,10 @@ class Sender(_exit.BackgroundWorker):
         self._unacked = collections.OrderedDict()
         self._unacked_bytes = 0
         self._next_seq = time.time_ns() // 1000
-        self._sender_id = random.getrandbits(63) + 1
+        # From the OS, never the global `random`: training scripts seed that
+        # (random.seed, transformers.set_seed), which would give every restart
+        # of a job the same id, and the daemon would take it for a reconnect.
+        self._sender_id = secrets.randbits(63) + 1
         self._goodbye = False       # close(goodbye=True): end with a Batch.goodbye
         self._goodbye_seq = None    # its seq, once sent
         # Set at the first HelloAck: the daemon has taken this sender's Hello
@@ -232,7 +240,7 @@ class Sender(_exit.BackgroundWorker):
             # Full jitter on the upper half keeps many ranks from reconnecting in lockstep.
             # A daemon at a limit says when to come back (trailing retry-after-ms).
             wait_s, self._retry_after_s = self._retry_after_s or backoff, None
-            self._abort.wait(wait_s * random.uniform(0.5, 1.0))
+            self._abort.wait(wait_s * _JITTER.uniform(0.5, 1.0))
             backoff = min(backoff * 2, self._backoff_max_s)
 
     def _run_stream(self, quiet):
@@ -410,10 +418,13 @@ class Sender(_exit.BackgroundWorker):
             if n_records is None:
                 log.warning("foreshock: ack for unknown batch seq %d", ack.seq)
             return  # batch is None: dropped from the unacked buffer meanwhile
-        if ack.accepted + len(ack.rejections) + ack.duplicates != n_records:
+        # The daemon lists at most 256 rejections and counts the rest
+        # (omitted_rejections, by code in omitted_by_reason).
+        rejected = len(ack.rejections) + ack.omitted_rejections
+        if ack.accepted + rejected + ack.duplicates != n_records:
             log.warning("foreshock: batch %d had %d records; ack settles %d accepted + %d "
                         "rejected + %d duplicates", ack.seq, n_records, ack.accepted,
-                        len(ack.rejections), ack.duplicates)
+                        rejected, ack.duplicates)
         if self._on_settled is not None:
             try:
                 self._on_settled([r for r, _ in batch], ack)
@@ -427,7 +438,13 @@ class Sender(_exit.BackgroundWorker):
             for rejection in ack.rejections:
                 # Reasons read "<code>: <detail>"; the code is the stable part.
                 self._rejected[rejection.reason.split(":", 1)[0].strip()] += 1
+            by_reason = 0
+            for code, count in ack.omitted_by_reason.items():
+                self._rejected[code] += count
+                by_reason += count
+            if ack.omitted_rejections > by_reason:  # a daemon that did not say why
+                self._rejected["omitted"] += ack.omitted_rejections - by_reason
         if ack.rejections:
             first = ack.rejections[0]
             log.warning("foreshock: batch %d: %d record(s) rejected, e.g. record %d: %s",
-                        ack.seq, len(ack.rejections), first.index, first.reason)
+                        ack.seq, rejected, first.index, first.reason)

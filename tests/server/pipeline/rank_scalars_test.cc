@@ -212,20 +212,77 @@ TEST(RankScalars, SameSeriesForAnyArrivalOrderWithinTheWindow) {
 }
 
 TEST(RankScalars, WithoutTheWorldSizeHintRanksAreLearned) {
-  // Older clients send no world_size: the second rank's first report makes
-  // the run multi-rank; steps the first rank completed alone stay as they were.
+  // Older clients send no world_size: rank 0's steps pass through alone; the
+  // second rank, new to a run with a series, joins it late: its first
+  // kLateJoinSteps reports are its own only, then the run is multi-rank;
+  // steps the first rank completed alone stay as they were.
+  constexpr int64_t kJoin = RankScalars::kLateJoinSteps;
   RankScalars merge(4);
   std::vector<bool> per_rank;
-  std::vector<Sample> reports = {Report("r", 0, 0, 1.0), Report("r", 0, 1, 1.0),
-                                 Report("r", 1, 0, 3.0), Report("r", 1, 1, 3.0),
-                                 Report("r", 0, 2, 1.0), Report("r", 1, 2, 3.0)};
+  std::vector<Sample> reports = {Report("r", 0, 0, 1.0), Report("r", 0, 1, 1.0)};
+  for (int64_t step = 0; step < kJoin; ++step) {  // rank 1's reports: steps 0..kJoin-1
+    reports.push_back(Report("r", 1, step, 3.0));
+    if (step >= 2) reports.push_back(Report("r", 0, step, 1.0));
+  }
   std::vector<Sample> out = Feed(merge, reports, &per_rank);
-  ASSERT_EQ(out.size(), 3u);
-  EXPECT_EQ(Loss(out[0]), 1.0);  // rank 0 alone, passed through
-  EXPECT_EQ(Loss(out[1]), 1.0);
-  EXPECT_EQ(out[2].step, 2);
-  EXPECT_EQ(Loss(out[2]), 2.0);
-  EXPECT_EQ(per_rank, (std::vector<bool>{false, false, true, true, true, true}));
+  ASSERT_EQ(out.size(), size_t(kJoin));
+  for (int64_t step = 0; step < kJoin - 1; ++step) {
+    EXPECT_EQ(out[step].step, step);
+    EXPECT_EQ(Loss(out[step]), 1.0) << step;  // rank 0 alone, passed through
+  }
+  EXPECT_EQ(out[kJoin - 1].step, kJoin - 1);
+  EXPECT_EQ(Loss(out[kJoin - 1]), 2.0);  // rank 1's kLateJoinSteps-th report: in the mean
+  EXPECT_TRUE(per_rank[2]);          // rank 1's values are kept as its own throughout
+}
+
+TEST(RankScalars, ALateJoinerCannotPutANaNIntoTheRunsSeries) {
+  // Issue 34 item 4: a second client joins a live run as a free rank and
+  // sends NaN losses; the run's series (what ForeshockNonFinite reads) stays
+  // the job's, with or without a world_size hint, until the joiner has a
+  // history of its own.
+  for (int32_t world_size : {0, 2}) {
+    const std::string run = "victim-" + std::to_string(world_size);
+    RankScalars merge(4);
+    for (int64_t step = 0; step < 40; ++step) {
+      for (int32_t rank = 0; rank < std::max(world_size, 1); ++rank) {
+        Feed(merge, {Report(run, rank, step, 1.0, {}, {}, world_size)});
+      }
+    }
+    const double nan = std::nan("");
+    std::vector<Sample> out;
+    for (int64_t step = 40; step < 40 + RankScalars::kLateJoinSteps - 1; ++step) {
+      RankScalars::Result joiner = merge.Offer(Report(run, 7, step, nan));
+      EXPECT_TRUE(joiner.per_rank);
+      EXPECT_TRUE(joiner.ready.empty());
+      for (int32_t rank = 0; rank < std::max(world_size, 1); ++rank) {
+        for (Sample& s : merge.Offer(Report(run, rank, step, 1.0, {}, {}, world_size)).ready) {
+          out.push_back(s);
+        }
+      }
+    }
+    ASSERT_EQ(out.size(), size_t(RankScalars::kLateJoinSteps - 1)) << world_size;
+    for (const Sample& s : out) EXPECT_EQ(Loss(s), 1.0) << world_size << " step " << s.step;
+    // A state saved meanwhile remembers the joiner's count.
+    codec::StateWriter writer;
+    merge.SaveState(writer);
+    RankScalars restored(4);
+    codec::StateReader reader(writer.data());
+    ASSERT_TRUE(restored.RestoreState(reader, [](std::string_view) { return true; }));
+    // Its kLateJoinSteps-th report is in the mean: a NaN from a rank with a
+    // history is the run's, as from any rank.
+    const int64_t step = 40 + RankScalars::kLateJoinSteps - 1;
+    for (RankScalars* m : {&merge, &restored}) {
+      EXPECT_TRUE(m->Offer(Report(run, 7, step, nan)).ready.empty());
+      std::vector<Sample> merged;
+      for (int32_t rank = 0; rank < std::max(world_size, 1); ++rank) {
+        for (Sample& s : m->Offer(Report(run, rank, step, 1.0, {}, {}, world_size)).ready) {
+          merged.push_back(s);
+        }
+      }
+      ASSERT_EQ(merged.size(), 1u) << world_size;
+      EXPECT_TRUE(std::isnan(Loss(merged[0]))) << world_size;
+    }
+  }
 }
 
 TEST(RankScalars, ADeadRankDelaysTheSeriesByTheWindowThenIsNoLongerWaitedFor) {
@@ -298,10 +355,18 @@ TEST(RankScalars, LateReportsAreTheRanksOwnOnly) {
     RankScalars::Result late = merge.Offer(Report("late", 1, step, 5.0, {}, {}, 2));
     EXPECT_TRUE(late.per_rank);
     EXPECT_TRUE(late.ready.empty());
+    EXPECT_TRUE(late.corrected.empty());  // a slow rank's late report is no replay
   }
-  // From now on rank 1 is waited for.
+  // A rank new to a run with a series joins late: its reports are its own
+  // until its kLateJoinSteps-th (its late reports above count too)...
+  static_assert(RankScalars::kLateJoinSteps == 8);
   EXPECT_TRUE(merge.Offer(Report("late", 1, 6, 5.0, {}, {}, 2)).ready.empty());
-  RankScalars::Result both = merge.Offer(Report("late", 0, 6, 1.0, {}, {}, 2));
+  RankScalars::Result alone = merge.Offer(Report("late", 0, 6, 1.0, {}, {}, 2));
+  ASSERT_EQ(alone.ready.size(), 1u);
+  EXPECT_EQ(Loss(alone.ready[0]), 1.0);
+  // ... from which on rank 1 is waited for.
+  EXPECT_TRUE(merge.Offer(Report("late", 1, 7, 5.0, {}, {}, 2)).ready.empty());
+  RankScalars::Result both = merge.Offer(Report("late", 0, 7, 1.0, {}, {}, 2));
   ASSERT_EQ(both.ready.size(), 1u);
   EXPECT_EQ(Loss(both.ready[0]), 3.0);
 }
@@ -324,29 +389,58 @@ TEST(RankScalars, ACompletedStepCompletesOlderOpenStepsFirst) {
   EXPECT_EQ(Loss(out[1]), 2.0);
 }
 
-TEST(RankScalars, AResumedJobStartsTheRunAfresh) {
+TEST(RankScalars, ARestartedRanksReplayAddsNoOneRankPoints) {
+  // Issue 34 item 4: two ranks; rank 1's process dies after step 99 while
+  // rank 0 goes on to 104, and its new process replays from its checkpoint
+  // at step 95. Steps 95-99 were complete: the replay revises their mean
+  // with rank 1's new value in place of its old (a correction, not a second
+  // one-rank point). Steps 100-104 waited for rank 1: each is completed
+  // once, with both ranks.
   RankScalars merge(8);
-  std::vector<Sample> out;
+  std::vector<Sample> out, corrected;
   auto offer = [&](int32_t rank, int64_t step, double loss) {
-    for (Sample& s : merge.Offer(Report("resume", rank, step, loss, {}, {}, 2)).ready) {
-      out.push_back(s);
-    }
+    RankScalars::Result r = merge.Offer(Report("resume", rank, step, loss, {}, {}, 2));
+    EXPECT_TRUE(r.per_rank);
+    for (Sample& s : r.ready) out.push_back(s);
+    for (Sample& s : r.corrected) corrected.push_back(s);
   };
-  for (int64_t step = 0; step < 10; ++step) {
+  for (int64_t step = 90; step < 100; ++step) {
     offer(0, step, 1.0);
     offer(1, step, 3.0);
   }
-  offer(0, 10, 1.0);  // rank 1 crashed before reporting step 10
+  for (int64_t step = 100; step < 105; ++step) offer(0, step, 1.0);
   ASSERT_EQ(out.size(), 10u);
-  // The job resumes from its checkpoint at step 6.
-  offer(0, 6, 5.0);
-  ASSERT_EQ(out.size(), 11u);  // step 10 closed with rank 0 alone
-  EXPECT_EQ(out[10].step, 10);
-  EXPECT_EQ(Loss(out[10]), 1.0);
-  offer(1, 6, 7.0);
-  ASSERT_EQ(out.size(), 12u);
-  EXPECT_EQ(out[11].step, 6);
-  EXPECT_EQ(Loss(out[11]), 6.0);
+  for (int64_t step = 95; step < 100; ++step) offer(1, step, 5.0);  // the replay
+  EXPECT_EQ(out.size(), 10u);
+  ASSERT_EQ(corrected.size(), 5u);
+  for (size_t i = 0; i < corrected.size(); ++i) {
+    EXPECT_EQ(corrected[i].step, int64_t(95 + i));
+    EXPECT_EQ(corrected[i].rank, -1);
+    EXPECT_EQ(Loss(corrected[i]), 3.0);  // (1 + 5) / 2: rank 1's old 3.0 replaced
+  }
+  // A step older than the last `window` completed ones keeps its mean.
+  offer(1, 90, 5.0);
+  EXPECT_EQ(corrected.size(), 5u);
+  for (int64_t step = 100; step < 105; ++step) offer(1, step, 5.0);
+  ASSERT_EQ(out.size(), 15u);
+  for (size_t i = 0; i < out.size(); ++i) {
+    EXPECT_EQ(out[i].step, int64_t(90 + i));  // one point per step, in order
+    EXPECT_EQ(Loss(out[i]), i < 10 ? 2.0 : 3.0) << out[i].step;
+  }
+  EXPECT_EQ(merge.OpenSteps(), 0u);
+}
+
+TEST(RankScalars, AReplayedReportOfAnOpenStepReplacesTheRanksEarlierOne) {
+  // Three ranks; step 10 waits for rank 2 when rank 1 restarts and reports
+  // it again: the step's mean has rank 1's new value once, not both.
+  RankScalars merge(8);
+  for (int32_t rank = 0; rank < 3; ++rank) merge.Offer(Report("open", rank, 9, 1.0, {}, {}, 3));
+  EXPECT_TRUE(merge.Offer(Report("open", 0, 10, 1.0, {}, {}, 3)).ready.empty());
+  EXPECT_TRUE(merge.Offer(Report("open", 1, 10, 100.0, {}, {}, 3)).ready.empty());
+  EXPECT_TRUE(merge.Offer(Report("open", 1, 10, 4.0, {}, {}, 3)).ready.empty());  // the replay
+  RankScalars::Result r = merge.Offer(Report("open", 2, 10, 4.0, {}, {}, 3));
+  ASSERT_EQ(r.ready.size(), 1u);
+  EXPECT_EQ(Loss(r.ready[0]), 3.0);  // (1 + 4 + 4) / 3
 }
 
 TEST(RankScalars, ForgetRunDropsOpenStepsOfTheAbandonedAttempt) {
@@ -510,6 +604,51 @@ TEST(RankScalars, ARestoredStateCompletesTheOpenStepsAsTheOriginalWould) {
     EXPECT_EQ(restored.OpenSteps(), 0u);  // "other" was not kept
     EXPECT_EQ(original.OpenSteps(), 1u);
   }
+}
+
+TEST(RankScalars, RecoveredReportsReopenTheStepsTheCheckpointMissed) {
+  // Issue 34 item 4: rank 0 is ten acknowledged steps ahead when the daemon
+  // is killed; the checkpoint predates them (or holds some of them). The
+  // reports read back from the store reopen those steps, and rank 1's
+  // reports complete them with the mean, once.
+  for (bool checkpointed : {false, true}) {
+    RankScalars live(RankScalars::kDefaultWindow);
+    for (int64_t step = 0; step < 5; ++step) {
+      live.Offer(Report("k", 0, step, 1.0, {}, {}, 2));
+      live.Offer(Report("k", 1, step, 3.0, {}, {}, 2));
+    }
+    std::vector<Sample> ahead;
+    for (int64_t step = 5; step < 15; ++step) {
+      ahead.push_back(Report("k", 0, step, 1.0, {}, {}, 2));
+      if (checkpointed && step < 10) live.Offer(ahead.back());
+    }
+    codec::StateWriter writer;
+    live.SaveState(writer);
+    RankScalars restarted(RankScalars::kDefaultWindow);
+    codec::StateReader reader(writer.data());
+    ASSERT_TRUE(restarted.RestoreState(reader, [](std::string_view) { return true; }));
+    EXPECT_TRUE(restarted.Recover("k", 2, /*merged_through=*/4, {0, 1}, ahead).ready.empty());
+    EXPECT_EQ(restarted.OpenSteps(), 10u) << checkpointed;
+    std::vector<Sample> out;
+    for (int64_t step = 5; step < 15; ++step) {
+      for (Sample& s : restarted.Offer(Report("k", 1, step, 3.0, {}, {}, 2)).ready) {
+        out.push_back(s);
+      }
+    }
+    ASSERT_EQ(out.size(), 10u) << checkpointed;
+    for (size_t i = 0; i < out.size(); ++i) {
+      EXPECT_EQ(out[i].step, int64_t(5 + i));
+      EXPECT_EQ(Loss(out[i]), 2.0) << checkpointed << " step " << out[i].step;
+    }
+  }
+  // A run the checkpoint does not have at all: the ranks come from the store.
+  RankScalars fresh(RankScalars::kDefaultWindow);
+  fresh.Recover("new", 0, 40, {0, 1}, {Report("new", 0, 41, 1.0)});
+  EXPECT_TRUE(fresh.Offer(Report("new", 0, 42, 1.0)).ready.empty());  // waits for rank 1
+  RankScalars::Result r = fresh.Offer(Report("new", 1, 41, 3.0));
+  ASSERT_EQ(r.ready.size(), 1u);
+  EXPECT_EQ(r.ready[0].step, 41);
+  EXPECT_EQ(Loss(r.ready[0]), 2.0);
 }
 
 TEST(RankScalars, AMalformedStateIsRefusedAndAddsNothing) {

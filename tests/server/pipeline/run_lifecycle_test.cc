@@ -74,6 +74,9 @@ class LifecycleTest : public ::testing::Test {
 TEST_F(LifecycleTest, TheRunEndsWhenEverySenderSaidGoodbye) {
   lifecycle_->OnHello("r", 0, 11);
   lifecycle_->OnHello("r", 1, 22);
+  lifecycle_->BeforeRecords("r", 0, 11, 0, 5);
+  lifecycle_->BeforeRecords("r", 1, 22, 0, 5);
+  lifecycle_->BeforeRecords("r", 1, 22, 6, 6);  // counted once per sender
   Fire("r", 5);
   ASSERT_EQ(Active("r"), 1);
 
@@ -100,8 +103,9 @@ TEST_F(LifecycleTest, TheRunEndsWhenEverySenderSaidGoodbye) {
   lifecycle_->OnGoodbye("r", 1, 22);
   EXPECT_TRUE(lifecycle_->GetStatus("r")->ended);
   EXPECT_EQ(lifecycle_->GetStatus("r")->attempt, 1);
-  // Two joins, two goodbyes, one end: the log grows per sender, not per stream.
-  EXPECT_EQ(store_.Events(RunLifecycle::kEventKind).size(), 5u);
+  // Two joins, two first records, two goodbyes, one end: the log grows per
+  // sender, not per stream or batch.
+  EXPECT_EQ(store_.Events(RunLifecycle::kEventKind).size(), 7u);
   EXPECT_FALSE(lifecycle_->GetStatus("never-seen").has_value());
 }
 
@@ -165,6 +169,8 @@ TEST_F(LifecycleTest, NoRestartWhileTheRanksProcessIsThereOrCannotBeTold) {
   // A rank that said goodbye and comes back with a new monitor joins too.
   lifecycle_->OnHello("again", 0, 11);
   lifecycle_->OnHello("again", 1, 22);
+  lifecycle_->BeforeRecords("again", 0, 11, 0, 9);
+  lifecycle_->BeforeRecords("again", 1, 22, 0, 9);  // rank 1 streams on
   lifecycle_->OnGoodbye("again", 0, 11);
   lifecycle_->OnStreamClosed("again", 0, 11);
   lifecycle_->OnHello("again", 0, 33);
@@ -357,6 +363,87 @@ TEST_F(LifecycleTest, TheStateIsCheckpointedBeforeOldEventsCouldLeaveTheLog) {
   EXPECT_TRUE(lifecycle_->GetStatus("run-7")->ended);
   EXPECT_FALSE(lifecycle_->GetStatus("run-8")->ended);
   EXPECT_TRUE(lifecycle_->GetStatus("run-200").has_value());
+}
+
+TEST_F(LifecycleTest, TheRunsTenantIsItsFirstAndSurvivesARestart) {
+  // Issue 34 item 3: a recovered run must count in its tenant's share.
+  lifecycle_->OnHello("from-events", 0, 11, 0, "token token@2");
+  lifecycle_->OnHello("from-events", 1, 22, 0, "token token@3");  // the first one stays
+  EXPECT_EQ(lifecycle_->TenantOf("from-events"), "token token@2");
+  EXPECT_EQ(lifecycle_->TenantOf("never-seen"), "");
+  Restart("");  // from the event log alone
+  EXPECT_EQ(lifecycle_->TenantOf("from-events"), "token token@2");
+
+  lifecycle_->OnHello("from-checkpoint", 0, 33, 0, "job 'a'");
+  ASSERT_TRUE(lifecycle_->Checkpoint());
+  // From the checkpoint alone: a store with no events left.
+  InMemorySeriesStore bare(64);
+  ASSERT_TRUE(bare.WriteCheckpoint(RunLifecycle::kCheckpointName,
+                                   *store_.ReadCheckpoint(RunLifecycle::kCheckpointName)));
+  RunLifecycle restored(&bare, nullptr, nullptr, nullptr);
+  restored.Restore();
+  EXPECT_EQ(restored.TenantOf("from-checkpoint"), "job 'a'");
+  EXPECT_EQ(restored.TenantOf("from-events"), "token token@2");
+}
+
+TEST_F(LifecycleTest, ASenderThatOnlySaidHelloDoesNotHoldTheRunOpen) {
+  // Issue 34 item 4: a second client's Hello (a free rank, no records) must
+  // not keep the job's run from ending at the job's goodbye.
+  lifecycle_->OnHello("r", 0, 11);
+  lifecycle_->BeforeRecords("r", 0, 11, 0, 9);
+  lifecycle_->OnHello("r", 65535, 666);  // never sends a record, never says goodbye
+  Fire("r", 9);
+  lifecycle_->OnGoodbye("r", 0, 11);
+  EXPECT_TRUE(lifecycle_->GetStatus("r")->ended);
+  EXPECT_EQ(Alerts("r")[0].resolved_reason(), "run_ended");
+
+  // One that did send records is waited for, across a daemon restart too.
+  lifecycle_->OnHello("s", 0, 11);
+  lifecycle_->OnHello("s", 1, 22);
+  lifecycle_->BeforeRecords("s", 0, 11, 0, 9);
+  lifecycle_->BeforeRecords("s", 1, 22, 0, 9);
+  Restart(hub_->SaveState());
+  lifecycle_->OnGoodbye("s", 0, 11);
+  EXPECT_FALSE(lifecycle_->GetStatus("s")->ended);
+  lifecycle_->OnGoodbye("s", 1, 22);
+  EXPECT_TRUE(lifecycle_->GetStatus("s")->ended);
+}
+
+TEST_F(LifecycleTest, ALaterHelloCannotRaiseTheDeclaredWorldSize) {
+  lifecycle_->OnHello("w", 0, 11, /*world_size=*/2);
+  lifecycle_->BeforeRecords("w", 0, 11, 0, 9);
+  EXPECT_EQ(lifecycle_->WorldSizeConflict("w", 1, 22, 2), std::nullopt);
+  EXPECT_EQ(lifecycle_->WorldSizeConflict("w", 1, 22, 0), std::nullopt);  // no label
+  EXPECT_EQ(lifecycle_->WorldSizeConflict("never-seen", 9, 1, 64), std::nullopt);
+  const auto raised = lifecycle_->WorldSizeConflict("w", 65535, 666, 65536);
+  ASSERT_TRUE(raised.has_value());
+  EXPECT_NE(raised->find("declared world_size 2"), std::string::npos) << *raised;
+  // Its own sender's reconnect cannot raise it either.
+  EXPECT_TRUE(lifecycle_->WorldSizeConflict("w", 0, 11, 3).has_value());
+  // Nor may a rank outside it join without the label.
+  EXPECT_TRUE(lifecycle_->WorldSizeConflict("w", 5, 666, 0).has_value());
+  // Declared durably: the same after a daemon restart.
+  lifecycle_->OnHello("w", 1, 22, 2);
+  lifecycle_->BeforeRecords("w", 1, 22, 0, 9);
+  Restart(hub_->SaveState());
+  EXPECT_TRUE(lifecycle_->WorldSizeConflict("w", 65535, 666, 65536).has_value());
+  lifecycle_->OnHello("w", 0, 11, 2);  // the job reconnects
+  lifecycle_->OnHello("w", 1, 22, 2);
+  // Had one slipped past the check, OnHello still keeps the first declaration.
+  lifecycle_->OnHello("w", 1, 666, 65536);
+  EXPECT_EQ(lifecycle_->GetStatus("w")->attempt, 1);
+  lifecycle_->OnGoodbye("w", 0, 11);
+  lifecycle_->OnGoodbye("w", 1, 22);
+  EXPECT_TRUE(lifecycle_->GetStatus("w")->ended);
+  // A new attempt (after the end) declares its own.
+  EXPECT_EQ(lifecycle_->WorldSizeConflict("w", 3, 33, 4), std::nullopt);
+
+  // A run whose first Hello said nothing (one rank): a later Hello cannot
+  // make it wait for more (a label of 1 is the same as none).
+  lifecycle_->OnHello("one", 0, 11);
+  EXPECT_EQ(lifecycle_->WorldSizeConflict("one", 1, 22, 1), std::nullopt);
+  EXPECT_EQ(lifecycle_->WorldSizeConflict("one", 7, 22, 0), std::nullopt);
+  EXPECT_TRUE(lifecycle_->WorldSizeConflict("one", 65535, 666, 65536).has_value());
 }
 
 }  // namespace
