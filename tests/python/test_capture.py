@@ -6,6 +6,7 @@ read from its `tap`.
 import contextlib
 import logging
 import math
+import os
 import time
 import types
 
@@ -816,3 +817,44 @@ def test_discovered_sites_print_short():
         assert "layer=0" in text and "InterfaceAttention" in text
     finally:
         monitor.close(timeout=0.1)
+
+
+# Issue 36: what is monitored is said once without any logging configuration.
+_DESCRIBE_SCRIPT = """
+import logging, sys, torch
+if sys.argv[1] == "logging":
+    logging.basicConfig(level=logging.INFO)
+from demo import tiny_moe_gpt as tmg
+from foreshock import Monitor
+torch.manual_seed(0)
+cfg = tmg.GPTConfig(vocab_size=16, block_size=8, n_layer=2, d_model=16, n_head=2, mlp_hidden=32,
+                    n_experts=2, top_k=1, expert_hidden=8, moe_layers=(1,))
+m = Monitor("127.0.0.1:1", run_id="describe-me", job="t", model=tmg.TinyMoEGPT(cfg),
+            probe_batch=torch.randint(0, 16, (1, 8)), every=2, backoff_initial_s=5.0)
+print("BEFORE", m.describe())
+for step in range(7):
+    m.step(step, loss=1.0)
+print("AFTER", m.describe())
+m.close(timeout=0.2)
+"""
+
+
+@pytest.mark.parametrize("mode", ["no_logging", "logging"])
+def test_the_first_probe_says_once_what_is_monitored(mode):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _DESCRIBE_SCRIPT, mode], capture_output=True,
+                         text=True, timeout=120, cwd=os.path.join(os.path.dirname(__file__), "..", ".."),
+                         env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr
+    after = [line for line in out.stdout.splitlines() if line.startswith("AFTER ")]
+    assert len(after) == 1, out.stdout
+    described = after[0][len("AFTER "):]
+    assert described.startswith("foreshock: run describe-me rank 0: Q/K of 2 attention layer(s) "
+                                "[0, 1], 1 router(s) [1], attention computed in fp32, curvature "
+                                "off, a probe every 2 steps"), described
+    # Four probes, one line: on stderr, by itself or as the logger's record.
+    announced = [line for line in out.stderr.splitlines() if described in line]
+    assert len(announced) == 1, out.stderr
+    before = [line for line in out.stdout.splitlines() if line.startswith("BEFORE ")]
+    assert "known at the first probe" in before[0], before

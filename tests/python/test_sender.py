@@ -4,7 +4,10 @@ Whatever the network does, monitor.step must return at once, and every record
 must be accounted for: sent = acked + rejected + duplicates + still unacked
 (unacked batches are resent with their seqs on the next stream).
 """
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -88,6 +91,24 @@ def test_hello_then_batches_with_increasing_seq_and_all_records_acked(server):
         assert len(batch.records) == 1 or sum(r.ByteSize() for r in batch.records) <= 400
     assert [r.step for r in server.servicer.records()] == list(range(n))
     assert stats["batches_sent"] == len(seqs)
+
+
+def test_sender_ids_are_distinct_in_processes_that_seed_every_rng_alike(server):
+    """A training script seeds random, numpy and torch (transformers.set_seed);
+    two processes doing so must still get different sender ids, or the daemon
+    takes a restarted job for a reconnect of the old one."""
+    script = (
+        "import random, numpy, torch\n"
+        "random.seed(0); numpy.random.seed(0); torch.manual_seed(0)\n"
+        "from foreshock import ModelInfo, Monitor\n"
+        f"m = Monitor({server.endpoint!r}, run_id='run-seeded', job='seeded', model_info=ModelInfo(1, 1, 1))\n"
+        "m.step(0, loss=1.0)\n"
+        "m.close(timeout=10)\n")
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=120,
+                       env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+    ids = [stream["hello"].sender_id for stream in server.servicer.streams]
+    assert len(ids) == 2 and ids[0] != ids[1] and all(ids), ids
 
 
 def test_rejections_are_counted_by_reason_code(server):

@@ -19,6 +19,8 @@ from foreshock.security import Security
 from foreshock.v1 import query_pb2, query_pb2_grpc
 
 log = logging.getLogger("foreshock")
+# Backoff jitter from the OS: a training script seeds the global `random`.
+_JITTER = random.SystemRandom()
 
 
 class AlertWatcher(_exit.BackgroundWorker):
@@ -97,5 +99,5 @@ class AlertWatcher(_exit.BackgroundWorker):
             finally:
                 with self._lock:
                     self._call = None
-            self._stop.wait(backoff * random.uniform(0.5, 1.0))
+            self._stop.wait(backoff * _JITTER.uniform(0.5, 1.0))
             backoff = min(backoff * 2, self._backoff[1])

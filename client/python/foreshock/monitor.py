@@ -14,6 +14,7 @@ thread (sender.py).
 """
 import logging
 from collections.abc import Mapping
+import sys
 import time
 
 import torch
@@ -25,6 +26,29 @@ from foreshock.sender import RecordQueue, Sender
 from foreshock.v1 import ingest_pb2 as pb
 
 log = logging.getLogger("foreshock")
+
+
+
+# The daemon's bounds on Hello.labels (docs/DESIGN.md §3.1): beyond them it
+# refuses the Hello (bad_labels) and the Monitor would never connect, so they
+# are checked here, where the caller can still fix them.
+MAX_LABELS, MAX_LABEL_KEY_BYTES, MAX_LABEL_VALUE_BYTES, MAX_LABELS_BYTES = 64, 128, 1024, 16 << 10
+
+
+def _check_labels(labels):
+    if len(labels) > MAX_LABELS:
+        raise ValueError(f"{len(labels)} labels; the daemon accepts at most {MAX_LABELS}")
+    total = 0
+    for key, value in labels.items():
+        k, v = len(str(key).encode()), len(str(value).encode())
+        if k > MAX_LABEL_KEY_BYTES or v > MAX_LABEL_VALUE_BYTES:
+            raise ValueError(f"label {str(key)[:40]!r}: key of {k} bytes, value of {v}; the "
+                             f"daemon accepts keys of at most {MAX_LABEL_KEY_BYTES} bytes and "
+                             f"values of at most {MAX_LABEL_VALUE_BYTES}")
+        total += k + v
+    if total > MAX_LABELS_BYTES:
+        raise ValueError(f"labels of {total} bytes in all; the daemon accepts at most "
+                         f"{MAX_LABELS_BYTES}")
 
 
 class Monitor:
@@ -137,6 +161,7 @@ class Monitor:
         model = self._layout.module
         rank = distributed.default_rank(rank)
         labels = distributed.hello_labels(labels)
+        _check_labels(labels)
         self.rank = rank
         self.model = model
         self.probe_batch = probe_batch
@@ -159,6 +184,7 @@ class Monitor:
         self._plan_cache = None
         self.tap = tap
         self.curvature = curvature
+        self._description = None  # what the first probe found (describe())
         self.probes_here = probe_all_ranks or rank == 0
         # Resolved once: a run keeps its daemon for the life of the process.
         self.endpoints = sharding.resolve(endpoint if endpoints is None else endpoints)
@@ -345,8 +371,39 @@ class Monitor:
                 layer=layer, probe_id=self.probe_id, top_k=top_k,
                 logits=encoding.encode_tensor(logits, self.router_dtype)))
             self._emit(record)
+        if self._description is None:
+            try:  # a description is never worth a probe
+                dtypes = sorted({_dtype_name(self._attention_dtype(
+                    collector, layer, qk[layer][0], probe_autocast)) for layer in qk})
+                self._description = self._describe(sorted(qk), sorted(routers), dtypes)
+                _announce(self._description)
+            except Exception:  # noqa: BLE001
+                self._description = ""
+                log.debug("foreshock: describing the monitor failed", exc_info=True)
         self._counts["probes"] += 1
         self._probe_seconds += time.perf_counter() - start
+
+    def describe(self):
+        """One line saying what this monitor watches: the layers whose Q/K
+        it captures, the routers, the attention dtype, curvature on or off,
+        the cadence and the daemon. From the first probe on it is what that
+        probe captured (also printed then, once, on the probing rank: to
+        stderr, or through the "foreshock" logger when logging is set up);
+        before it, what discovery found."""
+        if self._description:
+            return self._description
+        return self._describe([s.layer for s in self.attention_sites],
+                              [s.layer for s in self.router_sites], None)
+
+    def _describe(self, qk_layers, router_layers, attention_dtypes):
+        curvature = (f"on (every {self.curvature.every} steps)" if self.curvature is not None
+                     else "off")
+        dtype = ("the attention dtype known at the first probe" if attention_dtypes is None
+                 else "attention computed in " + ("/".join(attention_dtypes) or "nothing"))
+        return (f"foreshock: run {self.run_id} rank {self.rank}: Q/K of "
+                f"{len(qk_layers)} attention layer(s) {_layer_list(qk_layers)}, "
+                f"{len(router_layers)} router(s) {_layer_list(router_layers)}, {dtype}, "
+                f"curvature {curvature}, a probe every {self.every} steps, to {self.endpoint}")
 
     def _attention_dtype(self, collector, layer, q, probe_autocast):
         """What the probe computed this layer's attention in (see attention_dtype)."""
@@ -622,6 +679,28 @@ def _device_type(model):
     for param in model.parameters():
         return param.device.type
     return "cpu"
+
+
+def _layer_list(layers, shown=8):
+    """'[0, 1, 2, ...]' with at most `shown` layers named."""
+    names = [str(x) for x in layers[:shown]]
+    return "[" + ", ".join(names) + (", ..." if len(layers) > shown else "") + "]"
+
+
+def _dtype_name(dtype):
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return names.get(dtype, str(dtype).replace("torch.", "")) if isinstance(dtype, torch.dtype) \
+        else str(dtype)
+
+
+def _announce(line):
+    """A line a user must see once without configuring anything: the
+    "foreshock" logger's when logging is set up to show INFO, else stderr
+    (a training script rarely configures logging)."""
+    if log.hasHandlers() and log.isEnabledFor(logging.INFO):
+        log.info("%s", line)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _site_list(sites, shown=4):
