@@ -469,8 +469,11 @@ std::optional<BacktestOptions::Signals> ParseBacktestSignals(std::string_view te
 
 bool BacktestDelivers(BacktestOptions::Signals mode, std::string_view signal) {
   if (mode == BacktestOptions::Signals::kAll) return true;
-  // What reads the knob or the injected perturbation itself.
+  // What reads the knob or the injected perturbation itself. rho and tau are
+  // computed from the LR the client read from the optimizer (issue 33): under
+  // a hidden LR ramp they move with the ramp itself; lambda does not read it.
   const bool direct = signal == "lr" || signal == "lr_over_held_max" ||
+                      signal == "curvature_eos_ratio" || signal == "curvature_eos_threshold" ||
                       signal == "attention_output_bias" || signal == "attention_output_error";
   if (mode == BacktestOptions::Signals::kMechanism) return !direct;
   return direct || signal == "attention_compute_bits";

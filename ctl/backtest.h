@@ -42,8 +42,10 @@ struct BacktestOptions {
   // Which detector outputs reach the alert engine (docs/EVALUATION.md's rows):
   // kAll everything; kMechanism everything except what reads the knob (the
   // learning rate the job streams, signals lr and lr_over_held_max, so
-  // neither the LR surge nor the probable cause's LR evidence sees it) and
-  // the output check (attention_output_bias / _error): as if the job
+  // neither the LR surge nor the probable cause's LR evidence sees it; and
+  // the curvature ratio rho = lambda / tau(lr) with its threshold tau, whose
+  // LR the client read from the optimizer: the mechanism row judges lambda)
+  // and the output check (attention_output_bias / _error): as if the job
   // streamed no LR and sent no check; kDirect only those (and
   // attention_compute_bits, the dtype the cause reads). Non-finite events
   // reach the engine in every mode.

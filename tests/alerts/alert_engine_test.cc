@@ -405,6 +405,26 @@ TEST(AlertEngineTest, AttentionMaxLogitBoundFiresWithoutABaselineChange) {
   EXPECT_EQ(transitions[1].step, start + 10 * (warmup + 2));
 }
 
+// Issue 33: an LR too high for a model without QK-layernorm drives the max
+// logit past the bound within the LR warm-up; the bound needs no baseline,
+// so it is judged from the run's 4th probe, not after step 200.
+TEST(AlertEngineTest, AttentionLogitBoundIsJudgedFromTheFourthProbeOfTheRun) {
+  for (const int every : {10, 50}) {
+    EngineDriver driver(DefaultAlertConfig());
+    for (int64_t i = 0; i < 8; ++i) {
+      driver.Point("r1", every * i, "attention_max_logit", 0, i == 0 ? 5.0 : 150.0 * i);
+    }
+    const auto logit = driver.StateChanges(kAttentionLogitGrowth, "0");
+    ASSERT_FALSE(logit.empty()) << every;
+    EXPECT_EQ(logit.front().to, AlertState::kPending) << every;
+    EXPECT_EQ(logit.front().step, 3 * every) << every;  // the 4th probe
+    EXPECT_EQ(logit.back().to, AlertState::kFiring) << every;
+    // Persistence 3 of 5 probes at the reference cadence; at a probe every 50
+    // steps the counts span the same steps, down to their floor of 2 of 2.
+    EXPECT_EQ(logit.back().step, (every == 10 ? 5 : 4) * every) << every;
+  }
+}
+
 TEST(AlertEngineTest, NonFiniteFiresAtOnceAndResolvesAfterCleanSteps) {
   EngineDriver driver;
   driver.Series("r1", "loss", kNoLayer, 0, 10, 2.0, 1);

@@ -428,6 +428,7 @@ AlertConfig DefaultsBeforeIssue13() {
   config.signals.erase("lr_over_held_max");  // no learning-rate alert then
   config.signals.erase("attention_output_bias");  // nor a rounding-bias alert
   config.signals.erase("loss_over_running_min");  // nor a loss-divergence alert (issue 26)
+  config.signals.erase("curvature_lambda_max");  // nor a rule on lambda itself (issue 33)
   // Any dead expert was a collapse then (issue 26: experts that died).
   config.signals.erase("router_experts_died");
   config.signals.at("router_dead_experts").enabled = true;

@@ -23,7 +23,22 @@ Outcome of a run (classify):
 
 Writes OUT/pilot.json (one row per run: cell, lr, seed, divergence step,
 final loss, max loss, steps, wall seconds, the per-step losses) and prints the
-table per cell."""
+table per cell.
+
+  # monitored: the same runs streaming to a recording foreshockd (probes every
+  # 10 steps, curvature every 50), then replayed with the mechanism signals
+  # alone and scored against each run's outcome
+  OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/eval/natural.py record \
+      --out /work/natural --cells moe-fp32 --lrs 3e-3 1e-1 --seeds 0
+  /usr/bin/python3 tests/eval/natural.py score /work/natural
+
+Scoring (per run, from `foreshockctl backtest --signals mechanism`: no LR
+streamed, no curvature ratio, no output check): a diverged or degraded run is
+warned when an alert fired before its onset; its lead is onset - first alert
+in steps and as a fraction of (onset - max(WARMUP, 100)), at most 100% (an
+alert before the end of warm-up); the cause is the
+first alert's probable cause. Any alert on a healthy run, its QK-layernorm
+twin included, is a false alarm."""
 import argparse
 import concurrent.futures
 import json
@@ -60,9 +75,18 @@ CELLS = {
 LRS = [3e-3, 1e-2, 3e-2, 1e-1, 3e-1]
 
 
-def cell_flags(cell):
+# The shape of the runs shipped for CI (tests/eval/natural/): small enough that
+# a recording is about a megabyte (2 layers, d_model 32, MoE in layer 1, 32
+# tokens, one probe sequence) and 300 steps train in seconds.
+CI_SHAPE = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--moe", "alternate",
+            "--block-size", "32", "--batch-size", "16", "--beta2", "0.95",
+            "--warmup", str(WARMUP), "--data", "text"]
+SHAPES = {"base": BASE, "ci": CI_SHAPE}
+
+
+def cell_flags(cell, shape="base"):
     base, twin = (cell[:-len("+qkln")], True) if cell.endswith("+qkln") else (cell, False)
-    return BASE + CELLS[base] + (["--qk-norm"] if twin else [])
+    return SHAPES[shape] + CELLS[base] + (["--qk-norm"] if twin else [])
 
 
 def all_cells(names=None):
@@ -141,6 +165,137 @@ def cmd_pilot(args):
     print_table(done)
 
 
+def run_id_of(cell, lr, seed):
+    return f"natural-{cell.replace('+', '-')}-lr{lr:g}-s{seed}"
+
+
+def _record_one(spec):
+    cell, lr, seed, steps, endpoint, out_dir, shape = spec
+    run_id = run_id_of(cell, lr, seed)
+    losses_path = os.path.join(out_dir, "losses", run_id + ".json")
+    argv = [sys.executable, os.path.join(ROOT, "demo", "train.py"), "--endpoint", endpoint,
+            "--run-id", run_id, "--job", "foreshock-natural", "--steps", str(steps),
+            "--lr", repr(lr), "--seed", str(seed), "--threads", "1", "--log-every", "0",
+            "--no-alerts", "--every", "10", "--probe-seqs", "2" if shape == "base" else "1",
+            "--curvature-every", "50", "--losses-out", losses_path, "--label", f"cell={cell}",
+            "--label", f"lr={lr:g}", "--label", f"warmup_steps={WARMUP}"] + cell_flags(cell, shape)
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    t0 = time.monotonic()
+    out = subprocess.run(argv, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        return dict(cell=cell, lr=lr, seed=seed, run_id=run_id, error=out.stderr[-2000:])
+    losses = [math.nan if x is None else x for x in json.load(open(losses_path))["losses"]]
+    from demo.train import divergence_step
+    finite = [x for x in losses if math.isfinite(x)]
+    return dict(cell=cell, lr=lr, seed=seed, run_id=run_id, steps=len(losses),
+                divergence_step=divergence_step(losses, WARMUP),
+                final_loss=final_loss(losses), max_loss=max(finite) if finite else None,
+                wall_s=round(time.monotonic() - t0, 1), losses=losses)
+
+
+def cmd_record(args):
+    sys.path.insert(0, HERE)
+    from make_corpus import Daemon  # noqa: E402
+    for sub in ("recordings", "losses", "logs"):
+        os.makedirs(os.path.join(args.out, sub), exist_ok=True)
+    path = os.path.join(args.out, "runs.json")
+    done = json.load(open(path)) if os.path.exists(path) else []
+    have = {(r["cell"], r["lr"], r["seed"]) for r in done if "error" not in r}
+    specs = [(c, lr, s) for c in all_cells(args.cells) for lr in args.lrs for s in args.seeds
+             if (c, lr, s) not in have]
+    daemon = Daemon(os.path.abspath(args.foreshockd), os.path.join(args.out, "recordings"),
+                    os.path.join(args.out, "logs", "foreshockd.log")).start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            for row in pool.map(_record_one, [(c, lr, s, args.steps, daemon.endpoint, args.out,
+                                               args.shape) for c, lr, s in specs]):
+                done = [r for r in done if (r["cell"], r["lr"], r["seed"]) !=
+                        (row["cell"], row["lr"], row["seed"])] + [row]
+                with open(path, "w") as f:
+                    json.dump(done, f)
+                print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+    finally:
+        daemon.stop()
+    print_table(done)
+
+
+def replay_mechanism(ctl, recordings):
+    """run_id -> the backtest row of the mechanism-only replay."""
+    out = subprocess.run([ctl, "backtest", recordings, "--json", "--signals", "mechanism"],
+                         capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr)
+    return {r["run_id"]: r for r in json.loads(out.stdout)["runs"]}
+
+
+def score(rows, replay):
+    """Per run: outcome, onset, first alert (step, name, cause), warned, lead, false alarm."""
+    scored = []
+    for r in outcomes(rows):
+        fired = sorted(replay.get(r["run_id"], {}).get("alerts", []), key=lambda a: a["step"])
+        first = fired[0] if fired else None
+        row = dict(run_id=r["run_id"], cell=r["cell"], lr=r["lr"], seed=r["seed"],
+                   outcome=r["outcome"], onset=r["onset"], final_loss=r["final_loss"],
+                   recorded=r["run_id"] in replay, alerts=len(fired),
+                   first_step=first["step"] if first else None,
+                   first_alert=first["alertname"] if first else None,
+                   first_signal=first["signal"] if first else None,
+                   cause=first["probable_cause"] if first else None)
+        if r["outcome"] in ("diverged", "degraded"):
+            row["warned"] = first is not None and first["step"] < r["onset"]
+            if row["warned"]:
+                start = max(WARMUP, 100)
+                row["lead_steps"] = r["onset"] - first["step"]
+                # An alert before the end of warm-up leads by the whole span: 100%.
+                row["lead_fraction"] = (min(1.0, row["lead_steps"] / (r["onset"] - start))
+                                        if r["onset"] > start else 1.0)
+                row["cause_lr"] = first["probable_cause"] == "learning_rate_too_high"
+        elif r["outcome"] == "healthy":
+            row["false_alarm"] = first is not None
+        scored.append(row)
+    return scored
+
+
+def score_table(scored):
+    lines = ["| run | outcome | onset | first alert (signal) | step | lead (steps, fraction) | cause |",
+             "|---|---|---|---|---|---|---|"]
+    for r in scored:
+        lead = ""
+        if r.get("warned"):
+            frac = r["lead_fraction"]
+            lead = f"{r['lead_steps']}, {'—' if frac is None else f'{100 * frac:.0f}%'}"
+        elif r["outcome"] in ("diverged", "degraded"):
+            lead = "not warned"
+        alert = f"{r['first_alert']} ({r['first_signal']})" if r["first_alert"] else "—"
+        lines.append(f"| {r['run_id']} | {r['outcome']} | {r['onset'] if r['onset'] is not None else '—'} "
+                     f"| {alert} | {r['first_step'] if r['first_step'] is not None else '—'} "
+                     f"| {lead} | {r['cause'] or '—'} |")
+    faults = [r for r in scored if r["outcome"] in ("diverged", "degraded")]
+    healthy = [r for r in scored if r["outcome"] == "healthy"]
+    twins = [r for r in scored if r["cell"].endswith("+qkln")]
+    warned = [r for r in faults if r.get("warned")]
+    fractions = sorted(r["lead_fraction"] for r in warned if r.get("lead_fraction") is not None)
+    median = fractions[len(fractions) // 2] if fractions else None
+    lines.append("")
+    lines.append(f"diverged or degraded: {len(faults)}; warned before onset: {len(warned)}; "
+                 f"median lead fraction: {'—' if median is None else f'{100 * median:.0f}%'}; "
+                 f"LR named: {sum(bool(r.get('cause_lr')) for r in warned)}/{len(warned)}; "
+                 f"healthy: {len(healthy)}, alarmed: {sum(r['false_alarm'] for r in healthy)}; "
+                 f"QK-layernorm twins (any outcome) alarmed: "
+                 f"{sum(r['alerts'] > 0 for r in twins)}/{len(twins)}; "
+                 f"unclear (not scored): {sum(r['outcome'] == 'unclear' for r in scored)}")
+    return "\n".join(lines)
+
+
+def cmd_score(args):
+    rows = json.load(open(os.path.join(args.out, "runs.json")))
+    replay = replay_mechanism(args.foreshockctl, os.path.join(args.out, "recordings"))
+    scored = score(rows, replay)
+    with open(os.path.join(args.out, "scored.json"), "w") as f:
+        json.dump(scored, f, indent=1)
+    print(score_table(scored))
+
+
 def outcomes(rows):
     """Each row with its outcome and onset (rows: one per cell, lr, seed)."""
     by_key = {(r["cell"], r["lr"], r["seed"]): r for r in rows if "error" not in r}
@@ -174,11 +329,28 @@ def main():
     p.add_argument("--lrs", nargs="*", type=float, default=LRS)
     p.add_argument("--seeds", nargs="*", type=int, default=[0])
     p.add_argument("--steps", type=int, default=STEPS)
-    t = sub.add_parser("table", help="the outcome table of a pilot.json")
+    r = sub.add_parser("record", help="the runs, monitored by a recording foreshockd")
+    r.add_argument("--out", required=True)
+    r.add_argument("--jobs", type=int, default=2)
+    r.add_argument("--cells", nargs="*", choices=sorted(CELLS))
+    r.add_argument("--lrs", nargs="*", type=float, default=LRS)
+    r.add_argument("--seeds", nargs="*", type=int, default=[0])
+    r.add_argument("--steps", type=int, default=STEPS)
+    r.add_argument("--shape", choices=sorted(SHAPES), default="base",
+                   help="base: the demo's model; ci: the small runs shipped for CI")
+    r.add_argument("--foreshockd", default=os.path.join(ROOT, "build", "server", "foreshockd"))
+    c = sub.add_parser("score", help="replay a record's recordings, mechanism signals alone")
+    c.add_argument("out")
+    c.add_argument("--foreshockctl", default=os.path.join(ROOT, "build", "ctl", "foreshockctl"))
+    t = sub.add_parser("table", help="the outcome table of a pilot.json or runs.json")
     t.add_argument("path")
     args = parser.parse_args()
     if args.cmd == "pilot":
         cmd_pilot(args)
+    elif args.cmd == "record":
+        cmd_record(args)
+    elif args.cmd == "score":
+        cmd_score(args)
     else:
         print_table(json.load(open(args.path)))
 

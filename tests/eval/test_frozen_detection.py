@@ -1,4 +1,5 @@
-"""Detection quality on the frozen CI corpus (issue 25, item 5): a test that a
+"""Detection quality on the frozen CI corpus (issue 25, item 5) and on a few
+natural-instability runs (issue 33, frozen/natural/): a test that a
 detector change which loses the warning fails.
 
 tests/eval/frozen/ holds recordings made once with
@@ -34,15 +35,20 @@ EXPECTED = {
     "frozen-tiny-bf16-lowprec-s0": dict(divergence=None, first=470,
                                         alert="ForeshockAttentionLogitGrowth", qk=720),
 }
+# A few runs of the natural-instability benchmark (issue 33, tests/eval/natural.py),
+# recorded with its small CI shape: no injected fault, a peak LR too high for
+# a model without QK-layernorm (its loss damaged from the end of warm-up on),
+# and healthy runs at a sane LR with and without QK-layernorm.
+NATURAL = os.path.join(FROZEN, "natural")
+
 # A warning may come this many steps later than measured (a few probes) ...
 LATE_MARGIN_STEPS = 30
 # ... and must leave at least this share of injection -> divergence.
 MIN_LEAD_FRACTION = 0.25
 
 
-def replay(mode, config=None):
-    cmd = [FORESHOCKCTL, "backtest", os.path.join(FROZEN, "recordings"), "--json",
-           "--signals", mode]
+def replay(mode, config=None, recordings=os.path.join(FROZEN, "recordings")):
+    cmd = [FORESHOCKCTL, "backtest", recordings, "--json", "--signals", mode]
     if config:
         cmd += ["--config", config]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -113,6 +119,30 @@ def test_the_signal_modes_split_the_knob_from_the_mechanism():
             == "ForeshockAttentionRoundingBias")
 
 
+def natural_manifest():
+    return {r["run_id"]: r for r in json.load(open(os.path.join(NATURAL, "manifest.json")))["runs"]}
+
+
+def test_natural_runs_are_warned_with_the_learning_rate_named_and_healthy_ones_are_silent():
+    check_natural(replay("mechanism", recordings=NATURAL))
+
+
+def check_natural(runs):
+    manifest = natural_manifest()
+    assert runs.keys() == manifest.keys()
+    for run_id, want in manifest.items():
+        alerts = [(a["step"], a["alertname"], a["layer"], a["probable_cause"])
+                  for a in runs[run_id]["alerts"]]
+        if want["outcome"] == "healthy":
+            assert alerts == [], (run_id, alerts)
+            continue
+        # Damaged by its LR alone: warned before the damage began, the LR named.
+        assert alerts, (run_id, "no warning")
+        first = min(alerts)
+        assert first[0] < want["onset"], (run_id, want["onset"], alerts)
+        assert first[3] == "learning_rate_too_high", (run_id, alerts)
+
+
 # Deliberately broken detectors (issue 25 item 5): the checks above must fail
 # on them, or they could not tell a detector that lost its lead.
 BROKEN = {
@@ -133,6 +163,12 @@ BROKEN = {
     router_load_cv: {enabled: false}
     router_max_violation: {enabled: false}
 """, check_warnings),
+    # The max-logit bound held back to step 200 like a baseline (before issue
+    # 33): the natural runs' damage began at step 100.
+    "logit_bound_after_step_200": ("""alerts:
+  signals:
+    attention_max_logit: {warmup_steps: 200}
+""", check_natural),
 }
 
 
@@ -141,6 +177,7 @@ def test_the_checks_fail_on_a_deliberately_broken_detector(tmp_path):
     for name, (yaml_text, check) in BROKEN.items():
         config = tmp_path / f"{name}.yaml"
         config.write_text(yaml_text)
-        runs = replay("mechanism", str(config))  # the broken configuration itself is valid
+        recordings = NATURAL if check is check_natural else os.path.join(FROZEN, "recordings")
+        runs = replay("mechanism", str(config), recordings)  # the broken configuration is valid
         with pytest.raises(AssertionError):
             check(runs)

@@ -47,3 +47,34 @@ def test_every_cell_has_a_qk_layernorm_twin():
         assert name in cells and name + "+qkln" in cells
         assert "--qk-norm" in natural.cell_flags(name + "+qkln")
         assert "--qk-norm" not in natural.cell_flags(name)
+
+
+def test_scoring_against_a_replay():
+    """Warned = an alert before the onset; the lead fraction counts from step
+    100 and is at most 100%; any alert on a healthy run is a false alarm."""
+    def r(cell, lr, losses):
+        return dict(row(losses), cell=cell, lr=lr, seed=0, run_id=natural.run_id_of(cell, lr, 0))
+    rows = [r("moe-fp32", 3e-3, [2.0] * 600),                      # healthy (the best LR)
+            r("moe-fp32", 1e-1, [2.0] * 300 + [2.5] * 300),        # degraded at 308
+            r("moe-fp32", 3e-1, [2.0] * 120 + [3.0] * 480),        # degraded at 124
+            r("moe-fp32+qkln", 3e-3, [2.0] * 600),
+            r("moe-fp32+qkln", 1e-1, [2.0] * 600),
+            r("moe-fp32+qkln", 3e-1, [2.0] * 600)]
+
+    def alert(step, cause="learning_rate_too_high"):
+        return dict(step=step, alertname="ForeshockAttentionLogitGrowth",
+                    signal="attention_max_logit", probable_cause=cause)
+    replay = {natural.run_id_of("moe-fp32", 1e-1, 0): dict(alerts=[alert(400), alert(204)]),
+              natural.run_id_of("moe-fp32", 3e-1, 0): dict(alerts=[alert(60)]),
+              natural.run_id_of("moe-fp32+qkln", 3e-3, 0): dict(alerts=[alert(500, "unknown")])}
+    scored = {x["run_id"]: x for x in natural.score(rows, replay)}
+    degraded = scored[natural.run_id_of("moe-fp32", 1e-1, 0)]
+    assert (degraded["outcome"], degraded["onset"], degraded["first_step"]) == ("degraded", 308, 204)
+    assert degraded["warned"] and degraded["lead_steps"] == 104 and degraded["cause_lr"]
+    assert math.isclose(degraded["lead_fraction"], 104 / 208)
+    early = scored[natural.run_id_of("moe-fp32", 3e-1, 0)]
+    assert early["onset"] == 124 and early["warned"] and early["lead_fraction"] == 1.0  # 64 of 24
+    assert scored[natural.run_id_of("moe-fp32", 3e-3, 0)]["false_alarm"] is False
+    assert scored[natural.run_id_of("moe-fp32+qkln", 3e-3, 0)]["false_alarm"] is True
+    table = natural.score_table(list(scored.values()))
+    assert "warned before onset: 2" in table and "twins (any outcome) alarmed: 1/3" in table

@@ -70,7 +70,11 @@ class BacktestTest : public ::testing::Test {
 
   // One batch per step: scalars, and a curvature estimate every 10 steps
   // whose lambda is steady (rho = lambda lr / 2 ~ 0.5), so rho jumps with the LR.
-  static std::string Batch(uint64_t seq, int64_t step, bool fault) {
+  // With sharpening_, the fault is the model's: lambda itself grows 10x from
+  // step 500 and the LR never moves.
+  std::string Batch(uint64_t seq, int64_t step, bool fault) const {
+    const double lr = sharpening_ ? kBaseLr : Lr(step, fault);
+    const double lambda_scale = sharpening_ && fault && step >= 500 ? 10.0 : 1.0;
     v1::StreamRequest request;
     v1::Batch* batch = request.mutable_batch();
     batch->set_seq(seq);
@@ -78,16 +82,16 @@ class BacktestTest : public ::testing::Test {
     r->set_step(step);
     r->mutable_scalars()->set_loss(Loss(step, fault));
     r->mutable_scalars()->set_grad_norm(1.0 + 0.01 * std::cos(0.3 * static_cast<double>(step)));
-    r->mutable_scalars()->set_lr(Lr(step, fault));
+    r->mutable_scalars()->set_lr(lr);
     if (step % 10 == 0) {
       v1::Record* c = batch->add_records();
       c->set_step(step);
       v1::CurvatureSample* k = c->mutable_curvature();
-      k->set_lambda_max((1000.0 + 50.0 * std::sin(1.3 * static_cast<double>(step))));
+      k->set_lambda_max(lambda_scale * (1000.0 + 50.0 * std::sin(1.3 * static_cast<double>(step))));
       k->set_residual(0.01);
       k->set_hvps(10);
       k->set_preconditioned(false);
-      k->set_lr(Lr(step, fault));
+      k->set_lr(lr);
       k->set_beta1(0.0);
     }
     return request.SerializeAsString();
@@ -133,6 +137,7 @@ class BacktestTest : public ::testing::Test {
 
   fs::path dir_;
   BacktestOptions options_;
+  bool sharpening_ = false;
 };
 
 TEST_F(BacktestTest, ScoresAFaultRunSplitOverTwoStreamsAndAControl) {
@@ -271,6 +276,49 @@ TEST_F(BacktestTest, TheLearningRateJumpIsAlertedAtTheInjection) {
   EXPECT_EQ(fault.first_alert->probable_cause, "learning_rate_too_high");
   EXPECT_EQ(fault.cause, "learning_rate_too_high");
   EXPECT_EQ(fault.false_alarms, 0);
+}
+
+// Issue 33: the mechanism row reads no learning rate by any path. rho and
+// its threshold tau are computed from the LR the client read from the
+// optimizer, so they are direct checks; lambda is the mechanism.
+TEST_F(BacktestTest, TheMechanismRowJudgesLambdaAndTheDirectRowTheRatioThatReadsTheLearningRate) {
+  options_.config.signals.at("curvature_lambda_max").detector =
+      options_.config.signals.at("curvature_eos_ratio").detector;  // the test's rule
+  options_.config.signals.at("curvature_lambda_max").detector.min_absolute_change = 0;
+  // The first curvature alert the backtest saw fire.
+  auto first_alert = [&](BacktestOptions::Signals mode, const std::vector<std::string>& files) {
+    BacktestOptions options = options_;
+    options.signals = mode;
+    const BacktestResult result = RunBacktest(files, options);
+    EXPECT_EQ(result.runs.size(), 1u);
+    std::optional<FiredAlert> curvature;
+    for (const BacktestRun& run : result.runs) {
+      for (const FiredAlert& alert : run.fired) {
+        if (alert.alertname == "ForeshockCurvatureAboveEdge" && !curvature) curvature = alert;
+      }
+    }
+    return curvature;
+  };
+  // The LR jumps 10x and lambda stays: only what reads the LR sees it.
+  const std::vector<std::string> lr_jump = {Write("lr.fsrec", "lr-run", true, 0, 900, 1)};
+  EXPECT_FALSE(first_alert(BacktestOptions::Signals::kMechanism, lr_jump));
+  const std::optional<FiredAlert> direct = first_alert(BacktestOptions::Signals::kDirect, lr_jump);
+  ASSERT_TRUE(direct);
+  EXPECT_EQ(direct->alertname, "ForeshockCurvatureAboveEdge");
+  EXPECT_EQ(direct->signal, "curvature_eos_ratio");
+  EXPECT_EQ(direct->step, 520);
+
+  // lambda itself grows 10x at a constant LR: the mechanism row fires on it,
+  // and names the learning rate (curvature is LR evidence) without reading it.
+  sharpening_ = true;
+  const std::vector<std::string> sharpening = {Write("sharp.fsrec", "sharp-run", true, 0, 900, 1)};
+  const std::optional<FiredAlert> mechanism =
+      first_alert(BacktestOptions::Signals::kMechanism, sharpening);
+  ASSERT_TRUE(mechanism);
+  EXPECT_EQ(mechanism->alertname, "ForeshockCurvatureAboveEdge");
+  EXPECT_EQ(mechanism->signal, "curvature_lambda_max");
+  EXPECT_EQ(mechanism->step, 520);
+  EXPECT_EQ(mechanism->probable_cause, "learning_rate_too_high");
 }
 
 TEST_F(BacktestTest, UnreadableAndCorruptFilesAreReportedAndTheRestIsScored) {
