@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <deque>
+#include <tuple>
 
 #include "alerts/text.h"
 
@@ -12,6 +14,8 @@ namespace {
 
 constexpr size_t kFamilyCount = static_cast<size_t>(AlertFamily::kRouterLogitGrowth) + 1;
 // Earlier attempts' alerts kept per run (the oldest go first).
+// Closed episodes kept per run (AllAlerts); beyond it the oldest episode that
+// never fired goes first, then the oldest.
 constexpr size_t kMaxEarlierAlerts = 4096;
 // The fp32 hold lets go of a guard signal this many times beyond its bound
 // once the run has shown another sign of trouble (HeldForCorroboration).
@@ -132,8 +136,8 @@ struct AlertEngine::Series {
 
 struct AlertEngine::AlertRecord {
   Alert alert;
-  // Its episode belongs to an earlier attempt and is kept in the run's
-  // earlier_attempts; not listed again until a new episode opens.
+  // Its episode is closed and kept in the run's earlier_episodes (a resume
+  // archived it); not listed again until a new episode opens.
   bool archived = false;
   int layer = detectors::kNoLayer;
   std::vector<const Series*> series;  // the series that feed this alert
@@ -174,9 +178,11 @@ struct AlertEngine::RunState {
   std::map<int, int64_t> layer_steps;
 
   LifecycleMark lifecycle;  // stored for the server (LifecycleMark)
-  // The alerts earlier attempts ended with (CloseEpisodes on a resume), each
-  // with its Alert::attempt, oldest first; bounded by kMaxEarlierAlerts.
-  std::deque<Alert> earlier_attempts;
+  // Every closed episode of the run that a later one replaced in its record,
+  // and the alerts earlier attempts ended with (CloseEpisodes on a resume),
+  // each with its Alert::attempt, in the order they closed; bounded by
+  // kMaxEarlierAlerts (KeepEpisode).
+  std::deque<Alert> earlier_episodes;
 
   RunState() {
     family_onset.fill(-1);
@@ -374,6 +380,7 @@ void AlertEngine::Evaluate(RunState& run, AlertRecord& record, const Series& tri
     return text;
   };
   auto open_episode = [&] {
+    KeepEpisode(run, record);
     record.archived = false;
     alert.attempt = run.lifecycle.attempt;
     ++alert.episode;
@@ -453,6 +460,7 @@ void AlertEngine::Evaluate(RunState& run, AlertRecord& record, const Series& tri
         fire(AlertState::kPending);
       } else if (!any_pending) {
         alert.state = AlertState::kInactive;
+        alert.resolved_step = step;  // the episode cleared without firing
         emit(AlertState::kPending);
       }
       return;
@@ -848,6 +856,7 @@ std::vector<AlertTransition> AlertEngine::ObserveNonFinite(const NonFiniteEvent&
   Alert& alert = record.alert;
   if (alert.state == AlertState::kFiring) return out;
   const AlertState from = alert.state;
+  KeepEpisode(run, record);
   record.archived = false;
   alert.attempt = run.lifecycle.attempt;
   ++alert.episode;
@@ -906,19 +915,39 @@ std::vector<Alert> AlertEngine::ActiveAlerts() const {
   return active;  // runs_ and alerts are ordered maps: by run, alertname, layer
 }
 
+void AlertEngine::KeepEpisode(RunState& run, AlertRecord& record) {
+  if (record.alert.episode == 0 || record.archived) return;
+  record.archived = true;
+  run.earlier_episodes.push_back(record.alert);
+  run.earlier_episodes.back().attempt = run.lifecycle.attempt;
+  if (run.earlier_episodes.size() <= kMaxEarlierAlerts) return;
+  // Over the bound: an episode that fired says more than one that did not.
+  const auto never_fired = std::find_if(run.earlier_episodes.begin(), run.earlier_episodes.end(),
+                                        [](const Alert& a) { return a.firing_step < 0; });
+  run.earlier_episodes.erase(never_fired != run.earlier_episodes.end() ? never_fired
+                                                                       : run.earlier_episodes.begin());
+}
+
 std::vector<Alert> AlertEngine::AllAlerts(std::string_view run) const {
   std::vector<Alert> all;
   const auto it = runs_.find(run);
   if (it == runs_.end()) return all;
   const RunState& state = *it->second;
-  all.assign(state.earlier_attempts.begin(), state.earlier_attempts.end());
-  // The map orders by alertname, then layer (run-level, -1, first).
+  all.assign(state.earlier_episodes.begin(), state.earlier_episodes.end());
   for (const auto& [key, record] : state.alerts) {
     if (record.alert.episode > 0 && !record.archived) {
       all.push_back(record.alert);
       all.back().attempt = state.lifecycle.attempt;
     }
   }
+  // Oldest attempt first, then by alertname, layer (run-level first) and episode.
+  const auto layer_order = [](const Alert& a) {
+    return a.layer == "all" ? -1 : std::atoi(a.layer.c_str());
+  };
+  std::stable_sort(all.begin(), all.end(), [&](const Alert& a, const Alert& b) {
+    return std::forward_as_tuple(a.attempt, a.alertname, layer_order(a), a.episode) <
+           std::forward_as_tuple(b.attempt, b.alertname, layer_order(b), b.episode);
+  });
   return all;
 }
 
@@ -946,6 +975,7 @@ std::vector<AlertTransition> AlertEngine::ForgetRun(std::string_view run) {
       alert.resolved_step = step;
     } else if (from == AlertState::kPending) {
       alert.state = AlertState::kInactive;
+      alert.resolved_step = step;
     } else {
       continue;
     }
@@ -973,6 +1003,7 @@ std::vector<AlertTransition> AlertEngine::CloseEpisodes(std::string_view run_nam
       alert.resolved_step = step;
     } else if (from == AlertState::kPending) {
       alert.state = AlertState::kInactive;
+      alert.resolved_step = step;
     } else {
       continue;
     }
@@ -982,13 +1013,7 @@ std::vector<AlertTransition> AlertEngine::CloseEpisodes(std::string_view run_nam
   // A resumed attempt keeps what the ended one raised: a later episode of the
   // same name and layer must not overwrite it in AllAlerts.
   if (reason == kRunResumed) {
-    for (auto& [key, record] : run.alerts) {
-      if (record.alert.episode == 0 || record.archived) continue;
-      record.archived = true;
-      run.earlier_attempts.push_back(record.alert);
-      run.earlier_attempts.back().attempt = run.lifecycle.attempt;
-    }
-    while (run.earlier_attempts.size() > kMaxEarlierAlerts) run.earlier_attempts.pop_front();
+    for (auto& [key, record] : run.alerts) KeepEpisode(run, record);
   }
   for (auto& [signal, by_layer] : run.series) {
     for (auto& [layer, series] : by_layer) series.detector.ResetEpisode();
@@ -1248,8 +1273,8 @@ std::string AlertEngine::SaveState() const {
       for (const Series* series : record.series) w.PutString(series->key);
       w.PutBool(record.archived);
     }
-    w.PutU64(run.earlier_attempts.size());
-    for (const Alert& alert : run.earlier_attempts) {
+    w.PutU64(run.earlier_episodes.size());
+    for (const Alert& alert : run.earlier_episodes) {
       w.PutI32(alert.attempt);
       PutAlert(w, alert);
     }
@@ -1390,12 +1415,12 @@ bool AlertEngine::RestoreState(std::string_view bytes, std::string* error) {
     if (version >= 4) {
       uint64_t earlier = 0;
       if (!r.GetCount(earlier)) return false;
-      if (earlier > kMaxEarlierAlerts) return r.Fail("too many earlier attempts' alerts");
+      if (earlier > kMaxEarlierAlerts) return r.Fail("too many earlier episodes");
       for (uint64_t i = 0; i < earlier; ++i) {
         Alert alert;
         if (!r.GetI32(alert.attempt) || !GetAlert(r, alert, version)) return false;
         if (alert.attempt < 1) return r.Fail("alert attempt below 1");
-        run.earlier_attempts.push_back(std::move(alert));
+        run.earlier_episodes.push_back(std::move(alert));
       }
     }
     // Observe relies on every series having its alert.

@@ -161,7 +161,9 @@ struct Alert {
   int episode = 0;             // 1 for the first pending/firing episode, +1 per new one
   int64_t pending_step = -1;   // step it became pending (-1: went straight to firing)
   int64_t firing_step = -1;    // step it fired in this episode (-1: not yet)
-  int64_t resolved_step = -1;  // step it resolved (-1: not resolved)
+  // Step the episode ended: it resolved, or (state inactive) cleared
+  // without firing. -1 while it is open.
+  int64_t resolved_step = -1;
   // The values that fired it (or made it pending); NaN when not applicable
   // (no baseline yet, or a guard / non-finite alert).
   double value = std::numeric_limits<double>::quiet_NaN();
@@ -225,9 +227,10 @@ class AlertEngine {
 
   // Pending and firing alerts of every run, by run, alertname and layer.
   std::vector<Alert> ActiveAlerts() const;
-  // Every alert of `run` that ever left inactive: the episodes earlier
-  // attempts ended with (closed when the run resumed; oldest attempt first),
-  // then the current attempt's, by alertname and layer. Alert::attempt says whose.
+  // Every episode of every alert of `run` that ever left inactive: closed
+  // ones (up to 4,096 per run) and the current one of each alert, ordered by
+  // attempt (oldest first), alertname, layer (run-level first) and episode.
+  // Alert::attempt and Alert::episode say whose.
   std::vector<Alert> AllAlerts(std::string_view run) const;
   std::optional<FirstFiring> FirstFiringLayer(std::string_view run) const;
   ProbableCause RunProbableCause(std::string_view run) const;
@@ -290,6 +293,9 @@ class AlertEngine {
   struct RunState;
 
   RunState& GetRun(std::string_view run);
+  // Moves `record`'s episode (if it has one not kept yet) into the run's
+  // earlier episodes, before a new one opens or a resume closes it.
+  static void KeepEpisode(RunState& run, AlertRecord& record);
   Series& GetSeries(RunState& run, const SignalConfig& config, std::string_view signal, int layer,
                     int head = detectors::kAllHeads);
   // Sets the thresholds of `signal`'s per-head series feeding `record` for

@@ -340,7 +340,7 @@ int RunAlerts(const Args& args, const Globals& g) {
     std::cout << (request.include_resolved() ? "no alerts\n" : "no active alerts\n");
     return kExitOk;
   }
-  Table table({"STATE", "ALERTNAME", "RUN", "ATTEMPT", "LAYER", "SEVERITY", "FIRST_STEP",
+  Table table({"STATE", "ALERTNAME", "RUN", "ATTEMPT", "EPISODE", "LAYER", "SEVERITY", "FIRST_STEP",
                "FIRING_STEP", "RESOLVED_STEP", "VALUE", "PROBABLE_CAUSE", "SUMMARY"});
   for (const v1::Alert& a : response.alerts()) {
     // A resolution by the run's lifecycle, not its signals, says so: resolved:run_ended.
@@ -348,7 +348,8 @@ int RunAlerts(const Args& args, const Globals& g) {
         a.resolved_reason().empty() ? a.state() : a.state() + ":" + a.resolved_reason();
     // The attempt (1, 2 after a resume, ...); "-" from a daemon that does not say.
     table.AddRow({state, a.alertname(), a.run(),
-                  a.attempt() > 0 ? std::to_string(a.attempt()) : std::string("-"), a.layer(),
+                  a.attempt() > 0 ? std::to_string(a.attempt()) : std::string("-"),
+                  a.episode() > 0 ? std::to_string(a.episode()) : std::string("-"), a.layer(),
                   a.severity(), std::to_string(a.first_step()), StepOrDash(a.firing_step()),
                   StepOrDash(a.resolved_step()), ShortNumber(a.value()), Cause(a), a.summary()});
   }
@@ -706,14 +707,16 @@ std::vector<Command> Commands() {
   commands.push_back(Command{
       "alerts",
       "alerts, active by default (Query/ListAlerts)",
-      "Lists alerts, one row per (alertname, run, layer) in its newest state: pending or firing\n"
-      "by default, also resolved ones with --all. PROBABLE_CAUSE says \"(provisional)\" while the\n"
-      "run's cause may still change (foreshock.v1.Query/ListAlerts).\n\n"
+      "Lists alerts: the pending and firing ones by default; with --all every episode of every\n"
+      "alert, one row each (an alert that fired, resolved and fired again is two rows, EPISODE\n"
+      "1 and 2, each with its own steps), oldest attempt first, then by alertname, layer and\n"
+      "episode. PROBABLE_CAUSE says \"(provisional)\" while the run's cause may still change\n"
+      "(foreshock.v1.Query/ListAlerts).\n\n"
       "An unknown RUN is an error (NOT_FOUND, status 1), as for series; a run without alerts\n"
       "prints \"no active alerts\" (\"no alerts\" with --all), status 0.\n\n"
       "Options:\n"
       "  --run RUN  only this run\n"
-      "  --all      include resolved alerts\n",
+      "  --all      every episode, resolved and cleared ones included\n",
       "foreshockctl alerts [--run RUN] [--all] [--json]",
       {{"run", true}, {"all", false}},
       0,

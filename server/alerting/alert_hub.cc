@@ -11,7 +11,13 @@ namespace {
 namespace v1 = foreshock::v1;
 
 
+// Wall times are kept per episode: ListAlerts lists every episode.
 std::string AlertKey(const alerts::Alert& alert) {
+  return alert.alertname + '\x1f' + alert.run + '\x1f' + alert.layer + '\x1f' +
+         std::to_string(alert.attempt) + '\x1f' + std::to_string(alert.episode);
+}
+// Version 1 of the hub state kept them per alertname/run/layer.
+std::string AlertKeyV1(const alerts::Alert& alert) {
   return alert.alertname + '\x1f' + alert.run + '\x1f' + alert.layer;
 }
 
@@ -148,6 +154,8 @@ v1::Alert AlertHub::ToProtoLocked(const alerts::Alert& alert) const {
   out.set_probable_cause_evidence(alert.probable_cause_evidence);
   out.set_resolved_reason(alert.resolved_reason);
   out.set_attempt(alert.attempt);
+  out.set_episode(alert.episode);
+  out.set_pending_step(alert.pending_step);
   out.set_suggested_action(alert.suggested_action);
   out.set_first_step(alert.first_step);
   out.set_firing_step(alert.firing_step);
@@ -237,7 +245,7 @@ void AlertHub::SetEventLog(std::function<void(const v1::AlertEvent&)> log) {
 
 namespace {
 constexpr std::string_view kHubStateMagic = "FSHKHUB";
-constexpr uint32_t kHubStateVersion = 1;
+constexpr uint32_t kHubStateVersion = 2;  // 2: times per episode
 }  // namespace
 
 std::string AlertHub::SaveState() const {
@@ -264,7 +272,7 @@ bool AlertHub::RestoreState(std::string_view bytes) {
   std::map<std::string, Times> times;
   std::set<std::string> runs;
   uint32_t version = 0;
-  bool ok = in.GetHeader(kHubStateMagic, kHubStateVersion, kHubStateVersion, version) &&
+  bool ok = in.GetHeader(kHubStateMagic, 1, kHubStateVersion, version) &&
             in.GetBytes(engine_state) && in.GetCount(n, 20);
   for (uint64_t i = 0; ok && i < n; ++i) {
     std::string key;
@@ -279,6 +287,17 @@ bool AlertHub::RestoreState(std::string_view bytes) {
     if (ok) runs.insert(std::move(run));
   }
   if (!ok || !engine_.RestoreState(engine_state)) return false;
+  if (version == 1) {
+    // Per alert then: they belong to each alert's latest episode.
+    std::map<std::string, Times> by_episode;
+    for (const std::string& run : runs) {
+      for (const alerts::Alert& alert : engine_.AllAlerts(run)) {
+        const auto it = times.find(AlertKeyV1(alert));
+        if (it != times.end()) by_episode[AlertKey(alert)] = it->second;
+      }
+    }
+    times = std::move(by_episode);
+  }
   times_ = std::move(times);
   alerted_runs_ = std::move(runs);
   // The point counters are this process's (Prometheus counters restart at 0).

@@ -187,6 +187,60 @@ TEST(AlertEngineTest, PendingThatDoesNotPersistReturnsToInactive) {
   EXPECT_EQ(transitions[1].step, 1050);  // the spike left the 5-sample window
 }
 
+// Every episode is kept (issue 36): an alert that fired, resolved, went
+// pending and cleared, and fired again is three entries of AllAlerts, each
+// with its own steps, in episode order, and a checkpoint keeps them all.
+TEST(AlertEngineTest, EveryEpisodeIsListedWithItsOwnSteps) {
+  EngineDriver driver;
+  driver.Series("r1", "qk_increment_entropy", 2, 0, 100, 0.8);      // steps 0..990
+  for (int i = 0; i < 5; ++i) driver.Point("r1", 1000 + 10 * i, "qk_increment_entropy", 2, 0.4);
+  driver.Series("r1", "qk_increment_entropy", 2, 1050, 30, 0.8);    // resolves at 1140
+  driver.Point("r1", 1350, "qk_increment_entropy", 2, 0.4);         // one sample: pending only
+  driver.Series("r1", "qk_increment_entropy", 2, 1360, 20, 0.8);    // clears
+  for (int i = 0; i < 5; ++i) driver.Point("r1", 1600 + 10 * i, "qk_increment_entropy", 2, 0.4);
+
+  std::vector<Alert> all = driver.engine.AllAlerts("r1");
+  ASSERT_EQ(all.size(), 3u);
+  EXPECT_EQ(all[0].episode, 1);
+  EXPECT_EQ(all[0].state, AlertState::kResolved);
+  EXPECT_EQ(all[0].pending_step, 1000);
+  EXPECT_EQ(all[0].firing_step, 1020);
+  EXPECT_EQ(all[0].resolved_step, 1140);
+  EXPECT_EQ(all[1].episode, 2);
+  EXPECT_EQ(all[1].state, AlertState::kInactive);
+  EXPECT_EQ(all[1].pending_step, 1350);
+  EXPECT_EQ(all[1].firing_step, -1);
+  EXPECT_EQ(all[1].resolved_step, 1400);  // the step it cleared: the sample left the window
+  EXPECT_EQ(all[2].episode, 3);
+  EXPECT_EQ(all[2].state, AlertState::kFiring);
+  EXPECT_EQ(all[2].pending_step, 1600);
+  EXPECT_EQ(all[2].firing_step, 1620);
+  EXPECT_EQ(all[2].resolved_step, -1);
+  // The transitions the engine returned agree: each episode's last one is its entry.
+  for (const Alert& entry : all) {
+    const AlertTransition* last = nullptr;
+    for (const AlertTransition& t : driver.transitions) {
+      if (t.alert.alertname == entry.alertname && t.alert.episode == entry.episode) last = &t;
+    }
+    ASSERT_NE(last, nullptr) << entry.episode;
+    EXPECT_EQ(last->alert.state, entry.state) << entry.episode;
+    EXPECT_EQ(last->alert.firing_step, entry.firing_step) << entry.episode;
+    EXPECT_EQ(last->alert.resolved_step, entry.resolved_step) << entry.episode;
+  }
+
+  AlertEngine restored(WithAttentionAlerts());
+  std::string error;
+  ASSERT_TRUE(restored.RestoreState(driver.engine.SaveState(), &error)) << error;
+  const std::vector<Alert> again = restored.AllAlerts("r1");
+  ASSERT_EQ(again.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(again[i].episode, all[i].episode);
+    EXPECT_EQ(again[i].state, all[i].state);
+    EXPECT_EQ(again[i].firing_step, all[i].firing_step);
+    EXPECT_EQ(again[i].resolved_step, all[i].resolved_step);
+  }
+}
+
 TEST(AlertEngineTest, OneAlertPerLayerWhateverTheHeadsAndRanksFeeding) {
   // The signal judged by its layer aggregate (per-head judgement:
   // per_head_test.cc).

@@ -198,9 +198,9 @@ def test_alerts_json_table_and_watch(foreshockd):
     out = ctl("alerts", "--run", "ctl-alert", "--all", "--endpoint", endpoint)
     assert out.returncode == 0
     header, *rows = out.stdout.splitlines()
-    assert header.split()[:5] == ["STATE", "ALERTNAME", "RUN", "ATTEMPT", "LAYER"]
-    assert len(rows) == 1 and rows[0].split()[:5] == ["firing", "ForeshockNonFinite", "ctl-alert",
-                                                       "1", "all"]
+    assert header.split()[:6] == ["STATE", "ALERTNAME", "RUN", "ATTEMPT", "EPISODE", "LAYER"]
+    assert len(rows) == 1 and rows[0].split()[:6] == ["firing", "ForeshockNonFinite", "ctl-alert",
+                                                       "1", "1", "all"]
     # Columns line up: every row starts each column where the header does.
     assert rows[0].index("ForeshockNonFinite") == header.index("ALERTNAME")
 

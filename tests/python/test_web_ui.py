@@ -6,8 +6,9 @@ Asserted from the DOM Chromium renders (--dump-dom): the runs page lists the
 run; the run page renders the loss chart with the first-alert and divergence
 markers (the divergence step the page computes must equal demo/train.py's
 docs/DESIGN.md §6.3 rule on the same losses), a qk_increment_entropy heatmap
-with cells and alert markers, and one alert row per alert with its probable
-cause. The run page's screenshot goes to the test's tmp dir, or to docs/ui.png
+with cells and alert markers, a band over every alert episode's firing (or
+never-fired pending) interval on the series it concerns, and one alert row
+per episode with its probable cause. The run page's screenshot goes to the test's tmp dir, or to docs/ui.png
 with FORESHOCK_UPDATE_SCREENSHOT=1.
 
 Needs Debian's `chromium` package: without it these tests FAIL (CI installs it).
@@ -296,7 +297,39 @@ def test_run_page_renders_loss_heatmaps_and_alerts(chromium_path, chromium, trai
             if a["signal"] == signal and a["layer"] != "all" and int(a["firing_step"]) >= 0:
                 assert (a["alertname"], a["layer"], a["firing_step"]) in markers, (a, markers)
 
-    # (c) the alert list: one row per alert, with its probable cause
+    # (c) every episode of an alert on a drawn series is a band over its
+    # interval: on the layer's row of the signal's heatmap, or on the loss
+    # chart (run-level loss signals); firing from firing_step to resolved_step, pending
+    # (never fired) from pending_step to the step it cleared.
+    def expected_bands(a):
+        fired, ended = int(a["firing_step"]), int(a["resolved_step"])
+        pending = int(a.get("pending_step", -1))
+        start = pending if pending >= 0 else int(a["first_step"])
+        out = set()
+        if fired >= 0 and ended >= 0:
+            out.add(("firing", str(fired), str(ended)))
+        if fired < 0 and ended >= 0 and start >= 0:
+            out.add(("pending", str(start), str(ended)))
+        return out
+    checked = 0
+    for a in alerts:
+        if a["layer"] == "all":
+            if not a["signal"].startswith("loss"):  # the loss chart: loss, loss_over_running_min
+                continue
+            container = chart
+        elif a["signal"] in heatmaps:
+            container = heatmaps[a["signal"]]
+        else:
+            continue
+        drawn = {(b.attrs["data-kind"], b.attrs["data-from"], b.attrs["data-to"])
+                 for b in container.find_all("rect", data_alertname=a["alertname"],
+                                             data_layer=a["layer"], data_episode=str(a["episode"]))
+                 if {"episode-band", "heatmap-band"} & set(b.classes)}
+        assert expected_bands(a) <= drawn, (a["alertname"], a["layer"], a["episode"], drawn)
+        checked += len(expected_bands(a))
+    assert checked > 0, "no alert episode to draw a band for"
+
+    # (d) the alert list: one row per episode, with its probable cause
     table = dom.find("table", id="alerts")
     assert table is not None, "no table#alerts"
     rows = table.find_all("tr", cls="alert-row")
@@ -304,6 +337,8 @@ def test_run_page_renders_loss_heatmaps_and_alerts(chromium_path, chromium, trai
     for a in alerts:
         matching = [r for r in rows if r.attrs["data-alertname"] == a["alertname"]
                     and r.attrs["data-layer"] == a["layer"]
+                    and r.attrs["data-episode"] == str(a["episode"])
+                    and r.attrs["data-attempt"] == str(a["attempt"])
                     and r.find("td", cls="first-step").text() == f"{int(a['first_step']):,}"]
         assert len(matching) == 1, (a, [r.attrs for r in rows])
         row = matching[0]
