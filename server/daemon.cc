@@ -6,6 +6,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <set>
 #include <map>
 #include <limits>
@@ -149,6 +150,7 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
     metrics_->memory_limit_bytes.Add({}).Set(static_cast<double>(memory_->limit_bytes()));
     alerts_->ExportCounters();
     ExportStateGauges();
+    ExportDataDirBytes();
     for (int i = 0; i < pool_->size(); ++i) {
       metrics_->queue_depth.Add({{"worker", std::to_string(i)}})
           .Set(static_cast<double>(pool_->QueueDepth(i)));
@@ -194,6 +196,33 @@ void Daemon::ExportStateGauges() {
     if (!runs.count(run)) metrics_->run_state_bytes.Remove(&metrics_->run_state_bytes.Add({{"run", run}}));
   }
   state_gauge_runs_ = std::move(runs);
+}
+
+void Daemon::ExportDataDirBytes() {
+  std::lock_guard<std::mutex> lock(data_dir_bytes_mu_);
+  const auto now = std::chrono::steady_clock::now();
+  // A directory walk per scrape is cheap but not free: a few hundred files
+  // at most (segments of 64 MiB, checkpoints), summed every 5 s at most.
+  if (data_dir_bytes_at_ != std::chrono::steady_clock::time_point{} &&
+      now - data_dir_bytes_at_ < std::chrono::seconds(5)) {
+    return;
+  }
+  data_dir_bytes_at_ = now;
+  uint64_t bytes = 0;
+  if (durable_ != nullptr) {
+    std::error_code error;
+    for (std::filesystem::recursive_directory_iterator it(
+             options_.store_options.data_dir,
+             std::filesystem::directory_options::skip_permission_denied, error), end;
+         !error && it != end; it.increment(error)) {
+      std::error_code size_error;
+      if (it->is_regular_file(size_error)) {
+        const uintmax_t size = it->file_size(size_error);
+        if (!size_error) bytes += size;
+      }
+    }
+  }
+  metrics_->data_dir_bytes.Add({}).Set(static_cast<double>(bytes));
 }
 
 void Daemon::RestoreFromStore() {

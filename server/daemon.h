@@ -166,6 +166,8 @@ class Daemon {
   std::unique_ptr<StateBudget> state_budget_;
   std::unique_ptr<QueryBudget> query_budget_;
   std::mutex state_gauges_mu_;
+  std::mutex data_dir_bytes_mu_;
+  std::chrono::steady_clock::time_point data_dir_bytes_at_{};  // last summed
   std::set<std::string> state_gauge_runs_;  // runs with a foreshock_run_state_bytes series
   std::unique_ptr<grpc::Server> grpc_server_;
   std::unique_ptr<HttpServer> http_;
@@ -179,6 +181,7 @@ class Daemon {
   // detector checkpoint, read back from the ranks' own stored values.
   void RecoverOpenRankScalars();
   void ExportStateGauges();  // foreshock_run_state_bytes, at each scrape
+  void ExportDataDirBytes();  // foreshock_data_dir_bytes, at a scrape, every 5 s at most
   void CheckpointLoop();
   std::thread checkpoint_thread_;
   std::mutex checkpoint_mu_;

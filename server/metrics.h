@@ -76,6 +76,10 @@ namespace foreshock::server {
   X(ingest_active_streams, "ingest_active_streams", "Ingest streams open now.")                 \
   X(record_bytes, "record_bytes",                                                               \
     "Bytes of recordings in --record_dir (closed and open), bounded by --record_max_mb.")       \
+  X(data_dir_bytes, "data_dir_bytes",                                                           \
+    "Bytes of the files under --data_dir (store segments, checkpoints, event logs), summed "  \
+    "at scrape time at most every 5 s; bounded by --retention_max_gb. 0 without a data "     \
+    "directory.")                                                                               \
   X(queue_bytes, "queue_bytes",                                                                 \
     "Bytes of accepted samples waiting for or in a worker. Bounded by --max_queue_mb; at "   \
     "the bound, streams stop reading and gRPC flow control pushes back on clients.")            \

@@ -10,6 +10,7 @@ import re
 import signal
 import threading
 import time
+import urllib.request
 
 import grpc
 import numpy as np
@@ -174,3 +175,22 @@ def test_a_corrupt_older_segment_is_reported_and_skipped(tmp_path):
     first = _loss_points(daemon, "first")
     assert 0 < len(first) < 200, "the corrupt part should be skipped, the rest kept"
     daemon.stop()
+
+
+def test_data_dir_bytes_says_what_the_directory_holds(tmp_path):
+    """foreshock_data_dir_bytes is the size of the files under --data_dir."""
+    data_dir = tmp_path / "data"
+    daemon = Daemon(foreshockd_binary(), str(tmp_path), [f"--data_dir={data_dir}"])
+    daemon.start()
+    try:
+        Streamer(daemon.endpoint, "sized", first_step=0).stream(n_batches=200)
+        time.sleep(0.5)
+        with urllib.request.urlopen(daemon.metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        (line,) = [l for l in text.splitlines() if l.startswith("foreshock_data_dir_bytes ")]
+        reported = float(line.split()[1])
+        on_disk = sum(p.stat().st_size for p in data_dir.rglob("*") if p.is_file())
+        # The store may append (a checkpoint, an event) between the two reads.
+        assert on_disk > 0 and abs(reported - on_disk) <= 0.1 * on_disk + 65536, (reported, on_disk)
+    finally:
+        daemon.stop()

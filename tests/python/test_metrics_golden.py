@@ -47,6 +47,7 @@ VARYING = {
     "foreshock_memory_resident_bytes": "<bytes>",
     "foreshock_memory_limit_bytes": "<bytes>",  # without --max_memory_mb: from the machine's memory
     "foreshock_record_bytes": "<bytes>",  # the recorder thread may still be writing at the scrape
+    "foreshock_data_dir_bytes": "<bytes>",  # segment headers, checkpoints: not byte-stable
     "foreshock_detector_seconds_bucket": "<timing>",
     "foreshock_detector_seconds_sum": "<timing>",
     # The fake Alertmanager answers at once, but how many POSTs (and re-sends)
