@@ -11,6 +11,12 @@ optimizer, so a shared, noisy machine slows all configurations alike:
   probe/10         Monitor(every=10)
   probe/100+curv   Monitor(every=100) with CurvatureEstimator defaults (every 50)
 
+and, when named in --configs: probe/50 (the README's cadence), probe/10-nocheck
+(every=10 without the attention output check: its cost is the difference to
+probe/10). --size picks the model (tiny, small, base: the default); --autocast
+bf16 runs every step (and the probes) under CPU bf16 autocast, where the
+output check has work to do.
+
 Each monitor streams to a real foreshockd (started here, at nice 10 so that
 the daemon, which in production runs elsewhere, competes less with training).
 Per step it records wall time and the training thread's CPU time
@@ -22,6 +28,8 @@ cost of each probe / estimate divided by its interval.
 
     OMP_NUM_THREADS=1 build/venv-pypi/bin/python tests/bench/client_overhead.py
     OMP_NUM_THREADS=1 build/venv-pypi/bin/python tests/bench/client_overhead.py --quick
+    OMP_NUM_THREADS=1 build/venv-pypi/bin/python tests/bench/client_overhead.py --size tiny \
+        --configs scalars,probe/50,probe/10 --rounds 10
     OMP_NUM_THREADS=1 build/venv-pypi/bin/python tests/bench/client_overhead.py --hvp-timing
 
 --hvp-timing instead times one Hessian-vector product by torch.func
@@ -54,6 +62,12 @@ FULL = dict(hidden=384, layers=6, intermediate=1024, vocab=8000, seq=128, batch=
             curv=1, rounds=20, block=10, pretrain=100)
 QUICK = dict(hidden=128, layers=2, intermediate=344, vocab=2000, seq=64, batch=4, probe=2,
              curv=1, rounds=6, block=10, pretrain=20)
+# Model sizes for --size (the rest as FULL): tiny is the issue-36 user's
+# tiny Llama (hidden 64, 4 layers), small the --quick model, base FULL's.
+SIZES = dict(tiny=dict(hidden=64, layers=4, intermediate=172, vocab=2000, seq=64),
+             small=dict(hidden=128, layers=2, intermediate=344, vocab=2000, seq=64),
+             base=dict(hidden=384, layers=6, intermediate=1024, vocab=8000, seq=128))
+DEFAULT_CONFIGS = ["scalars", "probe/100", "probe/10", "probe/100+curv"]
 
 
 def build(cfg, seed=0):
@@ -153,6 +167,11 @@ def run_overhead(cfg, out_path=None):
                                                   model=model, probe_batch=probe)
         monitors["probe/10"] = foreshock.Monitor(endpoint, run_id="oh-10", job="bench",
                                                  model=model, probe_batch=probe, every=10)
+        monitors["probe/50"] = foreshock.Monitor(endpoint, run_id="oh-50", job="bench",
+                                                 model=model, probe_batch=probe, every=50)
+        monitors["probe/10-nocheck"] = foreshock.Monitor(
+            endpoint, run_id="oh-10-nocheck", job="bench", model=model, probe_batch=probe,
+            every=10, output_check=False)
         estimator = CurvatureEstimator(model, lm_loss, curv_batch, optimizer)
         estimates = []  # (monitor step, CurvatureEstimate)
         estimate = estimator.estimate
@@ -167,7 +186,7 @@ def run_overhead(cfg, out_path=None):
                                                        model=model, probe_batch=probe,
                                                        curvature=estimator)
         for name in list(monitors):
-            if cfg["configs"] and name not in cfg["configs"]:
+            if name not in (cfg["configs"] or DEFAULT_CONFIGS):
                 monitors.pop(name).close(timeout=1)
         names = ["baseline"] + list(monitors)
         step_no = {name: 0 for name in names}
@@ -178,7 +197,8 @@ def run_overhead(cfg, out_path=None):
             batch = data[batch_no[0] % len(data)]
             batch_no[0] += 1
             wall, cpu = time.perf_counter(), time.thread_time()
-            loss = lm_loss(model, batch)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.get("autocast") == "bf16"):
+                loss = lm_loss(model, batch)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -237,7 +257,8 @@ def summarize(cfg, n_params, records, monitors, stats, estimates, hvp_choice, se
                   for i in (1, 2)]
     result = {"config": cfg, "params": n_params, "torch": torch.__version__,
               "steps_per_config": len(base), "baseline_step_s": base_mean, "configs": {}}
-    lines = [f"model: LlamaForCausalLM {n_params / 1e6:.1f}M parameters (hidden {cfg['hidden']}, "
+    lines = [f"autocast: {cfg.get('autocast') or 'off'}",
+             f"model: LlamaForCausalLM {n_params / 1e6:.1f}M parameters (hidden {cfg['hidden']}, "
              f"{cfg['layers']} layers, 8 heads, 2 KV heads, vocab {cfg['vocab']}), batch "
              f"{cfg['batch']} x {cfg['seq']}, probe {cfg['probe']} x {cfg['seq']}, curvature "
              f"batch {cfg['curv']} x {cfg['seq']}, torch {torch.__version__}; {cfg['pretrain']} "
@@ -350,13 +371,18 @@ def main():
     p.add_argument("--rounds", type=int, help="interleaved rounds")
     p.add_argument("--block", type=int, help="steps per configuration per round")
     p.add_argument("--configs", help="comma-separated subset of scalars, probe/100, probe/10, "
-                   "probe/100+curv (default: all)")
+                   "probe/100+curv, probe/50, probe/10-nocheck (default: the first four)")
+    p.add_argument("--size", choices=sorted(SIZES), help="model size (default: base; --quick: small)")
+    p.add_argument("--autocast", choices=["bf16"], help="train and probe under CPU bf16 autocast")
     p.add_argument("--json", help="also write the figures here")
     p.add_argument("--hvp-timing", action="store_true",
                    help="time torch.func against double backward per HVP instead")
     args = p.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = dict(QUICK if args.quick else FULL)
+    if args.size:
+        cfg.update(SIZES[args.size])
+    cfg["autocast"] = args.autocast
     if args.rounds:
         cfg["rounds"] = args.rounds
     if args.block:
