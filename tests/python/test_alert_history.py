@@ -95,6 +95,13 @@ def episode_row(alert):
 
 def test_every_episode_is_listed_and_agrees_with_the_stream(tmp_path):
     daemon = Daemon(foreshockd_binary(), str(tmp_path), ["--checkpoint_interval_s=1"])
+    try:
+        check_history(daemon, tmp_path)
+    finally:
+        daemon.stop()
+
+
+def check_history(daemon, tmp_path):
     daemon.start()
     watcher = Watcher(daemon.endpoint)
     try:
@@ -192,4 +199,3 @@ def test_every_episode_is_listed_and_agrees_with_the_stream(tmp_path):
     rows = dom.find("table", id="alerts").find_all("tr", cls="alert-row")
     assert sorted((r.attrs["data-alertname"], r.attrs["data-episode"]) for r in rows) == \
         sorted((a.alertname, str(a.episode)) for a in listed)
-    daemon.stop()
