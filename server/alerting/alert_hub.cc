@@ -1,5 +1,7 @@
 #include "server/alerting/alert_hub.h"
 
+#include <algorithm>
+
 #include <spdlog/spdlog.h>
 
 #include "detectors/state_codec.h"
@@ -89,6 +91,7 @@ void AlertHub::DeliverLocked(const std::vector<alerts::AlertTransition>& transit
   for (const alerts::AlertTransition& t : transitions) {
     const alerts::Alert& alert = t.alert;
     alerted_runs_.insert(alert.run);
+    if (times_.size() > times_prune_at_) PruneTimesLocked();
     Times& times = times_[AlertKey(alert)];
     if (t.to == alerts::AlertState::kFiring && t.from != alerts::AlertState::kFiring) {
       times = Times{NowUnixMillis(), 0};
@@ -169,6 +172,16 @@ v1::Alert AlertHub::ToProtoLocked(const alerts::Alert& alert) const {
     out.set_ends_at_unix_ms(it->second.ends_ms);
   }
   return out;
+}
+
+void AlertHub::PruneTimesLocked() {
+  std::set<std::string> listed;
+  for (const std::string& run : alerted_runs_) {
+    for (const alerts::Alert& alert : engine_.AllAlerts(run)) listed.insert(AlertKey(alert));
+  }
+  std::erase_if(times_, [&](const auto& entry) { return !listed.count(entry.first); });
+  // Amortized: the next prune after as many new episodes again.
+  times_prune_at_ = std::max<size_t>(4096, 2 * times_.size());
 }
 
 std::vector<v1::Alert> AlertHub::Alerts(const std::string& run, bool include_resolved) const {

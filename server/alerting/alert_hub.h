@@ -76,6 +76,9 @@ class AlertHub final : public ObservationSink {
  private:
   void DeliverLocked(const std::vector<alerts::AlertTransition>& transitions);
   foreshock::v1::Alert ToProtoLocked(const alerts::Alert& alert) const;
+  // Drops the wall times of episodes the engine no longer lists (beyond its
+  // per-run bound, or of a forgotten run), so times_ stays bounded by them.
+  void PruneTimesLocked();
 
   struct Times {
     int64_t starts_ms = 0;
@@ -90,7 +93,8 @@ class AlertHub final : public ObservationSink {
   std::unique_ptr<AlertmanagerNotifier> notifier_;
   mutable std::mutex mu_;  // guards everything below; transitions are delivered in order
   alerts::AlertEngine engine_;
-  std::map<std::string, Times> times_;  // by alertname/run/layer
+  std::map<std::string, Times> times_;  // by alertname/run/layer/attempt/episode
+  size_t times_prune_at_ = 4096;        // PruneTimesLocked once times_ is larger
   std::set<std::string> alerted_runs_;  // runs with at least one transition
   std::map<uint64_t, Watcher> watchers_;
   std::function<void(const foreshock::v1::AlertEvent&)> event_log_;
