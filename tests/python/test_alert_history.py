@@ -10,6 +10,7 @@ then SIGKILL after a checkpoint) must list the same.
 """
 import json
 import math
+import random
 import signal
 import subprocess
 import threading
@@ -199,3 +200,53 @@ def check_history(daemon, tmp_path):
     rows = dom.find("table", id="alerts").find_all("tr", cls="alert-row")
     assert sorted((r.attrs["data-alertname"], r.attrs["data-episode"]) for r in rows) == \
         sorted((a.alertname, str(a.episode)) for a in listed)
+
+
+def test_a_held_alert_is_a_hatched_band_with_its_reason(tmp_path):
+    """A curvature surge with nothing to corroborate it stays pending, held
+    (docs/DESIGN.md: a surge alone is often an edge-of-stability excursion);
+    the UI draws its pending interval hatched, with the reason."""
+    daemon = Daemon(foreshockd_binary(), str(tmp_path))
+    daemon.start()
+    try:
+        rng = random.Random(5)
+
+        def requests():
+            yield ingest_pb2.StreamRequest(hello=ingest_pb2.Hello(run_id="held", job="history"))
+            for seq, step in enumerate(range(0, 900, 10), start=1):
+                batch = ingest_pb2.Batch(seq=seq)
+                record = batch.records.add(step=step)
+                record.scalars.loss = 2.0 + 0.01 * math.sin(step)
+                level = 10.0 if step < 600 else 100.0  # a tenfold surge at step 600
+                record.curvature.lambda_max = level * math.exp(rng.gauss(0, 0.1))
+                record.curvature.residual = 0.01
+                record.curvature.hvps = 9
+                record.curvature.lr = 1e-3
+                record.curvature.beta1 = 0.9
+                yield ingest_pb2.StreamRequest(batch=batch)
+        with grpc.insecure_channel(daemon.endpoint) as channel:
+            acks = [r.ack for r in ingest_pb2_grpc.IngestStub(channel).Stream(requests(), timeout=60)
+                    if r.HasField("ack")]
+        assert sum(a.accepted for a in acks) == 90, acks
+
+        def held_alert():
+            held = [a for a in list_alerts(daemon, "held")
+                    if a.signal == "curvature_lambda_max" and " Held: " in a.description]
+            return held[0] if held else None
+        assert wait_until(held_alert, timeout_s=30), list_alerts(daemon, "held")
+        alert = held_alert()
+        assert alert.state == "pending" and alert.firing_step == -1 and alert.pending_step >= 600
+        reason = alert.description.split(" Held: ", 1)[1]
+
+        chromium = Chromium(chromium_binary(), tmp_path)
+        dom = chromium.dom(f"http://127.0.0.1:{daemon.metrics_port}/#/run/held", "run")
+        (chart,) = [c for c in dom.find_all("div", cls="run-signal")
+                    if c.attrs["data-signal"] == "curvature_lambda_max"]
+        bands = chart.find_all("rect", cls="episode-band", data_alertname=alert.alertname)
+        assert len(bands) == 1, [b.attrs for b in bands]
+        band = bands[0]
+        assert "held" in band.classes and "pending" in band.classes, band.attrs
+        assert band.attrs["data-from"] == str(alert.pending_step)
+        assert band.attrs["data-held"] == reason.strip()
+    finally:
+        daemon.stop()
