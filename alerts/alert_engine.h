@@ -37,6 +37,7 @@
 //   firing   -> resolved           no series anomalous any more (each cleared after
 //                                  clear_after consecutive normal samples)
 //   resolved -> pending/firing     a new episode (same labels except `signal`)
+// A new episode keeps the one it replaces (AllAlerts lists both: Alert::episode).
 // ForeshockNonFinite (layer "all") fires on the first non-finite event and
 // resolves once the run has reported finite values at nonfinite.clear_after
 // distinct later steps.
