@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -177,6 +178,34 @@ class Daemon:
             return True
         except (OSError, urllib.error.URLError):
             return False
+
+
+class AlertWatch:
+    """foreshock.v1.Query/WatchAlerts (one run, or every run for ""), read on a
+    thread as foreshockctl watch does; events in arrival order."""
+
+    def __init__(self, endpoint, run=""):
+        import grpc
+        from foreshock.v1 import query_pb2, query_pb2_grpc
+        self._grpc = grpc
+        self.channel = grpc.insecure_channel(endpoint)
+        self.call = query_pb2_grpc.QueryStub(self.channel).WatchAlerts(
+            query_pb2.WatchAlertsRequest(run=run))
+        self.events = []
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        try:
+            for event in self.call:
+                self.events.append(event)
+        except self._grpc.RpcError:
+            pass  # cancelled by close()
+
+    def close(self):
+        self.call.cancel()
+        self.thread.join(10)
+        self.channel.close()
 
 
 @pytest.fixture

@@ -13,13 +13,12 @@ import math
 import random
 import signal
 import subprocess
-import threading
 import time
 import urllib.request
 
 import grpc
 
-from conftest import Daemon, foreshockd_binary, wait_until
+from conftest import AlertWatch, Daemon, foreshockd_binary, wait_until
 from foreshock.v1 import ingest_pb2, ingest_pb2_grpc, query_pb2, query_pb2_grpc
 from test_foreshockctl import foreshockctl_binary
 from test_web_ui import Chromium, chromium_binary
@@ -53,30 +52,6 @@ def stream(endpoint, run, steps, value=loss, per_batch=10):
     assert sum(a.accepted for a in acks) == len(steps), acks
 
 
-class Watcher:
-    """WatchAlerts over every run, collected on a thread."""
-
-    def __init__(self, endpoint):
-        self.channel = grpc.insecure_channel(endpoint)
-        self.call = query_pb2_grpc.QueryStub(self.channel).WatchAlerts(
-            query_pb2.WatchAlertsRequest())
-        self.events = []
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self):
-        try:
-            for event in self.call:
-                self.events.append(event)
-        except grpc.RpcError:
-            pass  # cancelled by close()
-
-    def close(self):
-        self.call.cancel()
-        self.thread.join(10)
-        self.channel.close()
-
-
 def list_alerts(daemon, run=RUN):
     with grpc.insecure_channel(daemon.endpoint) as channel:
         return list(query_pb2_grpc.QueryStub(channel).ListAlerts(
@@ -104,7 +79,7 @@ def test_every_episode_is_listed_and_agrees_with_the_stream(tmp_path):
 
 def check_history(daemon, tmp_path):
     daemon.start()
-    watcher = Watcher(daemon.endpoint)
+    watcher = AlertWatch(daemon.endpoint)
     try:
         # Subscribed once it sees an alert of a run streamed after it started:
         # a non-finite loss fires ForeshockNonFinite at once.

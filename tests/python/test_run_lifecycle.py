@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import Daemon, foreshockd_binary, free_port, wait_until
+from conftest import AlertWatch as Watch, Daemon, foreshockd_binary, free_port, wait_until
 from fake_ingest import FakeServer
 from demo import tiny_moe_gpt as tmg
 from foreshock import Monitor, prometheus
@@ -221,30 +221,6 @@ def test_close_without_end_leaves_the_run_open(foreshockd):
 
 
 # -- a job killed and resumed from a checkpoint -------------------------------
-
-class Watch:
-    """foreshock.v1.Query/WatchAlerts for one run, on a thread (as foreshockctl watch)."""
-
-    def __init__(self, endpoint, run):
-        self.channel = grpc.insecure_channel(endpoint)
-        self.call = query_pb2_grpc.QueryStub(self.channel).WatchAlerts(
-            query_pb2.WatchAlertsRequest(run=run))
-        self.events = []
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self):
-        try:
-            for event in self.call:
-                self.events.append(event)
-        except grpc.RpcError:
-            pass
-
-    def close(self):
-        self.call.cancel()
-        self.thread.join(5)
-        self.channel.close()
-
 
 def start_trainer(daemon, run, out, tmp_path, *extra):
     log = open(f"{out}.log", "wb")
