@@ -148,6 +148,7 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
     metrics_->queue_bytes.Add({}).Set(static_cast<double>(gate_->in_flight_bytes()));
     metrics_->memory_resident_bytes.Add({}).Set(static_cast<double>(memory_->resident_bytes()));
     metrics_->memory_limit_bytes.Add({}).Set(static_cast<double>(memory_->limit_bytes()));
+    metrics_->memory_reserved_bytes.Add({}).Set(static_cast<double>(memory_->reserved_bytes()));
     alerts_->ExportCounters();
     ExportStateGauges();
     ExportDataDirBytes();

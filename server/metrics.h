@@ -92,6 +92,10 @@ namespace foreshock::server {
     "--max_memory_mb in bytes (0: no bound). At it, ingest refuses probes (QK, router) with "  \
     "reason memory_limit, scalars still accepted, until memory falls below 90% of it or "     \
     "settles with nothing queued.")                                                             \
+  X(memory_reserved_bytes, "memory_reserved_bytes",                                             \
+    "Room set aside for the next batch of each open stream that sends batches of 256 KiB or "  \
+    "more (its last batch's size); counted with resident memory against --max_memory_mb, "  \
+    "since a batch is resident before ingest can refuse it.")                                   \
   X(run_state_bytes, "run_state_bytes",                                                         \
     "Detector state the run's probes retain (previous QK and router samples), by run; a "      \
     "probe that would grow it past --max_state_mb_per_run is rejected with reason "            \

@@ -124,6 +124,9 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   void OnReadDone(bool ok) override {
+    // The message is resident now (or there is none): its room is no longer
+    // reserved, it is measured.
+    SetReserved(0);
     if (!ok) {  // client half-closed, or the call is cancelled
       std::lock_guard<std::mutex> lock(mu_);
       reads_done_ = true;
@@ -144,6 +147,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     std::optional<grpc::ByteBuffer> raw;
     if (service_.recorder_) raw.emplace(received_);
     const size_t received_bytes = received_.Valid() ? received_.Length() : 0;
+    last_message_bytes_ = static_cast<int64_t>(received_bytes);
     if (service_.limits_.max_message_bytes > 0 &&
         static_cast<int64_t>(received_bytes) > service_.limits_.max_message_bytes) {
       received_.Clear();
@@ -239,6 +243,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   void OnDone() override {
+    SetReserved(0);
     service_.StreamDone(this);
     if (recording_) service_.recorder_->Close(session_);
     // The rank first: once it is released no other stream can revoke this one.
@@ -254,6 +259,25 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
  private:
+  // The next message, with room reserved for it: a stream whose last
+  // message was large is expected to send another like it, which the
+  // transport assembles whole before ingest sees it. (Its parsed copy
+  // exists only while a gRPC thread parses it: a few at once, not one per
+  // stream, so it is left to the bound's slack.)
+  void ReadNext() {
+    const int64_t expected = last_message_bytes_ >= MemoryGuard::kFreshCheckBytes
+                                 ? last_message_bytes_ : 0;
+    SetReserved(expected);
+    StartRead(&received_);
+  }
+
+  void SetReserved(int64_t bytes) {
+    const int64_t before = reserved_bytes_.exchange(bytes);
+    if (service_.memory_ != nullptr && bytes != before) {
+      service_.memory_->AdjustReserved(bytes - before);
+    }
+  }
+
   // The first message names the file: run and rank from its Hello (a stream
   // that starts otherwise is recorded too, as run "unknown").
   void RecordReceived(const grpc::ByteBuffer& raw, int64_t recv_unix_us, bool parsed) {
@@ -384,7 +408,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     v1::StreamResponse response;
     response.mutable_hello_ack()->set_session_id(absl::StrCat("s", session_));
     Write(response);
-    StartRead(&received_);
+    ReadNext();
   }
 
   void HandleBatch() {
@@ -727,7 +751,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       Finish(*finish);
       return;
     }
-    StartRead(&received_);
+    ReadNext();
   }
 
   // For code on worker threads: decides under the lock whether this thread
@@ -908,6 +932,10 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // by the stream that takes its rank over).
   std::atomic<bool> lifecycle_open_{false};
   bool holds_rank_ = false;            // ClaimRank gave it its rank; OnDone releases it
+  // --max_memory_mb: the room this stream's next batch may take while it
+  // waits to read it (MemoryGuard::AdjustReserved), from its last message.
+  int64_t last_message_bytes_ = 0;
+  std::atomic<int64_t> reserved_bytes_{0};
   std::atomic<bool> revoked_{false};   // its rank was taken over
   uint64_t lifecycle_sender_ = 0;      // Hello.sender_id (0 without first_seq)
   bool batch_goodbye_ = false;         // the batch in progress carries Batch.goodbye
@@ -1064,7 +1092,9 @@ void IngestService::LogRefusal(std::string_view code, const std::string& detail)
 
 std::string IngestService::MemoryLimitDetail() const {
   return absl::StrCat("the daemon's resident memory (", memory_->resident_bytes() >> 20,
-                      " MiB), with this batch, reaches --max_memory_mb=", memory_->limit_bytes() >> 20,
+                      " MiB), with this batch and the ", memory_->reserved_bytes() >> 20,
+                      " MiB reserved for open streams' next batches, reaches --max_memory_mb=",
+                      memory_->limit_bytes() >> 20,
                       " (probes are accepted again below ", memory_->resume_bytes() >> 20,
                       " MiB, or once memory has settled with nothing queued)");
 }

@@ -43,9 +43,10 @@ void MemoryGuard::Sample() {
   const int64_t resume_mark = resume_bytes();
   // Also while over and above the resume mark: ingest is refused then, so
   // memory would not climb back to the bound to trigger a trim.
-  const bool trim = limit_bytes_ > 0 && (resident >= limit_bytes_ ||
+  const int64_t reserved = reserved_bytes();
+  const bool trim = limit_bytes_ > 0 && (resident + reserved >= limit_bytes_ ||
                                          (over_.load(std::memory_order_relaxed) &&
-                                          resident >= resume_mark));
+                                          resident + reserved >= resume_mark));
   if (trim) {
     // Freed heap that glibc keeps counts as resident; give it back before
     // refusing data (at most once a second: trimming walks the heap).
@@ -59,7 +60,9 @@ void MemoryGuard::Sample() {
   resident_.store(resident, std::memory_order_relaxed);
   if (limit_bytes_ <= 0) return;
   const bool was_over = over_.load(std::memory_order_relaxed);
-  bool over = was_over ? resident >= resume_mark : resident >= limit_bytes_;
+  // What streams may still bring counts as if it were here.
+  const int64_t load = resident + reserved_bytes();
+  bool over = was_over ? load >= resume_mark : load >= limit_bytes_;
   bool settled = false;
   if (was_over && over && in_flight_) {
     // Refusing probes frees what is in flight; once nothing is and memory
@@ -87,11 +90,12 @@ void MemoryGuard::Sample() {
                  resident >> 20, resume_mark >> 20, limit_bytes_ >> 20);
   } else if (over) {
     times_over_.fetch_add(1, std::memory_order_relaxed);
-    spdlog::warn("resident memory {} MiB reached --max_memory_mb={}: refusing probes (QK and "
-                 "router records, and curvature with per-layer values, rejected with reason "
-                 "memory_limit; step scalars are still accepted) until it is below {} MiB or has settled with nothing in flight",
-                 resident >> 20, limit_bytes_ >> 20,
-                 resume_mark >> 20);
+    spdlog::warn("resident memory {} MiB, plus {} MiB reserved for the next batches of open "
+                 "streams, reached --max_memory_mb={}: refusing probes (QK and router records, "
+                 "and curvature with per-layer values, rejected with reason memory_limit; step "
+                 "scalars are still accepted) until both are below {} MiB or memory has settled "
+                 "with nothing in flight",
+                 resident >> 20, reserved >> 20, limit_bytes_ >> 20, resume_mark >> 20);
   } else {
     spdlog::info("resident memory {} MiB is below the resume mark: ingest resumes",
                  resident >> 20);
@@ -102,7 +106,7 @@ bool MemoryGuard::AdmitProbes(int64_t incoming_bytes) const {
   if (over_limit()) return false;
   if (limit_bytes_ <= 0 || incoming_bytes < kFreshCheckBytes) return true;
   const int64_t resident = read_resident_();  // one read of /proc/self/statm
-  return resident < 0 || resident + incoming_bytes < limit_bytes_;
+  return resident < 0 || resident + incoming_bytes + reserved_bytes() < limit_bytes_;
 }
 
 int64_t MemoryGuard::ReadResidentBytes() {

@@ -15,6 +15,14 @@
 // that retained memory is still at the bound, the next sample is over again.
 // Accepted data is still processed and stored; nothing acknowledged is
 // dropped.
+//
+// What the guard cannot refuse is a message already read: a stream's next
+// batch is resident (raw, then parsed) before ingest sees it. So each open
+// stream that sends large batches reserves room for its next one (its last
+// batch's size, while it waits to read it), and the guard compares
+// resident memory plus those reservations with the bound: retained state
+// stops growing early enough that the batches still to arrive fit under it,
+// as the OpenTelemetry Collector's spike limit does, but measured per stream.
 #pragma once
 
 #include <atomic>
@@ -54,10 +62,16 @@ class MemoryGuard {
   void Sample();
 
   bool over_limit() const { return over_.load(std::memory_order_relaxed); }
+  // Room set aside for batches that open streams may send next (see above);
+  // `delta` is added (negative: released). Streams sending batches under
+  // kFreshCheckBytes reserve nothing.
+  void AdjustReserved(int64_t delta) { reserved_.fetch_add(delta, std::memory_order_relaxed); }
+  int64_t reserved_bytes() const { return reserved_.load(std::memory_order_relaxed); }
   // Whether a batch of `incoming_bytes` may bring its probes in: not while
   // over the limit, and for a large batch (kFreshCheckBytes or more) not when
-  // resident memory measured now plus the batch would reach the bound, so
-  // that big probes arriving between two samples cannot overshoot it.
+  // resident memory measured now plus the batch plus the reserved room would
+  // reach the bound, so that big probes arriving between two samples cannot
+  // overshoot it.
   bool AdmitProbes(int64_t incoming_bytes) const;
   static constexpr int64_t kFreshCheckBytes = int64_t{256} << 10;
   int64_t resident_bytes() const { return resident_.load(std::memory_order_relaxed); }
@@ -81,6 +95,7 @@ class MemoryGuard {
   const std::chrono::milliseconds interval_;
   std::atomic<bool> over_{false};
   std::atomic<int64_t> resident_{0};
+  std::atomic<int64_t> reserved_{0};
   std::atomic<uint64_t> times_over_{0};
   std::atomic<uint64_t> settled_resumes_{0};
   std::function<int64_t()> in_flight_;

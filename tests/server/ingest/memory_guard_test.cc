@@ -100,6 +100,28 @@ TEST(MemoryGuardTest, ALargeBatchIsCheckedAgainstMemoryNow) {
   EXPECT_TRUE(unbounded.AdmitProbes(int64_t{1} << 30));
 }
 
+// Issue 34: 12 streams of 32 MiB batches peaked at 1.25x the bound, since a
+// batch is resident before ingest can refuse it. Room reserved for streams'
+// next batches counts as if it were resident: retained state stops growing
+// early enough that those batches still fit.
+TEST(MemoryGuardTest, RoomReservedForStreamsNextBatchesCountsAgainstTheBound) {
+  int64_t resident = 50 * kMiB;
+  MemoryGuard guard(100 * kMiB, [&] { return resident; });
+  guard.Sample();
+  EXPECT_TRUE(guard.AdmitProbes(20 * kMiB));
+  guard.AdjustReserved(40 * kMiB);
+  EXPECT_EQ(guard.reserved_bytes(), 40 * kMiB);
+  EXPECT_FALSE(guard.AdmitProbes(20 * kMiB)) << "50 + 20 + 40 MiB reserved passes the bound";
+  EXPECT_TRUE(guard.AdmitProbes(5 * kMiB));
+  resident = 60 * kMiB;
+  guard.Sample();
+  EXPECT_TRUE(guard.over_limit()) << "60 MiB resident + 40 reserved reaches 100";
+  guard.AdjustReserved(-40 * kMiB);  // the streams ended
+  guard.Sample();
+  EXPECT_FALSE(guard.over_limit()) << "60 MiB is below the resume mark";
+  EXPECT_TRUE(guard.AdmitProbes(20 * kMiB));
+}
+
 TEST(MemoryGuardTest, WithoutAnInFlightMeasureItResumesOnlyBelowTheMark) {
   int64_t resident = 120 * kMiB;
   MemoryGuard guard(100 * kMiB, [&] { return resident; });
