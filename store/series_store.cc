@@ -19,71 +19,69 @@ bool SeriesKeyLess(const SeriesKey& a, const SeriesKey& b) {
   return std::tie(a.run, a.signal, a.layer, a.head) < std::tie(b.run, b.signal, b.layer, b.head);
 }
 
-namespace {
-
-// Accumulates points into a bucket; the mean is sum / finite count.
-struct BucketBuilder {
-  Bucket bucket;
-  double sum = 0;
-  uint64_t finite = 0;
-
-  void Add(const Point& p) {
-    if (bucket.count == 0) bucket.first_step = p.step;
-    bucket.last_step = p.step;
-    bucket.last_value = p.value;
-    ++bucket.count;
-    if (!std::isfinite(p.value)) {
-      ++bucket.nonfinite;
-      return;
-    }
-    if (finite == 0) {
-      bucket.min = bucket.max = p.value;
-    } else {
-      bucket.min = std::min(bucket.min, p.value);
-      bucket.max = std::max(bucket.max, p.value);
-    }
-    sum += p.value;
-    ++finite;
-  }
-
-  Bucket Finish() {
-    if (finite > 0) bucket.mean = sum / static_cast<double>(finite);
-    return bucket;
-  }
-};
-
-}  // namespace
-
 std::vector<Bucket> DownsamplePoints(const std::vector<Point>& points, size_t max_points) {
   std::vector<Bucket> out;
   if (points.empty() || max_points == 0) return out;
   if (points.size() <= max_points) {
     out.reserve(points.size());
     for (const Point& p : points) {
-      BucketBuilder builder;
-      builder.Add(p);
-      out.push_back(builder.Finish());
+      StepDownsampler::Accumulator one;
+      one.Add(p);
+      out.push_back(one.Finish());
     }
     return out;
   }
-  // Unsigned 128-bit arithmetic: the step span can be as wide as int64 itself.
-  using u128 = unsigned __int128;
-  const uint64_t lo = static_cast<uint64_t>(points.front().step);
-  const u128 span = static_cast<u128>(static_cast<uint64_t>(points.back().step) - lo) + 1;
-  const u128 width = (span + max_points - 1) / max_points;
-  BucketBuilder builder;
-  u128 current = 0;
-  for (const Point& p : points) {
-    const u128 index = static_cast<u128>(static_cast<uint64_t>(p.step) - lo) / width;
-    if (builder.bucket.count > 0 && index != current) {
-      out.push_back(builder.Finish());
-      builder = BucketBuilder();
-    }
-    current = index;
-    builder.Add(p);
+  StepDownsampler downsampler(points.front().step, points.back().step, max_points);
+  for (const Point& p : points) downsampler.Add(p);
+  return downsampler.Finish();
+}
+
+StepDownsampler::StepDownsampler(int64_t first_step, int64_t last_step, size_t max_points)
+    : first_step_(static_cast<uint64_t>(first_step)) {
+  const u128 span = static_cast<u128>(static_cast<uint64_t>(last_step) - first_step_) + 1;
+  const u128 buckets = std::max<size_t>(max_points, 1);
+  width_ = (span + buckets - 1) / buckets;
+}
+
+void StepDownsampler::Accumulator::Add(const Point& p) {
+  if (bucket.count == 0) bucket.first_step = p.step;
+  bucket.last_step = p.step;
+  bucket.last_value = p.value;
+  ++bucket.count;
+  if (!std::isfinite(p.value)) {
+    ++bucket.nonfinite;
+    return;
   }
-  out.push_back(builder.Finish());
+  if (finite == 0) {
+    bucket.min = bucket.max = p.value;
+  } else {
+    bucket.min = std::min(bucket.min, p.value);
+    bucket.max = std::max(bucket.max, p.value);
+  }
+  sum += p.value;
+  ++finite;
+}
+
+Bucket StepDownsampler::Accumulator::Finish() const {
+  Bucket out = bucket;
+  if (finite > 0) out.mean = sum / static_cast<double>(finite);
   return out;
+}
+
+void StepDownsampler::Add(const Point& point) {
+  const u128 index = static_cast<u128>(static_cast<uint64_t>(point.step) - first_step_) / width_;
+  if (open_.bucket.count > 0 && index != current_) {
+    out_.push_back(open_.Finish());
+    open_ = Accumulator();
+  }
+  current_ = index;
+  open_.Add(point);
+}
+
+std::vector<Bucket> StepDownsampler::Finish() {
+  if (open_.bucket.count > 0) out_.push_back(open_.Finish());
+  open_ = Accumulator();
+  return std::move(out_);
 }
 
 std::vector<Bucket> SeriesStore::Downsample(const SeriesKey& key, int64_t from_step,

@@ -87,6 +87,36 @@ struct SeriesInfo {
 // max_points == 0 yields no buckets.
 std::vector<Bucket> DownsamplePoints(const std::vector<Point>& points, size_t max_points);
 
+// The buckets DownsamplePoints makes of more than `max_points` points, fed
+// one at a time in step order: the range's first and last points' steps fix
+// the buckets, so a long range can be read and downsampled window by window
+// without holding its points (server/query/query_backend.cc).
+class StepDownsampler {
+ public:
+  StepDownsampler(int64_t first_step, int64_t last_step, size_t max_points);
+  // Steps must not decrease and must lie in [first_step, last_step].
+  void Add(const Point& point);
+  std::vector<Bucket> Finish();
+
+  // One bucket's running sums; the mean is sum / finite count.
+  struct Accumulator {
+    Bucket bucket;
+    double sum = 0;
+    uint64_t finite = 0;
+    void Add(const Point& point);
+    Bucket Finish() const;
+  };
+
+ private:
+  using u128 = unsigned __int128;  // the step span can be as wide as int64 itself
+
+  uint64_t first_step_;
+  u128 width_;
+  u128 current_ = 0;
+  Accumulator open_;
+  std::vector<Bucket> out_;
+};
+
 class SeriesStore {
  public:
   virtual ~SeriesStore() = default;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -35,6 +36,33 @@ void KeepLatestPerStep(std::vector<Point>& points) {
     kept.push_back(p);
   }
   points = std::move(kept);
+}
+void AddPoints(const std::vector<Point>& points, v1::GetSeriesResponse& response) {
+  for (const Point& p : points) {
+    v1::SeriesPoint* out = response.add_points();
+    out->set_step(p.step);
+    out->set_value(p.value);
+    out->set_wall_time_unix_ms(p.wall_time_ms);
+  }
+}
+
+void AddBuckets(const std::vector<store::Bucket>& buckets, v1::GetSeriesResponse& response) {
+  response.set_downsampled(true);
+  for (const store::Bucket& b : buckets) {
+    v1::SeriesBucket* out = response.add_buckets();
+    out->set_first_step(b.first_step);
+    out->set_last_step(b.last_step);
+    out->set_min(b.min);
+    out->set_max(b.max);
+    out->set_mean(b.mean);
+    out->set_count(b.count);
+    out->set_last(b.last_value);
+  }
+}
+
+// Steps from a to b (a <= b), without overflow at int64's ends.
+uint64_t Distance(int64_t a, int64_t b) {
+  return static_cast<uint64_t>(b) - static_cast<uint64_t>(a);
 }
 }  // namespace
 
@@ -160,6 +188,10 @@ absl::StatusOr<v1::GetSeriesResponse> QueryBackend::GetSeries(
   const std::string what = absl::StrCat("GetSeries of run '", key.run, "' ", key.signal,
                                         " (layer ", key.layer, ", head ", key.head, ")");
   const uint32_t max_points = request.max_points();
+  if (max_points > 0 &&
+      EstimatePoints(*info, from, to) > std::max<int64_t>(max_points, kWindowPoints)) {
+    return DownsampleInWindows(*info, from, to, max_points, what, *lease, std::move(response));
+  }
   if (budget_ != nullptr) {
     // Before the read: what the store's read of the range will hold.
     if (absl::Status leased = budget_->Grow(
@@ -168,10 +200,9 @@ absl::StatusOr<v1::GetSeriesResponse> QueryBackend::GetSeries(
       return leased;
     }
   }
-  std::vector<Point> points = store_.Range(key, from, to);
-  // A run resumed from a checkpoint: one point per step, the latest attempt's.
-  if (lifecycle_ != nullptr) RunLifecycle::LatestAttempt(points, lifecycle_->Boundaries(key.run));
-  if (OnePointPerStep(key)) KeepLatestPerStep(points);
+  std::vector<Point> points = ReadShown(
+      key, from, to,
+      lifecycle_ != nullptr ? lifecycle_->Boundaries(key.run) : std::vector<RunLifecycle::Boundary>{});
   response.set_total_points(points.size());
   if (budget_ != nullptr) {
     // The request's size is known now: within --max_query_mb, or how to page.
@@ -208,25 +239,122 @@ absl::StatusOr<v1::GetSeriesResponse> QueryBackend::GetSeries(
           absl::StrCat(points.size(), " points in the range, over the ", kMaxRawPoints,
                        " a response may carry: set max_points or narrow the range"));
     }
-    for (const Point& p : points) {
-      v1::SeriesPoint* out = response.add_points();
-      out->set_step(p.step);
-      out->set_value(p.value);
-      out->set_wall_time_unix_ms(p.wall_time_ms);
-    }
+    AddPoints(points, response);
     return response;
   }
-  response.set_downsampled(true);
-  for (const store::Bucket& b : store::DownsamplePoints(points, max_points)) {
-    v1::SeriesBucket* out = response.add_buckets();
-    out->set_first_step(b.first_step);
-    out->set_last_step(b.last_step);
-    out->set_min(b.min);
-    out->set_max(b.max);
-    out->set_mean(b.mean);
-    out->set_count(b.count);
-    out->set_last(b.last_value);
+  AddBuckets(store::DownsamplePoints(points, max_points), response);
+  return response;
+}
+
+std::vector<Point> QueryBackend::ReadShown(
+    const SeriesKey& key, int64_t from, int64_t to,
+    const std::vector<RunLifecycle::Boundary>& boundaries, size_t* stored) const {
+  std::vector<Point> points = store_.Range(key, from, to);
+  if (stored != nullptr) *stored = points.size();
+  // A run resumed from a checkpoint: one point per step, the latest attempt's.
+  RunLifecycle::LatestAttempt(points, boundaries);
+  if (OnePointPerStep(key)) KeepLatestPerStep(points);
+  return points;
+}
+
+absl::StatusOr<v1::GetSeriesResponse> QueryBackend::DownsampleInWindows(
+    const store::SeriesInfo& info, int64_t from, int64_t to, uint32_t max_points,
+    const std::string& what, QueryBudget::Lease& lease, v1::GetSeriesResponse response) const {
+  const SeriesKey& key = info.key;
+  const int64_t lo = std::max(from, info.first_step), hi = std::min(to, info.last_step);
+  const int64_t estimate = EstimatePoints(info, from, to);
+  // Held at once: one window (read, then filtered), and the answer: at most
+  // max_points buckets, or as many raw points when filtering leaves no more.
+  const int64_t answer = std::min<int64_t>(estimate, max_points) * QueryBudget::kBucketBytes;
+  // A window point is held twice at most (as read, then filtered).
+  constexpr int64_t kWindowPointBytes = 2 * QueryBudget::kRangePointBytes;
+  constexpr int64_t kLeastWindowPoints = 1024;
+  int64_t window_points = kWindowPoints;
+  if (budget_ != nullptr) {
+    // The window shrinks to what --max_query_mb leaves beside the answer.
+    const int64_t limit = budget_->per_request_bytes();
+    if (limit > 0) window_points = std::min(window_points, (limit - answer) / kWindowPointBytes);
+    if (window_points < kLeastWindowPoints) {
+      budget_->CountTooLarge();
+      return absl::ResourceExhaustedError(absl::StrCat(
+          what, ": ", max_points, " buckets take about ", answer >> 20,
+          " MiB, too much of --max_query_mb=", limit >> 20, ": ask for fewer points"));
+    }
   }
+  int64_t window_bytes = window_points * kWindowPointBytes;
+  if (budget_ != nullptr) {
+    if (absl::Status leased = budget_->Grow(lease, answer + window_bytes, what); !leased.ok()) {
+      return leased;
+    }
+  }
+  const std::vector<RunLifecycle::Boundary> boundaries =
+      lifecycle_ != nullptr ? lifecycle_->Boundaries(key.run) : std::vector<RunLifecycle::Boundary>{};
+  // Steps per window, from the series' density, then from each window read.
+  const double span = static_cast<double>(info.last_step) - static_cast<double>(info.first_step) + 1;
+  double steps_per_point = std::max(1.0, span / static_cast<double>(std::max<uint64_t>(info.points, 1)));
+  auto window_steps = [&] {
+    return static_cast<uint64_t>(std::clamp(static_cast<double>(window_points) * steps_per_point,
+                                            1.0, 9.0e18));
+  };
+  // Reads [a, b] and adapts the window to what it held (an empty one doubles
+  // it); a window denser than leased (a resumed run's overlapping attempts)
+  // is leased as it is.
+  auto read = [&](int64_t a, int64_t b) -> absl::StatusOr<std::vector<Point>> {
+    size_t stored = 0;
+    std::vector<Point> shown = ReadShown(key, a, b, boundaries, &stored);
+    const int64_t held = static_cast<int64_t>(stored) * kWindowPointBytes;
+    if (budget_ != nullptr && held > window_bytes) {
+      if (absl::Status leased = budget_->Grow(lease, held - window_bytes, what); !leased.ok()) {
+        return leased;
+      }
+      window_bytes = held;
+    }
+    if (stored > 0) {
+      steps_per_point = std::max(1.0, (static_cast<double>(Distance(a, b)) + 1) /
+                                          static_cast<double>(stored));
+    } else {
+      steps_per_point *= 2;  // a gap in the steps: crossed in a few windows
+    }
+    return shown;
+  };
+  // The last shown step, from the end backwards: it fixes the buckets (and
+  // points appended after it, by a run still training, are not this answer's).
+  std::optional<int64_t> last;
+  for (int64_t b = hi; b >= lo && !last;) {
+    const int64_t a = Distance(lo, b) < window_steps()
+                          ? lo : static_cast<int64_t>(static_cast<uint64_t>(b) - window_steps() + 1);
+    absl::StatusOr<std::vector<Point>> points = read(a, b);
+    if (!points.ok()) return points.status();
+    if (!points->empty()) last = points->back().step;
+    if (a == lo) break;
+    b = a - 1;
+  }
+  std::optional<store::StepDownsampler> downsampler;
+  std::vector<Point> kept;  // the points while there are no more than max_points
+  int64_t shown = 0;
+  for (int64_t a = lo; last && a <= *last;) {
+    const int64_t b = Distance(a, *last) < window_steps()
+                          ? *last : static_cast<int64_t>(static_cast<uint64_t>(a) + window_steps() - 1);
+    absl::StatusOr<std::vector<Point>> points = read(a, b);
+    if (!points.ok()) return points.status();
+    for (const Point& p : *points) {
+      if (!downsampler) downsampler.emplace(p.step, *last, max_points);
+      downsampler->Add(p);
+      if (++shown <= max_points) {
+        kept.push_back(p);
+      } else if (!kept.empty()) {
+        kept = {};
+      }
+    }
+    if (b == *last) break;
+    a = b + 1;
+  }
+  response.set_total_points(shown);
+  if (shown <= max_points) {  // filtering left few enough to send them raw
+    AddPoints(kept, response);
+    return response;
+  }
+  AddBuckets(downsampler->Finish(), response);
   return response;
 }
 

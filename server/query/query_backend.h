@@ -21,6 +21,9 @@ class QueryBackend {
   // A GetSeries answer never carries more than this many raw points; a
   // larger range must ask for max_points (downsampling) or a narrower range.
   static constexpr uint32_t kMaxRawPoints = 1'000'000;
+  // A downsampled answer over a range of more points than this is read
+  // window by window of about this many points (DownsampleInWindows).
+  static constexpr int64_t kWindowPoints = 65'536;
 
   QueryBackend(const SeriesStore& store, const AlertHub& alerts, const RunTracker& runs)
       : store_(store), alerts_(alerts), runs_(runs) {}
@@ -70,6 +73,19 @@ class QueryBackend {
   // The store holds series of `run`, the alert hub has alerts of it, or the
   // run tracker has seen its Hello.
   bool KnownRun(const std::string& run) const;
+  // GetSeries with max_points over a long range: the query holds one window
+  // of points and the buckets, never the range, so that the loss chart of a
+  // million-step run is an ordinary request.
+  absl::StatusOr<foreshock::v1::GetSeriesResponse> DownsampleInWindows(
+      const store::SeriesInfo& info, int64_t from, int64_t to, uint32_t max_points,
+      const std::string& what, QueryBudget::Lease& lease,
+      foreshock::v1::GetSeriesResponse response) const;
+  // Stored points of `key` in [from, to], as a query shows them: a resumed
+  // run's latest attempt, and for step scalars the latest point per step.
+  // `stored`: how many points were read before that.
+  std::vector<Point> ReadShown(const SeriesKey& key, int64_t from, int64_t to,
+                               const std::vector<RunLifecycle::Boundary>& boundaries,
+                               size_t* stored = nullptr) const;
 
   const SeriesStore& store_;
   const AlertHub& alerts_;

@@ -253,15 +253,20 @@ def test_curvature_per_layer_values_count_in_the_run_state_budget(start_foreshoc
                          layers=1024)[0].accepted == 1
 
 
-def _loss_batches(run_points, per_batch=50_000):
-    """Serialized StreamRequests of scalar records, loss at steps 1..run_points
-    (built as bytes: 10^6 protobuf records would take the test's own memory)."""
+def _loss_value(step, attempt=1):
+    return 2.0 * attempt + (step % 97) * 1e-3
+
+
+def _loss_batches(run_points, per_batch=50_000, first_step=1, attempt=1):
+    """Serialized StreamRequests of scalar records, loss at steps
+    first_step..run_points (built as bytes: 10^6 protobuf records would take
+    the test's own memory)."""
     import struct
     out = []
-    for seq, first in enumerate(range(1, run_points + 1, per_batch), start=1):
+    for seq, first in enumerate(range(first_step, run_points + 1, per_batch), start=1):
         body = [b"\x08" + _varint(seq)]
         for step in range(first, min(first + per_batch, run_points + 1)):
-            scalars = b"\x09" + struct.pack("<d", 2.0 + (step % 97) * 1e-3)  # StepScalars.loss = 1
+            scalars = b"\x09" + struct.pack("<d", _loss_value(step, attempt))  # StepScalars.loss = 1
             record = b"\x08" + _varint(step) + b"\x12" + _varint(len(scalars)) + scalars
             body.append(b"\x12" + _varint(len(record)) + record)
         body = b"".join(body)
@@ -360,6 +365,68 @@ def test_raw_queries_over_a_long_run_page_within_the_memory_bound(start_foreshoc
     samples = daemon.scrape()
     refused = {l.get("reason"): v for n, l, v in samples if n == "foreshock_query_refused_total"}
     assert refused["too_large"] >= 1 + 8 and refused["busy"] == len(refusals), refused
+
+
+def _reference_buckets(points, max_points):
+    """store::DownsamplePoints written out: the step range of the points in
+    max_points buckets of equal width, empty ones skipped."""
+    first, last = points[0][0], points[-1][0]
+    width = -(-(last - first + 1) // max_points)
+    buckets = {}
+    for step, value in points:
+        buckets.setdefault((step - first) // width, []).append((step, value))
+    return [{"first_step": b[0][0], "last_step": b[-1][0], "count": len(b),
+             "min": min(v for _, v in b), "max": max(v for _, v in b),
+             "mean": sum(v for _, v in b) / len(b), "last": b[-1][1]}
+            for _, b in sorted(buckets.items())]
+
+
+def test_a_downsampled_query_reads_a_long_range_window_by_window(start_foreshockd):
+    # Issue 34: a downsampled query read its whole range before bucketing
+    # it, so with --max_query_mb=4 any chart over more than ~65k points was
+    # refused ("narrow the range"), and at the default 64 MiB the loss chart
+    # of a million-step run was. Now it reads windows that fit the budget.
+    # The run here was resumed from a checkpoint at step 100,000: the chart
+    # shows the first attempt before it and the second from it on.
+    import json
+    daemon = start_foreshockd("--max_query_mb=4")
+    run, killed_at, resumed_at, end = "windows", 200_000, 100_000, 260_000
+    # Attempt 1: its stream ends without a goodbye (the job died).
+    acks = [r.ack for r, _ in _raw_stream(daemon.endpoint, [
+        _hello(run, first_seq=1, sender_id=0xA1)] + _loss_batches(killed_at))
+        if r.HasField("ack")]
+    assert sum(a.accepted for a in acks) == killed_at
+    acks = [r.ack for r, _ in _raw_stream(daemon.endpoint, [
+        _hello(run, first_seq=1, sender_id=0xA2)] + _loss_batches(
+            end, first_step=resumed_at, attempt=2)) if r.HasField("ack")]
+    assert sum(a.accepted for a in acks) == end - resumed_at + 1
+    expected = ([(s, _loss_value(s, 1)) for s in range(1, resumed_at)] +
+                [(s, _loss_value(s, 2)) for s in range(resumed_at, end + 1)])
+    base = daemon.metrics_url.replace("/metrics", "") + f"/api/v1/points?run={run}&signal=loss"
+    for query, points in (("", expected),
+                          ("&from=50000&to=150000", expected[49_999:150_000]),
+                          ("&from=150001", expected[150_000:])):
+        for max_points in (700, 1000):
+            status, body = _get(f"{base}&max_points={max_points}{query}")
+            assert status == 200, (query, status, body[:300])
+            got = json.loads(body)
+            assert got["downsampled"] and int(got["total_points"]) == len(points), (query, got.keys())
+            reference = _reference_buckets(points, max_points)
+            assert len(got["buckets"]) == len(reference), (query, len(got["buckets"]))
+            for g, r in zip(got["buckets"], reference):
+                assert (int(g["first_step"]), int(g["last_step"]), int(g["count"])) == (
+                    r["first_step"], r["last_step"], r["count"]), (query, g, r)
+                for field in ("min", "max", "last"):
+                    assert g[field] == r[field], (query, field, g, r)
+                assert abs(g["mean"] - r["mean"]) <= 1e-12 * abs(r["mean"]), (query, g, r)
+    # A short range across the resumption: raw points, the resumed attempt's from 100,000.
+    status, body = _get(f"{base}&max_points=1000&from=99500&to=100499")
+    got = json.loads(body)
+    assert status == 200 and not got.get("downsampled"), body[:300]
+    assert [(int(p["step"]), p["value"]) for p in got["points"]] == expected[99_499:100_499]
+    # Too many buckets for the budget: a clear error, not an answer past it.
+    status, body = _get(f"{base}&max_points=200000")
+    assert status == 413 and "ask for fewer points" in json.loads(body)["error"], body[:300]
 
 
 def test_points_json_is_protobufs_json_mapping(foreshockd):
