@@ -16,7 +16,6 @@ constexpr size_t kFamilyCount = static_cast<size_t>(AlertFamily::kRouterLogitGro
 // Earlier attempts' alerts kept per run (the oldest go first).
 // Closed episodes kept per run (AllAlerts); beyond it the oldest episode that
 // never fired goes first, then the oldest.
-constexpr size_t kMaxEarlierAlerts = 4096;
 // The fp32 hold lets go of a guard signal this many times beyond its bound
 // once the run has shown another sign of trouble (HeldForCorroboration).
 constexpr double kFarBeyondBound = 4.0;
@@ -181,7 +180,7 @@ struct AlertEngine::RunState {
   // Every closed episode of the run that a later one replaced in its record,
   // and the alerts earlier attempts ended with (CloseEpisodes on a resume),
   // each with its Alert::attempt, in the order they closed; bounded by
-  // kMaxEarlierAlerts (KeepEpisode).
+  // kMaxKeptEpisodesPerRun (KeepEpisode).
   std::deque<Alert> earlier_episodes;
 
   RunState() {
@@ -920,12 +919,32 @@ void AlertEngine::KeepEpisode(RunState& run, AlertRecord& record) {
   record.archived = true;
   run.earlier_episodes.push_back(record.alert);
   run.earlier_episodes.back().attempt = run.lifecycle.attempt;
-  if (run.earlier_episodes.size() <= kMaxEarlierAlerts) return;
-  // Over the bound: an episode that fired says more than one that did not.
+  ++kept_episodes_;
+  if (run.earlier_episodes.size() > kMaxKeptEpisodesPerRun) DropEpisode(run);
+  EnforceKeptEpisodeLimit();
+}
+
+void AlertEngine::EnforceKeptEpisodeLimit() {
+  while (kept_episode_limit_ > 0 && kept_episodes_ > kept_episode_limit_) {
+    RunState* largest = nullptr;
+    for (auto& [name, run] : runs_) {
+      if (!largest || run->earlier_episodes.size() > largest->earlier_episodes.size()) {
+        largest = run.get();
+      }
+    }
+    DropEpisode(*largest);
+  }
+}
+
+void AlertEngine::DropEpisode(RunState& run) {
+  if (run.earlier_episodes.empty()) return;
+  // An episode that fired says more than one that did not.
   const auto never_fired = std::find_if(run.earlier_episodes.begin(), run.earlier_episodes.end(),
                                         [](const Alert& a) { return a.firing_step < 0; });
   run.earlier_episodes.erase(never_fired != run.earlier_episodes.end() ? never_fired
                                                                        : run.earlier_episodes.begin());
+  --kept_episodes_;
+  ++counters_.episodes_dropped;
 }
 
 std::vector<Alert> AlertEngine::AllAlerts(std::string_view run) const {
@@ -981,6 +1000,7 @@ std::vector<AlertTransition> AlertEngine::ForgetRun(std::string_view run) {
     }
     out.push_back(AlertTransition{alert, from, alert.state, step});
   }
+  kept_episodes_ -= it->second->earlier_episodes.size();
   runs_.erase(it);
   return out;
 }
@@ -1415,7 +1435,7 @@ bool AlertEngine::RestoreState(std::string_view bytes, std::string* error) {
     if (version >= 4) {
       uint64_t earlier = 0;
       if (!r.GetCount(earlier)) return false;
-      if (earlier > kMaxEarlierAlerts) return r.Fail("too many earlier episodes");
+      if (earlier > kMaxKeptEpisodesPerRun) return r.Fail("too many earlier episodes");
       for (uint64_t i = 0; i < earlier; ++i) {
         Alert alert;
         if (!r.GetI32(alert.attempt) || !GetAlert(r, alert, version)) return false;
@@ -1464,12 +1484,16 @@ bool AlertEngine::RestoreState(std::string_view bytes, std::string* error) {
 
   if (!read()) {
     runs_.clear();
+    kept_episodes_ = 0;
     counters_ = AlertEngineCounters{};
     if (error) *error = "alert engine state refused: " + r.error();
     return false;
   }
   runs_ = std::move(runs);
   counters_ = counters;
+  kept_episodes_ = 0;
+  for (const auto& [name, run] : runs_) kept_episodes_ += run->earlier_episodes.size();
+  EnforceKeptEpisodeLimit();  // saved under a higher limit
   return true;
 }
 

@@ -212,6 +212,9 @@ struct AlertEngineCounters {
   uint64_t points_stale = 0;      // older step than the series' latest
   uint64_t points_duplicate = 0;  // same step, not worse than the value already scored
   uint64_t points_nonfinite = 0;  // non-finite values passed to Observe (dropped)
+  // Closed episodes no longer listed: past kMaxKeptEpisodesPerRun in their
+  // run, or past the engine-wide SetKeptEpisodeLimit.
+  uint64_t episodes_dropped = 0;
 };
 
 class AlertEngine {
@@ -220,6 +223,17 @@ class AlertEngine {
   // checks a hand-built one).
   explicit AlertEngine(AlertConfig config = DefaultAlertConfig());
   ~AlertEngine();
+  // Closed episodes kept per run (AllAlerts); past it the run's oldest
+  // episode that never fired goes first, else its oldest.
+  static constexpr size_t kMaxKeptEpisodesPerRun = 4096;
+  // Closed episodes kept over all runs (0: no bound beyond the per-run one;
+  // an episode costs about 1 KiB). Past it the run that keeps the most loses
+  // an episode, as above: a run whose alerts flap pays for it, not the others.
+  void SetKeptEpisodeLimit(size_t total) {
+    kept_episode_limit_ = total;
+    EnforceKeptEpisodeLimit();
+  }
+  size_t kept_episodes() const { return kept_episodes_; }
   AlertEngine(const AlertEngine&) = delete;
   AlertEngine& operator=(const AlertEngine&) = delete;
 
@@ -229,7 +243,8 @@ class AlertEngine {
   // Pending and firing alerts of every run, by run, alertname and layer.
   std::vector<Alert> ActiveAlerts() const;
   // Every episode of every alert of `run` that ever left inactive: closed
-  // ones (up to 4,096 per run) and the current one of each alert, ordered by
+  // ones (kMaxKeptEpisodesPerRun per run, SetKeptEpisodeLimit over all) and
+  // the current one of each alert, ordered by
   // attempt (oldest first), alertname, layer (run-level first) and episode.
   // Alert::attempt and Alert::episode say whose.
   std::vector<Alert> AllAlerts(std::string_view run) const;
@@ -296,7 +311,12 @@ class AlertEngine {
   RunState& GetRun(std::string_view run);
   // Moves `record`'s episode (if it has one not kept yet) into the run's
   // earlier episodes, before a new one opens or a resume closes it.
-  static void KeepEpisode(RunState& run, AlertRecord& record);
+  void KeepEpisode(RunState& run, AlertRecord& record);
+  // Drops one closed episode of `run` (the oldest that never fired, else the
+  // oldest).
+  void DropEpisode(RunState& run);
+  // Past SetKeptEpisodeLimit: the runs that keep the most drop theirs.
+  void EnforceKeptEpisodeLimit();
   Series& GetSeries(RunState& run, const SignalConfig& config, std::string_view signal, int layer,
                     int head = detectors::kAllHeads);
   // Sets the thresholds of `signal`'s per-head series feeding `record` for
@@ -344,6 +364,8 @@ class AlertEngine {
   const AlertConfig config_;
   std::map<std::string, std::unique_ptr<RunState>, std::less<>> runs_;
   AlertEngineCounters counters_;
+  size_t kept_episodes_ = 0;       // closed episodes of every run
+  size_t kept_episode_limit_ = 0;  // SetKeptEpisodeLimit
 };
 
 }  // namespace foreshock::alerts

@@ -107,6 +107,7 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
     notifier = std::make_unique<AlertmanagerNotifier>(am, *metrics_);
   }
   alerts_ = std::make_unique<AlertHub>(options_.alert_config, *metrics_, std::move(notifier));
+  alerts_->SetKeptEpisodeLimit(static_cast<size_t>(options_.max_alert_episodes));
   sink_ = std::make_unique<FanoutSink>(std::vector<ObservationSink*>{export_sink_.get(), alerts_.get()});
   backend_ = std::make_unique<QueryBackend>(*store_, *alerts_, *runs_);
   query_budget_ = std::make_unique<QueryBudget>(options_.max_query_bytes,

@@ -84,6 +84,9 @@ struct DaemonOptions {
   // Detector state one run's probes may retain (server/ingest/state_budget.h);
   // further probes that would grow it are rejected (state_limit). 0: no bound.
   int64_t max_state_bytes_per_run = 0;
+  // Closed alert episodes kept over all runs (AlertHub::SetKeptEpisodeLimit).
+  // 0: only the per-run bound.
+  int64_t max_alert_episodes = 0;
   // Query answers (server/query/query_budget.h): the most one GetSeries
   // answer may hold, and what all requests in progress may hold together.
   // 0: no limit (each).

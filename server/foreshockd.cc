@@ -232,6 +232,18 @@ ABSL_FLAG(int64_t, max_state_mb_per_run, -1,
           "shows it. -1: a quarter of --max_memory_mb, so that one run cannot hold the daemon "
           "at its memory bound and starve the other runs' probes (no bound when "
           "--max_memory_mb is 0). 0: no bound.");
+ABSL_FLAG(int64_t, max_alert_episodes, -1,
+          "Closed alert episodes the daemon keeps over all runs, for the record of what fired "
+          "(ListAlerts with include_resolved, /api/v1/alerts?include_resolved=1, foreshockctl "
+          "alerts --all, the web UI): about 1 KiB each, and fed by step scalars, which "
+          "--max_memory_mb never refuses, so a run whose alerts flap could otherwise grow "
+          "memory past it. Each run keeps at most 4,096. Past this bound the run that keeps "
+          "the most drops its oldest episode that never fired (else its oldest), so one "
+          "flapping run pays for itself and other runs keep theirs; dropped episodes count in "
+          "foreshock_alert_episodes_dropped_total and foreshock_alert_episodes_kept shows the "
+          "total. Open episodes are never dropped. -1: one KiB per episode in a sixteenth of "
+          "--max_memory_mb, at least 4,096 (1,048,576 when --max_memory_mb is 0). 0: no bound "
+          "beyond the per-run one.");
 ABSL_FLAG(int64_t, max_query_mb, 64,
           "Memory, in MiB, one query answer may take (GetSeries over gRPC, /api/v1/points): "
           "the points read from the store and the answer encoded, about 220 bytes a raw point "
@@ -420,6 +432,14 @@ int main(int argc, char** argv) {
     options.max_state_bytes_per_run = mb << 20;
   } else {
     options.max_state_bytes_per_run = options.max_memory_bytes / 4;
+  }
+  if (const int64_t episodes = absl::GetFlag(FLAGS_max_alert_episodes); episodes >= 0) {
+    options.max_alert_episodes = episodes;
+  } else {
+    options.max_alert_episodes =
+        options.max_memory_bytes > 0
+            ? std::max<int64_t>(4096, options.max_memory_bytes / 16 / 1024)
+            : int64_t{1} << 20;
   }
   options.max_query_bytes = std::max<int64_t>(0, absl::GetFlag(FLAGS_max_query_mb)) << 20;
   if (const int64_t mb = absl::GetFlag(FLAGS_max_query_total_mb); mb >= 0) {

@@ -50,6 +50,10 @@ namespace foreshock::server {
     "Signal points offered to the alert engine, by outcome: scored, stale (an older step than "\
     "the series has seen, e.g. a run resumed from a checkpoint), duplicate (another rank's "  \
     "copy of a step), nonfinite.")                                                             \
+  X(alert_episodes_dropped_total, "alert_episodes_dropped_total",                             \
+    "Closed alert episodes no longer listed (ListAlerts with include_resolved, the UI): past " \
+    "4,096 in their run, or past --max_alert_episodes over all runs (then from the run that "  \
+    "keeps the most); episodes that never fired go first.")                                    \
   X(watch_events_dropped_total, "watch_events_dropped_total",                                 \
     "WatchAlerts events dropped for a subscriber that did not keep up (its stream ends).")     \
   X(record_frames_total, "record_frames_total",                                               \
@@ -111,7 +115,10 @@ namespace foreshock::server {
   X(alert_active, "alert_active",                                                               \
     "1 while an alert fires (labels alertname, run, layer, severity), 0 once resolved.")         \
   X(alertmanager_tracked_alerts, "alertmanager_tracked_alerts",                                 \
-    "Alerts waiting for delivery to Alertmanager or kept for re-sending while they fire.")
+    "Alerts waiting for delivery to Alertmanager or kept for re-sending while they fire.")       \
+  X(alert_episodes_kept, "alert_episodes_kept",                                                 \
+    "Closed alert episodes kept for the record of what fired, over all runs (about 1 KiB "      \
+    "each; at most --max_alert_episodes).")
 
 #define FORESHOCK_DAEMON_HISTOGRAMS(X)                                    \
   X(detector_seconds, "detector_seconds",                                 \

@@ -212,6 +212,15 @@ void AlertHub::ExportCounters() {
   add(kAlertPointOutcomes[1], now.points_stale, exported_.points_stale);
   add(kAlertPointOutcomes[2], now.points_duplicate, exported_.points_duplicate);
   add(kAlertPointOutcomes[3], now.points_nonfinite, exported_.points_nonfinite);
+  metrics_.alert_episodes_dropped_total.Add({}).Increment(
+      static_cast<double>(now.episodes_dropped - exported_.episodes_dropped));
+  exported_.episodes_dropped = now.episodes_dropped;
+  metrics_.alert_episodes_kept.Add({}).Set(static_cast<double>(engine_.kept_episodes()));
+}
+
+void AlertHub::SetKeptEpisodeLimit(size_t total) {
+  std::lock_guard<std::mutex> lock(mu_);
+  engine_.SetKeptEpisodeLimit(total);
 }
 
 uint64_t AlertHub::Subscribe(const std::string& run, bool send_active, Subscriber subscriber) {

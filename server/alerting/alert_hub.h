@@ -35,6 +35,9 @@ class AlertHub final : public ObservationSink {
                    int64_t count) override;
   void OnSampleDone(const detectors::Sample&) override {}
 
+  // --max_alert_episodes (alerts::AlertEngine::SetKeptEpisodeLimit).
+  void SetKeptEpisodeLimit(size_t total);
+
   // Alerts as the Query API shows them; `run` empty means every run.
   std::vector<foreshock::v1::Alert> Alerts(const std::string& run, bool include_resolved) const;
 

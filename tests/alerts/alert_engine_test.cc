@@ -241,6 +241,69 @@ TEST(AlertEngineTest, EveryEpisodeIsListedWithItsOwnSteps) {
   }
 }
 
+// Issue 34: closed episodes are fed by step scalars, which the memory bound
+// never refuses, so a run whose alerts flap could grow the daemon without
+// bound over many runs. Past the engine-wide limit the run that keeps the
+// most drops its own, oldest never-fired first; other runs keep theirs.
+TEST(AlertEngineTest, ADaemonWideEpisodeLimitTakesFromTheRunThatKeepsTheMost) {
+  constexpr std::string_view kSignal = "qk_increment_entropy";
+  auto drive = [&](EngineDriver& driver) {
+    // "steady": three fired episodes.
+    driver.Series("steady", kSignal, 2, 0, 100, 0.8);
+    for (int cycle = 0; cycle < 3; ++cycle) {
+      const int64_t at = 1000 + 400 * cycle;
+      for (int i = 0; i < 5; ++i) driver.Point("steady", at + 10 * i, kSignal, 2, 0.4);
+      driver.Series("steady", kSignal, 2, at + 50, 30, 0.8);
+    }
+    // "flappy": one-sample excursions, each a pending episode that clears.
+    driver.Series("flappy", kSignal, 2, 0, 100, 0.8);
+    for (int cycle = 0; cycle < 12; ++cycle) {
+      const int64_t at = 1000 + 250 * cycle;
+      driver.Point("flappy", at, kSignal, 2, 0.4);
+      driver.Series("flappy", kSignal, 2, at + 10, 20, 0.8);
+    }
+  };
+  auto closed = [](const AlertEngine& engine, const std::string& run) {
+    std::vector<Alert> all = engine.AllAlerts(run);
+    all.pop_back();  // the current episode, never dropped
+    return all;
+  };
+  EngineDriver unbounded;
+  drive(unbounded);
+  const std::vector<Alert> steady = closed(unbounded.engine, "steady");
+  const std::vector<Alert> flappy = closed(unbounded.engine, "flappy");
+  ASSERT_EQ(steady.size(), 2u);
+  for (const Alert& a : steady) EXPECT_GE(a.firing_step, 0);
+  ASSERT_GE(flappy.size(), 6u) << "the excursions must open episodes for the limit to matter";
+  EXPECT_EQ(unbounded.engine.kept_episodes(), steady.size() + flappy.size());
+  EXPECT_EQ(unbounded.engine.counters().episodes_dropped, 0u);
+
+  const size_t limit = steady.size() + 3;
+  EngineDriver bounded;
+  bounded.engine.SetKeptEpisodeLimit(limit);
+  drive(bounded);
+  EXPECT_EQ(bounded.engine.kept_episodes(), limit);
+  EXPECT_EQ(bounded.engine.counters().episodes_dropped, steady.size() + flappy.size() - limit);
+  // The steady run kept every episode; the flapping one its latest three.
+  const std::vector<Alert> steady_kept = closed(bounded.engine, "steady");
+  ASSERT_EQ(steady_kept.size(), steady.size());
+  const std::vector<Alert> flappy_kept = closed(bounded.engine, "flappy");
+  ASSERT_EQ(flappy_kept.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(flappy_kept[i].episode, flappy[flappy.size() - 3 + i].episode);
+  }
+
+  // A daemon restarted with a lower limit applies it to what it restores.
+  AlertEngine restored(WithAttentionAlerts());
+  restored.SetKeptEpisodeLimit(steady.size());
+  std::string error;
+  ASSERT_TRUE(restored.RestoreState(bounded.engine.SaveState(), &error)) << error;
+  EXPECT_EQ(restored.kept_episodes(), steady.size());
+  // 2 + 3 kept, limit 2: whichever keeps more gives one up until it holds.
+  EXPECT_EQ(closed(restored, "steady").size(), 1u);
+  EXPECT_EQ(closed(restored, "flappy").size(), 1u);
+}
+
 TEST(AlertEngineTest, OneAlertPerLayerWhateverTheHeadsAndRanksFeeding) {
   // The signal judged by its layer aggregate (per-head judgement:
   // per_head_test.cc).

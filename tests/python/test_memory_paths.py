@@ -429,6 +429,46 @@ def test_a_downsampled_query_reads_a_long_range_window_by_window(start_foreshock
     assert status == 413 and "ask for fewer points" in json.loads(body)["error"], body[:300]
 
 
+def test_closed_alert_episodes_are_bounded_over_all_runs_and_a_flapping_run_pays(
+        start_foreshockd):
+    # Issue 34: closed alert episodes (about 1 KiB each, 4,096 per run) come
+    # from step scalars, which --max_memory_mb never refuses, so runs whose
+    # alerts flap could grow the daemon past its bound. --max_alert_episodes
+    # bounds them over all runs, taken from the run that keeps the most.
+    import json
+    daemon = start_foreshockd("--max_alert_episodes=4")
+
+    def cycles(n):
+        """n ForeshockNonFinite episodes: a NaN loss, then 20 finite steps (clear_after)."""
+        records = []
+        for cycle in range(n):
+            for offset in range(21):
+                record = pb.Record(step=1 + 21 * cycle + offset)
+                record.scalars.loss = float("nan") if offset == 0 else 2.0
+                records.append(record)
+        return [records[i:i + 50] for i in range(0, len(records), 50)]
+
+    for run, n in (("steady", 3), ("flappy", 8)):
+        acks = _typed_stream(daemon.endpoint, run, cycles(n))
+        assert sum(a.accepted for a in acks) == 21 * n, acks
+    base = daemon.metrics_url.replace("/metrics", "")
+
+    def episodes(run):
+        status, body = _get(f"{base}/api/v1/alerts?run={run}&include_resolved=1")
+        assert status == 200, body[:200]
+        return [int(a.get("episode", 0)) for a in json.loads(body)["alerts"]]
+
+    def metric(name):
+        return sum(v for n, _, v in daemon.scrape() if n == name)
+
+    # 2 + 7 closed episodes, 4 kept: the steady run keeps both of its own.
+    assert wait_until(lambda: metric("foreshock_alert_episodes_dropped_total") == 5,
+                      timeout_s=30), daemon.scrape()
+    assert metric("foreshock_alert_episodes_kept") == 4
+    assert episodes("steady") == [1, 2, 3]
+    assert episodes("flappy") == [6, 7, 8]
+
+
 def test_points_json_is_protobufs_json_mapping(foreshockd):
     # /api/v1/points writes the points and buckets itself (protobuf's printer
     # took 1.4 KB a point); what it writes must be what protobuf's JSON
