@@ -239,15 +239,18 @@ void Daemon::RestoreFromStore() {
     spdlog::info("restored {} signal gauge(s) from the store", gauges);
   }
   // Detector and alert-engine state, so that detection continues where it was.
-  if (auto state = store_->ReadCheckpoint(kDetectorCheckpoint)) {
-    if (pool_->RestoreDetectorState(*state)) {
+  // Mapped, not read into the heap: the detector state may be near
+  // --max_memory_mb, and holding it twice at a restart is what would get
+  // the daemon killed.
+  if (auto state = store_->ReadLargeCheckpoint(kDetectorCheckpoint)) {
+    if (pool_->RestoreDetectorState(state->view())) {
       spdlog::info("restored detector state from the checkpoint ({} bytes)", state->size());
     } else {
       spdlog::warn("the detector checkpoint is unusable; detectors start empty");
     }
   }
-  if (auto state = store_->ReadCheckpoint(kAlertCheckpoint)) {
-    if (alerts_->RestoreState(*state)) {
+  if (auto state = store_->ReadLargeCheckpoint(kAlertCheckpoint)) {
+    if (alerts_->RestoreState(state->view())) {
       spdlog::info("restored alert state from the checkpoint: {} active alert(s)",
                    alerts_->Alerts("", false).size());
     } else {

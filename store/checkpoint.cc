@@ -1,6 +1,8 @@
 #include "store/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -60,14 +62,11 @@ bool WriteCheckpointFile(const std::string& dir, std::string_view name, std::str
   return SyncDirectory(dir, error);
 }
 
-CheckpointStatus ReadCheckpointFile(const std::string& dir, std::string_view name,
-                                    std::string* bytes, std::string* error) {
-  const std::string path = CheckpointPath(dir, name);
-  if (::access(path.c_str(), F_OK) != 0 && errno == ENOENT) return CheckpointStatus::kMissing;
-  std::string contents;
-  if (!ReadWholeFile(path, &contents, error)) return CheckpointStatus::kIoError;
-  if (contents.size() < kCheckpointHeaderBytes ||
-      std::string_view(contents).substr(0, 8) != kCheckpointMagic) {
+namespace {
+// The header, length and checksum of a checkpoint file's `contents`.
+CheckpointStatus CheckContents(const std::string& path, std::string_view contents,
+                               std::string* error) {
+  if (contents.size() < kCheckpointHeaderBytes || contents.substr(0, 8) != kCheckpointMagic) {
     *error = "checkpoint " + path + ": bad header";
     return CheckpointStatus::kCorrupt;
   }
@@ -79,16 +78,96 @@ CheckpointStatus ReadCheckpointFile(const std::string& dir, std::string_view nam
              std::to_string(contents.size() - kCheckpointHeaderBytes) + " bytes follow";
     return CheckpointStatus::kCorrupt;
   }
-  const std::string_view payload = std::string_view(contents).substr(kCheckpointHeaderBytes);
-  if (CheckpointCrc(std::string_view(contents).substr(12, 8), payload) != crc) {
+  if (CheckpointCrc(contents.substr(12, 8), contents.substr(kCheckpointHeaderBytes)) != crc) {
     *error = "checkpoint " + path + ": checksum mismatch";
     return CheckpointStatus::kCorrupt;
+  }
+  return CheckpointStatus::kOk;
+}
+}  // namespace
+
+CheckpointStatus ReadCheckpointFile(const std::string& dir, std::string_view name,
+                                    std::string* bytes, std::string* error) {
+  const std::string path = CheckpointPath(dir, name);
+  if (::access(path.c_str(), F_OK) != 0 && errno == ENOENT) return CheckpointStatus::kMissing;
+  std::string contents;
+  if (!ReadWholeFile(path, &contents, error)) return CheckpointStatus::kIoError;
+  if (CheckpointStatus status = CheckContents(path, contents, error);
+      status != CheckpointStatus::kOk) {
+    return status;
   }
   // In place, not a second copy: a detector checkpoint can be as large as
   // the daemon's detector state.
   contents.erase(0, kCheckpointHeaderBytes);
   *bytes = std::move(contents);
   return CheckpointStatus::kOk;
+}
+
+CheckpointStatus MapCheckpointFile(const std::string& dir, std::string_view name,
+                                   CheckpointBytes* bytes, std::string* error) {
+  const std::string path = CheckpointPath(dir, name);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return CheckpointStatus::kMissing;
+    *error = ErrnoMessage("cannot open", path);
+    return CheckpointStatus::kIoError;
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    *error = ErrnoMessage("cannot stat", path);
+    ::close(fd);
+    return CheckpointStatus::kIoError;
+  }
+  const size_t size = static_cast<size_t>(st.st_size);
+  if (size < kCheckpointHeaderBytes) {
+    ::close(fd);
+    *error = "checkpoint " + path + ": bad header";
+    return CheckpointStatus::kCorrupt;
+  }
+  void* mapping = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);  // the mapping keeps the file
+  if (mapping == MAP_FAILED) {
+    *error = ErrnoMessage("cannot map", path);
+    return CheckpointStatus::kIoError;
+  }
+  ::madvise(mapping, size, MADV_SEQUENTIAL);  // read once in order: pages may go behind
+  CheckpointBytes mapped;
+  mapped.mapping_ = mapping;
+  mapped.mapping_bytes_ = size;
+  const std::string_view contents(static_cast<const char*>(mapping), size);
+  if (CheckpointStatus status = CheckContents(path, contents, error);
+      status != CheckpointStatus::kOk) {
+    return status;  // `mapped` unmaps it
+  }
+  mapped.payload_ = contents.substr(kCheckpointHeaderBytes);
+  *bytes = std::move(mapped);
+  return CheckpointStatus::kOk;
+}
+
+CheckpointBytes::~CheckpointBytes() { Unmap(); }
+
+CheckpointBytes::CheckpointBytes(CheckpointBytes&& other) noexcept
+    : owned_(std::move(other.owned_)),
+      mapping_(std::exchange(other.mapping_, nullptr)),
+      mapping_bytes_(std::exchange(other.mapping_bytes_, 0)),
+      payload_(std::exchange(other.payload_, {})) {}
+
+CheckpointBytes& CheckpointBytes::operator=(CheckpointBytes&& other) noexcept {
+  if (this != &other) {
+    Unmap();
+    owned_ = std::move(other.owned_);
+    mapping_ = std::exchange(other.mapping_, nullptr);
+    mapping_bytes_ = std::exchange(other.mapping_bytes_, 0);
+    payload_ = std::exchange(other.payload_, {});
+  }
+  return *this;
+}
+
+void CheckpointBytes::Unmap() {
+  if (mapping_ != nullptr) ::munmap(mapping_, mapping_bytes_);
+  mapping_ = nullptr;
+  mapping_bytes_ = 0;
+  payload_ = {};
 }
 
 CheckpointFileWriter::CheckpointFileWriter(std::string dir, std::string_view name)

@@ -29,6 +29,40 @@ CheckpointStatus ReadCheckpointFile(const std::string& dir, std::string_view nam
 
 std::string CheckpointPath(const std::string& dir, std::string_view name);
 
+// A checkpoint's bytes: mapped read-only from its file, or owned (a store
+// kept in memory). Mapped, restoring a large state holds it once in the
+// heap, plus page cache the kernel can reclaim under pressure; read into a
+// string, the checkpoint and the state it restores were both anonymous
+// memory, about twice the state, at the moment a container can least
+// spare it (a restart after the daemon reached its memory bound). Move-only.
+class CheckpointBytes {
+ public:
+  CheckpointBytes() = default;
+  explicit CheckpointBytes(std::string owned) : owned_(std::move(owned)) {}
+  ~CheckpointBytes();
+  CheckpointBytes(CheckpointBytes&& other) noexcept;
+  CheckpointBytes& operator=(CheckpointBytes&& other) noexcept;
+  CheckpointBytes(const CheckpointBytes&) = delete;
+  CheckpointBytes& operator=(const CheckpointBytes&) = delete;
+
+  std::string_view view() const { return mapping_ != nullptr ? payload_ : std::string_view(owned_); }
+  size_t size() const { return view().size(); }
+
+ private:
+  friend CheckpointStatus MapCheckpointFile(const std::string&, std::string_view,
+                                            CheckpointBytes*, std::string*);
+  void Unmap();
+
+  std::string owned_;
+  void* mapping_ = nullptr;
+  size_t mapping_bytes_ = 0;
+  std::string_view payload_;  // within the mapping
+};
+
+// ReadCheckpointFile's checks, on the file mapped instead of read.
+CheckpointStatus MapCheckpointFile(const std::string& dir, std::string_view name,
+                                   CheckpointBytes* bytes, std::string* error);
+
 // Where a checkpoint's bytes go as they are produced (the store's interface
 // for streamed checkpoints, SeriesStore::WriteCheckpointStreamed).
 class CheckpointOutput {

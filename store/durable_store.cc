@@ -1307,20 +1307,38 @@ bool DurableSeriesStore::WriteCheckpointStreamed(
 std::optional<std::string> DurableSeriesStore::ReadCheckpoint(std::string_view name) const {
   if (!IsValidCheckpointName(name)) return std::nullopt;
   std::string bytes, error;
-  switch (ReadCheckpointFile(checkpoints_dir_, name, &bytes, &error)) {
+  if (!CheckpointUsable(ReadCheckpointFile(checkpoints_dir_, name, &bytes, &error), error)) {
+    return std::nullopt;
+  }
+  return bytes;
+}
+
+std::optional<CheckpointBytes> DurableSeriesStore::ReadLargeCheckpoint(
+    std::string_view name) const {
+  if (!IsValidCheckpointName(name)) return std::nullopt;
+  CheckpointBytes bytes;
+  std::string error;
+  if (!CheckpointUsable(MapCheckpointFile(checkpoints_dir_, name, &bytes, &error), error)) {
+    return std::nullopt;
+  }
+  return bytes;
+}
+
+bool DurableSeriesStore::CheckpointUsable(CheckpointStatus status, const std::string& error) const {
+  switch (status) {
     case CheckpointStatus::kOk:
-      return bytes;
+      return true;
     case CheckpointStatus::kMissing:
-      return std::nullopt;
+      return false;
     case CheckpointStatus::kCorrupt:
       ++corrupt_checkpoints_;
       Report(error + "; ignoring it");
-      return std::nullopt;
+      return false;
     case CheckpointStatus::kIoError:
       Report(error);
-      return std::nullopt;
+      return false;
   }
-  return std::nullopt;
+  return false;
 }
 
 DurableStoreStats DurableSeriesStore::Stats() const {

@@ -185,6 +185,7 @@ class DurableSeriesStore final : public SeriesStore {
   std::vector<std::string> Events(std::string_view kind) const override;
   bool WriteCheckpoint(std::string_view name, std::string_view bytes) override;
   std::optional<std::string> ReadCheckpoint(std::string_view name) const override;
+  std::optional<CheckpointBytes> ReadLargeCheckpoint(std::string_view name) const override;
   // Straight to the file (store/checkpoint.h, CheckpointFileWriter).
   bool WriteCheckpointStreamed(std::string_view name,
                                const std::function<bool(CheckpointOutput&)>& fill) override;
@@ -287,6 +288,8 @@ class DurableSeriesStore final : public SeriesStore {
   int64_t Now() const;
   std::string SegmentPath(uint64_t sequence) const;
   void Report(std::string problem) const;
+  // A checkpoint read's outcome: corrupt ones are counted and reported.
+  bool CheckpointUsable(CheckpointStatus status, const std::string& error) const;
 
   uint32_t InternSeriesLocked(const SeriesKey& key);
   void IndexPointLocked(Segment& segment, uint32_t series, uint32_t local_id, const Point& point);

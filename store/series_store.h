@@ -173,6 +173,14 @@ class SeriesStore {
   // ReadCheckpoint returns nullopt when there is none or it is corrupt.
   virtual bool WriteCheckpoint(std::string_view name, std::string_view bytes) = 0;
   virtual std::optional<std::string> ReadCheckpoint(std::string_view name) const = 0;
+  // The same, for a checkpoint that may be large (detector state): a
+  // durable store maps the file instead of reading it into the heap
+  // (CheckpointBytes). This default wraps ReadCheckpoint.
+  virtual std::optional<CheckpointBytes> ReadLargeCheckpoint(std::string_view name) const {
+    std::optional<std::string> bytes = ReadCheckpoint(name);
+    if (!bytes) return std::nullopt;
+    return CheckpointBytes(std::move(*bytes));
+  }
   // The same checkpoint, produced piece by piece: `fill` appends the bytes
   // to the output it is given (false: abandon it, the previous checkpoint
   // stays). A durable store streams them to the file, so a large state is

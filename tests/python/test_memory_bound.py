@@ -108,6 +108,39 @@ def test_checkpoint_streams_the_state_instead_of_copying_it(start_foreshockd, tm
         f"peak {peak_kb >> 10} MiB during checkpoints vs steady {steady_kb >> 10} MiB "
         f"(state {state_bytes >> 20} MiB)")
 
+    # A restart restores the state from the checkpoint. Read into the heap,
+    # the checkpoint and the state it restores were both anonymous memory,
+    # about twice the state, at a moment a container's limit cannot spare;
+    # mapped, the checkpoint is page cache the kernel can reclaim. Anonymous
+    # memory (RssAnon) is sampled while the daemon restores and starts.
+    daemon.stop()
+    anon_kb, stop_sampling = [], threading.Event()
+
+    def sample_anon():
+        while not stop_sampling.is_set():
+            process = daemon.process
+            try:
+                if process is not None and process.pid != pid:
+                    anon_kb.append(_status_kb(process.pid, "RssAnon"))
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                pass
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample_anon, daemon=True)
+    sampler.start()
+    daemon.start(timeout_s=120)
+    time.sleep(0.5)
+    stop_sampling.set()
+    sampler.join()
+    assert "restored detector state" in open(daemon.log_path).read(), daemon.log_tail()
+    settled_kb = _status_kb(daemon.process.pid, "RssAnon")
+    print(f"restore: RssAnon peak {max(anon_kb) >> 10} MiB, after {settled_kb >> 10} MiB, "
+          f"{len(anon_kb)} samples")
+    assert settled_kb * 1024 > state_bytes, settled_kb  # the state is back
+    assert max(anon_kb) <= 1.2 * settled_kb, (
+        f"anonymous memory peaked at {max(anon_kb) >> 10} MiB while restoring, "
+        f"{settled_kb >> 10} MiB after (state {state_bytes >> 20} MiB)")
+
 
 def _load_binary():
     path = os.environ.get("FORESHOCK_LOAD", os.path.join(

@@ -678,15 +678,32 @@ TEST(DurableStoreTest, CheckpointsAreAtomicAndChecked) {
     FlipByte(path, i, 0x04);
     auto store = OpenStore(options);
     EXPECT_FALSE(store->ReadCheckpoint("alerts").has_value()) << "flipped byte " << i;
-    EXPECT_EQ(store->Stats().corrupt_checkpoints, 1u);
+    EXPECT_FALSE(store->ReadLargeCheckpoint("alerts").has_value()) << "flipped byte " << i;
+    EXPECT_EQ(store->Stats().corrupt_checkpoints, 2u);
     ASSERT_FALSE(store->Problems().empty());
     EXPECT_NE(store->Problems().back().find("alerts.ckpt"), std::string::npos);
   }
   testing::WriteFile(path, good.substr(0, good.size() - 1));
   auto store = OpenStore(options);
   EXPECT_FALSE(store->ReadCheckpoint("alerts").has_value());
+  EXPECT_FALSE(store->ReadLargeCheckpoint("alerts").has_value());
+  testing::WriteFile(path, "");  // shorter than a header: nothing to map
+  EXPECT_FALSE(store->ReadLargeCheckpoint("alerts").has_value());
   testing::WriteFile(path, good);
   EXPECT_EQ(store->ReadCheckpoint("alerts"), "state v3");
+  // Mapped (the detector checkpoint at startup): the same bytes, also once
+  // moved; missing is missing.
+  std::optional<CheckpointBytes> mapped = store->ReadLargeCheckpoint("alerts");
+  ASSERT_TRUE(mapped.has_value());
+  EXPECT_EQ(mapped->view(), "state v3");
+  CheckpointBytes moved = std::move(*mapped);
+  EXPECT_EQ(moved.view(), "state v3");
+  EXPECT_FALSE(store->ReadLargeCheckpoint("detectors").has_value());
+  EXPECT_FALSE(store->ReadLargeCheckpoint("../escape").has_value());
+  // A store in memory hands its bytes over as they are.
+  InMemorySeriesStore memory(16);
+  ASSERT_TRUE(memory.WriteCheckpoint("alerts", "in memory"));
+  EXPECT_EQ(memory.ReadLargeCheckpoint("alerts")->view(), "in memory");
 }
 
 // Issue 28: a checkpoint streamed piece by piece (the detector state, without
