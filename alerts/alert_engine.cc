@@ -13,9 +13,12 @@ namespace foreshock::alerts {
 namespace {
 
 constexpr size_t kFamilyCount = static_cast<size_t>(AlertFamily::kRouterLogitGrowth) + 1;
-// Earlier attempts' alerts kept per run (the oldest go first).
-// Closed episodes kept per run (AllAlerts); beyond it the oldest episode that
-// never fired goes first, then the oldest.
+// The cause evidence that says low-precision attention was measured
+// unbiased (DeriveCause); a rounding bias measured after the cause settled
+// re-derives a cause that rested on it.
+constexpr std::string_view kUnbiasedOutputEvidence =
+    "attention output measured unbiased against fp32";
+constexpr std::string_view kOutputBiasSignal = "attention_output_bias";
 // The fp32 hold lets go of a guard signal this many times beyond its bound
 // once the run has shown another sign of trouble (HeldForCorroboration).
 constexpr double kFarBeyondBound = 4.0;
@@ -639,7 +642,14 @@ void AlertEngine::OnFired(RunState& run, AlertRecord& fired, int64_t step,
       if (run.cause == ProbableCause::kLowPrecisionAttention) run.cause = ProbableCause::kCombined;
     } else if (family == AlertFamily::kRoundingBias) {
       if (run.cause == ProbableCause::kUnknown) run.cause = ProbableCause::kLowPrecisionAttention;
-      if (run.cause == ProbableCause::kLearningRateTooHigh) run.cause = ProbableCause::kCombined;
+      if (run.cause == ProbableCause::kLearningRateTooHigh &&
+          run.cause_evidence.find(kUnbiasedOutputEvidence) != std::string::npos) {
+        // The learning rate was named because the output looked unbiased;
+        // now it is not: derive again with the bias, as of now.
+        DeriveCause(run, step);
+      } else if (run.cause == ProbableCause::kLearningRateTooHigh) {
+        run.cause = ProbableCause::kCombined;
+      }
     }
     if (run.cause != before) {
       run.cause_evidence += internal::Cat(
@@ -650,6 +660,20 @@ void AlertEngine::OnFired(RunState& run, AlertRecord& fired, int64_t step,
     DeriveCause(run);
   }
   ReannotateRun(run, &fired, step, out);
+}
+
+bool AlertEngine::OutputMeasuredUnbiased(const RunState& run) {
+  // Every layer that computes attention below fp32 sent output checks (its
+  // attention_output_bias series exists); whether one was biased is the
+  // rounding-bias evidence.
+  const auto checks = run.series.find(kOutputBiasSignal);
+  bool low_precision = false;
+  for (const auto& [layer, bits] : run.attention_bits) {
+    if (bits >= 32) continue;
+    low_precision = true;
+    if (checks == run.series.end() || !checks->second.contains(layer)) return false;
+  }
+  return low_precision;
 }
 
 bool AlertEngine::AnyMechanismAlertActive(const RunState& run, const AlertRecord* except) {
@@ -765,6 +789,14 @@ void AlertEngine::DeriveCause(RunState& run, int64_t fired_by) const {
     evidence.precision_ruled_out = true;
     for (const auto& [layer, bits] : run.attention_bits) evidence.precision_ruled_out &= bits >= 32;
     if (evidence.precision_ruled_out) because.push_back("attention computed in fp32 (not precision)");
+  }
+  // Low-precision attention whose output the client measured unbiased
+  // against fp32 (the output check): not a precision fault either, unless a
+  // rounding bias is measured later in the episode (then re-derived).
+  if (!evidence.precision_ruled_out && !evidence.rounding_bias &&
+      cfg.unbiased_output_rules_out_precision && OutputMeasuredUnbiased(run)) {
+    evidence.precision_ruled_out = true;
+    because.push_back(internal::Cat(kUnbiasedOutputEvidence, " (not precision)"));
   }
   run.cause = ClassifyProbableCause(evidence);
   run.cause_evidence = because.empty() ? std::string("none") : internal::Join(because, "; ");
@@ -1186,6 +1218,7 @@ std::string ConfigFingerprint(const AlertConfig& config) {
   // option existed keep their fingerprint.
   if (!pc.fp32_attention_needs_corroboration) w.PutString("fp32_attention_alone");
   if (!pc.curvature_needs_corroboration) w.PutString("curvature_alone");
+  if (!pc.unbiased_output_rules_out_precision) w.PutString("unbiased_output_not_evidence");
   return w.Take();
 }
 

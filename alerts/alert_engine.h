@@ -350,6 +350,9 @@ class AlertEngine {
   // Some alert of `run` other than `except` and of a mechanism family (not a
   // consequence) is pending or firing.
   static bool AnyMechanismAlertActive(const RunState& run, const AlertRecord* except);
+  // Every layer of `run` that computes attention in bf16 or fp16 sent the
+  // output check (ProbableCauseConfig::unbiased_output_rules_out_precision).
+  static bool OutputMeasuredUnbiased(const RunState& run);
   void ReannotateRun(RunState& run, const AlertRecord* skip, int64_t step,
                      std::vector<AlertTransition>& out) const;
   // Re-derives the run's cause from its family onsets and LR history,

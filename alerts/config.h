@@ -37,6 +37,7 @@
 //       lr_baseline_gap_steps: 100
 //       fp32_attention_needs_corroboration: true
 //       curvature_needs_corroboration: true
+//       unbiased_output_rules_out_precision: true
 //
 // Unknown keys, wrong types and out-of-range values are errors that name the
 // key and its line.
@@ -153,6 +154,15 @@ struct ProbableCauseConfig {
   // run was such an excursion, and the curvature was the first warning of a
   // real fault once in 110 runs (docs/EVALUATION.md).
   bool curvature_needs_corroboration = true;
+  // In a run whose attention computes in bf16 or fp16, attention evidence
+  // names the learning rate, as in fp32, when the client measured each such
+  // layer's attention output against its fp32 reference (the output check,
+  // on by default) and found no bias: the kernel's arithmetic is not at
+  // fault, so logit growth is the update size's mark. A rounding bias
+  // measured at any time in the episode still names precision (issue 33:
+  // bf16 runs at an LR too high for the model were diagnosed as precision
+  // faults, with "keep the softmax in fp32" as the action).
+  bool unbiased_output_rules_out_precision = true;
 };
 
 struct AlertConfig {

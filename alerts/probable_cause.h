@@ -17,6 +17,9 @@
 //   fp32 attention   every layer's QKSample.attention_dtype says FLOAT32: the
 //                    precision column below is "no", and attention evidence
 //                    counts as learning-rate evidence
+//   unbiased output  every bf16/fp16 layer sent output checks and no rounding
+//                    bias was measured: the same as fp32 attention (config
+//                    unbiased_output_rules_out_precision)
 //   (loss spikes and non-finite values are consequences, not evidence)
 //
 //   rounding bias    ForeshockAttentionRoundingBias: the attention output is

@@ -1194,6 +1194,65 @@ TEST(AlertEngineTest, LogitGrowthInAnFp32RunFiresWithTheLearningRateNamed) {
   EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kLearningRateTooHigh);
 }
 
+// Issue 33: in bf16 attention whose output the client measured against fp32
+// and found unbiased (the output check), logit growth is the update size's
+// mark as in fp32, and names the learning rate; without the output check it
+// names precision; a bias measured later, after the cause settled, turns it
+// into a precision fault (the LR rested on the output looking clean).
+TEST(AlertEngineTest, LogitGrowthInBf16WithAnUnbiasedOutputNamesTheLearningRate) {
+  struct Case {
+    const char* name;
+    bool output_checks;
+    bool config_on;
+    const char* cause;
+  };
+  for (const Case& c : {Case{"bf16, output measured unbiased", true, true, "learning_rate_too_high"},
+                        Case{"bf16, no output check", false, true, "low_precision_attention"},
+                        Case{"bf16, rule off", true, false, "low_precision_attention"}}) {
+    AlertConfig config = DefaultAlertConfig();
+    config.probable_cause.unbiased_output_rules_out_precision = c.config_on;
+    EngineDriver driver(config);
+    for (int layer : {0, 1}) driver.Point("r1", 0, "attention_compute_bits", layer, 16);
+    for (int64_t i = 0; i < 26; ++i) {
+      const int64_t step = 400 + 10 * i;
+      if (c.output_checks) {
+        for (int layer : {0, 1}) driver.Point("r1", step, "attention_output_bias", layer, 0.02);
+      }
+      driver.Point("r1", step, "attention_max_logit", 0, i < 20 ? 40 : 150);
+    }
+    const auto logit = driver.StateChanges(kAttentionLogitGrowth, "0");
+    ASSERT_FALSE(logit.empty()) << c.name;
+    EXPECT_EQ(logit.back().to, AlertState::kFiring) << c.name;
+    EXPECT_EQ(logit.back().alert.probable_cause, c.cause)
+        << c.name << ": " << logit.back().alert.probable_cause_evidence;
+    EXPECT_EQ(logit.back().alert.probable_cause_evidence.find("measured unbiased") !=
+                  std::string::npos,
+              std::string(c.cause) == "learning_rate_too_high")
+        << c.name << ": " << logit.back().alert.probable_cause_evidence;
+  }
+
+  // A bias measured after the cause settled (onset 600, settled at 700).
+  EngineDriver driver(DefaultAlertConfig());
+  for (int layer : {0, 1}) driver.Point("r1", 0, "attention_compute_bits", layer, 16);
+  for (int64_t i = 0; i < 50; ++i) {
+    const int64_t step = 400 + 10 * i;
+    for (int layer : {0, 1}) {
+      driver.Point("r1", step, "attention_output_bias", layer, step < 750 ? 0.02 : 0.6);
+    }
+    driver.Point("r1", step, "attention_max_logit", 0, i < 20 ? 40 : 150);
+    if (step == 720) {
+      ASSERT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kLearningRateTooHigh);
+    }
+  }
+  EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kLowPrecisionAttention);
+  // The firing alert was re-sent (firing -> firing) with the new cause.
+  const auto sent = driver.Transitions(kAttentionLogitGrowth, "0");
+  ASSERT_FALSE(sent.empty());
+  EXPECT_EQ(sent.back().to, AlertState::kFiring);
+  EXPECT_EQ(sent.back().alert.probable_cause, "low_precision_attention")
+      << sent.back().alert.probable_cause_evidence;
+}
+
 // The hold still applies to the QK spectrum in fp32: a collapse alone stays
 // pending, and a diverging loss (another sign of trouble) releases it.
 TEST(AlertEngineTest, LossDivergingReleasesAHeldAttentionAlert) {

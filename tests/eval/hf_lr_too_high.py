@@ -1,19 +1,31 @@
 """A Hugging Face model trained as a user would, with a peak LR too high for
-it (issue 33): a tiny random-init LLaMA (4 layers, hidden 64, no QK-layernorm)
-on a synthetic copy task, AdamW with a linear warm-up to the peak LR, clipping
-at 1, `foreshock.Monitor(every=E)` in a hand-written loop, no `lr=` streamed.
-Each run streams to a real foreshockd that records it (--record_dir); the
-same recording can then be replayed into another build's daemon
-(--replay_into) to compare alerting rules on identical runs.
+it (issue 33): a tiny random-init model on a synthetic copy task, AdamW with a
+linear warm-up to the peak LR, clipping at 1.
+
+Models (--models): `llama`, a LlamaForCausalLM (4 layers, hidden 64, no
+QK-layernorm); `qwen3moe`, a Qwen3MoeForCausalLM (4 layers, hidden 64,
+QK-layernorm as Qwen3 has it, 8 experts top-2 in every layer, no balance
+loss: router_aux_loss_coef 0).
+Loops (--loops): `monitor`, a hand-written loop with `foreshock.Monitor(every=E)`
+and no `lr=` streamed; `trainer`, the `transformers.Trainer` with
+`ForeshockCallback(every=E)` (constant_with_warmup, logging_steps=1), which
+streams the LR the Trainer logs, as a user's job would.
+
+Each run streams to a real foreshockd that records it (--record_dir). After
+all runs the recordings are replayed with `foreshockctl backtest --signals
+mechanism` (no loss rules, no LR by any path): the first alert of that
+replay is the mechanism's warning, whatever the loop streamed. With
+--replay_into the live runs are also replayed into another build's daemon.
 
     OPENBLAS_NUM_THREADS=1 build/venv-pypi/bin/python tests/eval/hf_lr_too_high.py \\
-        --foreshockd build/server/foreshockd --foreshockctl build/foreshockctl \\
-        --out /work/hf-lr --lrs 3e-1 3e-3 --every 10 50 [--replay_into OLD_FORESHOCKD]
+        --foreshockd build/server/foreshockd --foreshockctl build/ctl/foreshockctl \\
+        --out /work/hf-lr --lrs 3e-1 3e-3 --every 10 50 --models llama qwen3moe \\
+        --loops monitor trainer
 
-Per run it prints: peak LR, every, the divergence step (demo/train.py's rule,
-docs/DESIGN.md §6.3), the first firing mechanism alert (not a loss rule) with
-its step and probable cause, and the lead in steps; with --replay_into, the
-same for the other daemon. Writes OUT/results.json."""
+Per run it prints: model, loop, peak LR, every, the divergence step
+(demo/train.py's rule, docs/DESIGN.md §6.3), the first firing alert of the
+live daemon that is not a loss rule, the mechanism replay's first alert, each
+with its step, probable cause and lead in steps. Writes OUT/results.json."""
 import argparse
 import json
 import math
@@ -89,18 +101,74 @@ def copy_batches(steps, seed):
         yield block.repeat(1, SEQ // PERIOD)
 
 
-def train(endpoint, run_id, peak_lr, every, steps, warmup, seed):
+def make_model(name):
+    if name == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+        return LlamaForCausalLM(LlamaConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2 * SEQ))
+    if name == "qwen3moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+            num_experts=8, num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=4, head_dim=16, max_position_embeddings=2 * SEQ,
+            router_aux_loss_coef=0.0, output_router_logits=False, decoder_sparse_step=1,
+            mlp_only_layers=[]))
+    raise ValueError(name)
+
+
+def train_with_trainer(endpoint, run_id, model, probe, peak_lr, every, steps, warmup, seed,
+                       workdir):
+    """The Trainer and ForeshockCallback as a user would set them up; returns the losses."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from foreshock.integrations.transformers import ForeshockCallback
+
+    class CopyTask(torch.utils.data.Dataset):
+        def __init__(self):
+            self.rows = torch.cat(list(copy_batches(steps, seed)))
+
+        def __len__(self):
+            return len(self.rows)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+    losses = []
+
+    class Losses(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+    args = TrainingArguments(
+        output_dir=os.path.join(workdir, run_id), run_name=run_id, max_steps=steps,
+        per_device_train_batch_size=BATCH, learning_rate=peak_lr,
+        lr_scheduler_type="constant_with_warmup", warmup_steps=warmup, max_grad_norm=1.0,
+        adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.0, logging_steps=1,
+        save_strategy="no", report_to=[], seed=seed, use_cpu=True, disable_tqdm=True,
+        dataloader_drop_last=True)
+    trainer = Trainer(model=model, args=args, train_dataset=CopyTask(), callbacks=[
+        ForeshockCallback(endpoint, probe_batch=probe, every=every, job="hf-lr-too-high"),
+        Losses()])
+    trainer.train()
+    return losses
+
+
+def train(endpoint, run_id, peak_lr, every, steps, warmup, seed, model_name="llama",
+          loop="monitor", workdir="."):
+    import torch
     import foreshock
     from demo.train import divergence_step
     torch.manual_seed(seed)
     torch.set_num_threads(1)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                         max_position_embeddings=2 * SEQ)
-    model = LlamaForCausalLM(config)
+    model = make_model(model_name)
     probe = next(copy_batches(1, seed + 1000))[:4]
+    if loop == "trainer":
+        losses = train_with_trainer(endpoint, run_id, model, probe, peak_lr, every, steps,
+                                    warmup, seed, workdir)
+        return losses, divergence_step(losses, warmup)
     monitor = foreshock.Monitor(endpoint, run_id=run_id, job="hf-lr-too-high", model=model,
                                 probe_batch=probe, every=every,
                                 labels={"peak_lr": repr(peak_lr), "warmup_steps": str(warmup)})
@@ -138,6 +206,21 @@ def first_mechanism_alert(alerts):
                 probable_cause=a.get("probable_cause"))
 
 
+def mechanism_replay(foreshockctl, recordings):
+    """run_id -> the first alert of the mechanism-only backtest of the recordings."""
+    out = subprocess.run([foreshockctl, "backtest", recordings, "--json", "--signals",
+                          "mechanism"], capture_output=True, text=True, timeout=3600)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr)
+    first = {}
+    for run in json.loads(out.stdout)["runs"]:
+        fired = sorted(run.get("alerts", []), key=lambda a: a["step"])
+        first[run["run_id"]] = ({k: fired[0].get(k) for k in
+                                 ("alertname", "layer", "signal", "step", "probable_cause")}
+                                if fired else None)
+    return first
+
+
 def replay(foreshockctl, binary, recordings, workdir, run_id):
     daemon = Daemon(binary, workdir)
     try:
@@ -161,38 +244,53 @@ def main():
     p.add_argument("--warmup", type=int, default=600)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--replay_into", default=None, help="another build's foreshockd")
+    p.add_argument("--models", nargs="+", default=["llama"], choices=["llama", "qwen3moe"])
+    p.add_argument("--loops", nargs="+", default=["monitor"], choices=["monitor", "trainer"])
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rec_dir = os.path.join(args.out, "recordings")
     os.makedirs(rec_dir, exist_ok=True)
     results = []
-    for lr in args.lrs:
-        for every in args.every:
-            run_id = f"hf-llama-lr{lr:g}-every{every}-s{args.seed}"
-            daemon = Daemon(args.foreshockd, args.out, rec_dir)
-            try:
-                t0 = time.monotonic()
-                losses, div = train(daemon.endpoint, run_id, lr, every, args.steps, args.warmup,
-                                    args.seed)
-                time.sleep(2)
-                first = first_mechanism_alert(daemon.alerts(run_id))
-            finally:
-                daemon.stop()
-            row = dict(run_id=run_id, peak_lr=lr, every=every, steps=len(losses),
-                       divergence_step=div, final_loss=losses[-1], first_alert=first,
-                       lead=(div - first["firing_step"]) if (first and div is not None) else None,
-                       wall_s=round(time.monotonic() - t0, 1))
-            if args.replay_into:
-                recs = sorted(os.path.join(rec_dir, n) for n in os.listdir(rec_dir)
-                              if f"-{run_id}-rank" in n)
-                other = replay(args.foreshockctl, args.replay_into, recs, args.out, run_id)
-                row["other_first_alert"] = other
-                row["other_lead"] = ((div - other["firing_step"]) if (other and div is not None)
-                                     else None)
-            print(json.dumps(row), flush=True)
-            results.append(row)
-            with open(os.path.join(args.out, "results.json"), "w") as f:
-                json.dump(results, f, indent=1)
+    runs = [(m, loop, lr, every) for m in args.models for loop in args.loops
+            for lr in args.lrs for every in args.every]
+    for model_name, loop, lr, every in runs:
+        run_id = f"hf-{model_name}-{loop}-lr{lr:g}-every{every}-s{args.seed}"
+        daemon = Daemon(args.foreshockd, args.out, rec_dir)
+        try:
+            t0 = time.monotonic()
+            losses, div = train(daemon.endpoint, run_id, lr, every, args.steps, args.warmup,
+                                args.seed, model_name, loop, args.out)
+            time.sleep(2)
+            first = first_mechanism_alert(daemon.alerts(run_id))
+        finally:
+            daemon.stop()
+        row = dict(run_id=run_id, model=model_name, loop=loop, peak_lr=lr, every=every,
+                   steps=len(losses),
+                   divergence_step=div, final_loss=losses[-1], first_alert=first,
+                   lead=(div - first["firing_step"]) if (first and div is not None) else None,
+                   wall_s=round(time.monotonic() - t0, 1))
+        if args.replay_into:
+            recs = sorted(os.path.join(rec_dir, n) for n in os.listdir(rec_dir)
+                          if f"-{run_id}-rank" in n)
+            other = replay(args.foreshockctl, args.replay_into, recs, args.out, run_id)
+            row["other_first_alert"] = other
+            row["other_lead"] = ((div - other["firing_step"]) if (other and div is not None)
+                                 else None)
+        print(json.dumps(row), flush=True)
+        results.append(row)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    mechanism = mechanism_replay(args.foreshockctl, rec_dir)
+    for row in results:
+        first = mechanism.get(row["run_id"])
+        row["mechanism_first_alert"] = first
+        row["mechanism_lead"] = ((row["divergence_step"] - first["step"])
+                                 if first and row["divergence_step"] is not None else None)
+        print(json.dumps({k: row[k] for k in ("run_id", "divergence_step", "final_loss",
+                                              "mechanism_first_alert", "mechanism_lead")}),
+              flush=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
