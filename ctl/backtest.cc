@@ -464,6 +464,7 @@ std::optional<BacktestOptions::Signals> ParseBacktestSignals(std::string_view te
   if (text == "all") return BacktestOptions::Signals::kAll;
   if (text == "mechanism") return BacktestOptions::Signals::kMechanism;
   if (text == "direct") return BacktestOptions::Signals::kDirect;
+  if (text == "no_lr") return BacktestOptions::Signals::kNoLr;
   return std::nullopt;
 }
 
@@ -472,9 +473,11 @@ bool BacktestDelivers(BacktestOptions::Signals mode, std::string_view signal) {
   // What reads the knob or the injected perturbation itself. rho and tau are
   // computed from the LR the client read from the optimizer (issue 33): under
   // a hidden LR ramp they move with the ramp itself; lambda does not read it.
-  const bool direct = signal == "lr" || signal == "lr_over_held_max" ||
-                      signal == "curvature_eos_ratio" || signal == "curvature_eos_threshold" ||
-                      signal == "attention_output_bias" || signal == "attention_output_error";
+  const bool reads_lr = signal == "lr" || signal == "lr_over_held_max" ||
+                        signal == "curvature_eos_ratio" || signal == "curvature_eos_threshold";
+  if (mode == BacktestOptions::Signals::kNoLr) return !reads_lr;
+  const bool direct = reads_lr || signal == "attention_output_bias" ||
+                      signal == "attention_output_error";
   if (mode == BacktestOptions::Signals::kMechanism) return !direct;
   return direct || signal == "attention_compute_bits";
 }

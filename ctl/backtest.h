@@ -47,9 +47,11 @@ struct BacktestOptions {
   // LR the client read from the optimizer: the mechanism row judges lambda)
   // and the output check (attention_output_bias / _error): as if the job
   // streamed no LR and sent no check; kDirect only those (and
-  // attention_compute_bits, the dtype the cause reads). Non-finite events
-  // reach the engine in every mode.
-  enum class Signals { kAll, kMechanism, kDirect };
+  // attention_compute_bits, the dtype the cause reads); kNoLr everything but
+  // what reads the LR (a job that does not stream it: a hand-written loop
+  // without lr=), the output check included. Non-finite events reach the
+  // engine in every mode.
+  enum class Signals { kAll, kMechanism, kDirect, kNoLr };
   Signals signals = Signals::kAll;
   // Signals whose every value (per head and the layer aggregate) is kept per
   // run in BacktestRun::series, for offline reference detectors

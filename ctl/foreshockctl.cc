@@ -649,7 +649,7 @@ int RunBacktestCommand(const Args& args, const Globals& g) {
   if (args.Has("signals")) {
     const auto mode = ParseBacktestSignals(args.Get("signals"));
     if (!mode) {
-      std::fprintf(stderr, "foreshockctl backtest: --signals is all, mechanism or direct\n");
+      std::fprintf(stderr, "foreshockctl backtest: --signals is all, mechanism, direct or no_lr\n");
       return kExitUsage;
     }
     options.signals = *mode;
@@ -831,12 +831,14 @@ std::vector<Command> Commands() {
       "                           streams (signals lr, lr_over_held_max) and the attention\n"
       "                           output check (attention_output_bias, attention_output_error),\n"
       "                           as if the job streamed neither; direct: only those\n"
-      "                           (docs/EVALUATION.md's three rows)\n"
+      "                           (docs/EVALUATION.md's three rows); no_lr: all but what\n"
+      "                           reads the LR (lr, lr_over_held_max, curvature_eos_ratio,\n"
+      "                           curvature_eos_threshold), as if the job did not stream it\n"
       "  --dump_series S1,S2      with --json, every value of these signals (per head and\n"
       "                           the layer aggregate, head -1) per run under \"series\":\n"
       "                           [[step, layer, head, value], ...] (tests/eval/reference.py)\n",
       "foreshockctl backtest FILE|DIR... [--config FILE] [--divergence_warmup N] "
-      "[--gradnorm_z Z] [--signals all|mechanism|direct] [--dump_series S,...] [--json]",
+      "[--gradnorm_z Z] [--signals all|mechanism|direct|no_lr] [--dump_series S,...] [--json]",
       {{"config", true}, {"divergence_warmup", true}, {"gradnorm_z", true}, {"signals", true},
        {"dump_series", true}},
       1,

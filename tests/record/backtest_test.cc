@@ -319,6 +319,26 @@ TEST_F(BacktestTest, TheMechanismRowJudgesLambdaAndTheDirectRowTheRatioThatReads
   EXPECT_EQ(mechanism->signal, "curvature_lambda_max");
   EXPECT_EQ(mechanism->step, 520);
   EXPECT_EQ(mechanism->probable_cause, "learning_rate_too_high");
+
+  // no_lr (a job that streams no LR): what reads the LR is held back, the
+  // output check is not.
+  EXPECT_FALSE(first_alert(BacktestOptions::Signals::kNoLr, lr_jump));
+  sharpening_ = true;
+  const std::optional<FiredAlert> no_lr = first_alert(BacktestOptions::Signals::kNoLr, sharpening);
+  ASSERT_TRUE(no_lr);
+  EXPECT_EQ(no_lr->signal, "curvature_lambda_max");
+  EXPECT_EQ(ParseBacktestSignals("no_lr"), BacktestOptions::Signals::kNoLr);
+  for (const char* signal : {"lr", "lr_over_held_max", "curvature_eos_ratio",
+                             "curvature_eos_threshold"}) {
+    EXPECT_FALSE(BacktestDelivers(BacktestOptions::Signals::kNoLr, signal)) << signal;
+  }
+  for (const char* signal : {"attention_output_bias", "attention_output_error",
+                             "attention_max_logit", "curvature_lambda_max"}) {
+    EXPECT_TRUE(BacktestDelivers(BacktestOptions::Signals::kNoLr, signal)) << signal;
+    EXPECT_EQ(BacktestDelivers(BacktestOptions::Signals::kMechanism, signal),
+              std::string_view(signal).rfind("attention_output", 0) != 0)
+        << signal;
+  }
 }
 
 TEST_F(BacktestTest, UnreadableAndCorruptFilesAreReportedAndTheRestIsScored) {
