@@ -663,9 +663,14 @@ void AlertEngine::OnFired(RunState& run, AlertRecord& fired, int64_t step,
 }
 
 bool AlertEngine::OutputMeasuredUnbiased(const RunState& run) {
+  // A kernel that has shown a bias once in the run (an episode of the
+  // rounding-bias alert, even one that cleared without firing) stays
+  // suspect: a bias that comes and goes does not make later growth the LR's.
+  for (const auto& [key, record] : run.alerts) {
+    if (key.first == kAttentionRoundingBias && record.alert.episode > 0) return false;
+  }
   // Every layer that computes attention below fp32 sent output checks (its
-  // attention_output_bias series exists); whether one was biased is the
-  // rounding-bias evidence.
+  // attention_output_bias series exists).
   const auto checks = run.series.find(kOutputBiasSignal);
   bool low_precision = false;
   for (const auto& [layer, bits] : run.attention_bits) {

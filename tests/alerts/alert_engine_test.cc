@@ -1231,6 +1231,25 @@ TEST(AlertEngineTest, LogitGrowthInBf16WithAnUnbiasedOutputNamesTheLearningRate)
         << c.name << ": " << logit.back().alert.probable_cause_evidence;
   }
 
+  // A kernel that showed a bias once stays suspect: a bias at 400-420 that
+  // cleared, then logit growth from 600, is not the learning rate's.
+  {
+    EngineDriver driver(DefaultAlertConfig());
+    for (int layer : {0, 1}) driver.Point("r1", 0, "attention_compute_bits", layer, 16);
+    for (int64_t i = 0; i < 26; ++i) {
+      const int64_t step = 400 + 10 * i;
+      for (int layer : {0, 1}) {
+        driver.Point("r1", step, "attention_output_bias", layer, step <= 420 ? 0.6 : 0.02);
+      }
+      driver.Point("r1", step, "attention_max_logit", 0, i < 20 ? 40 : 150);
+    }
+    ASSERT_FALSE(driver.StateChanges(kAttentionRoundingBias, "0").empty());
+    const auto logit = driver.StateChanges(kAttentionLogitGrowth, "0");
+    ASSERT_FALSE(logit.empty());
+    EXPECT_EQ(logit.back().alert.probable_cause, "low_precision_attention")
+        << logit.back().alert.probable_cause_evidence;
+  }
+
   // A bias measured after the cause settled (onset 600, settled at 700).
   EngineDriver driver(DefaultAlertConfig());
   for (int layer : {0, 1}) driver.Point("r1", 0, "attention_compute_bits", layer, 16);
