@@ -23,6 +23,16 @@ constexpr std::string_view kOutputBiasSignal = "attention_output_bias";
 // once the run has shown another sign of trouble (HeldForCorroboration).
 constexpr double kFarBeyondBound = 4.0;
 
+bool IsAttentionFamily(AlertFamily family) {
+  return family == AlertFamily::kQKSpectrum || family == AlertFamily::kAttentionLogits;
+}
+
+// The router signals that count experts starved of tokens, as opposed to
+// those read from the router's logits.
+bool IsExpertDeathSignal(std::string_view signal) {
+  return signal == "router_experts_died" || signal == "router_dead_experts";
+}
+
 std::string Num(double value) {
   if (std::isnan(value)) return "n/a";
   char buffer[32];
@@ -315,7 +325,7 @@ std::vector<AlertTransition> AlertEngine::Observe(const SignalPoint& point) {
   // series ends the episode and its baseline takes the new level in.
   if (assessment.state == SeriesState::kAnomalous && before == SeriesState::kAnomalous &&
       series.record->alert.state == AlertState::kPending && assessment.onset_step >= 0 &&
-      FamilyOfAlert(series.record->alert.alertname) != AlertFamily::kCurvature &&
+      IsAttentionFamily(FamilyOfAlert(series.record->alert.alertname)) &&
       point.step - assessment.onset_step > config_.probable_cause.onset_window_steps &&
       HeldForCorroboration(run, *series.record)) {
     series.detector.ResetEpisode();
@@ -406,6 +416,9 @@ void AlertEngine::Evaluate(RunState& run, AlertRecord& record, const Series& tri
   auto fire = [&](AlertState from) {
     alert.state = AlertState::kFiring;
     alert.firing_step = step;
+    // The evidence is the confirming series', not that of the episode's
+    // pending labels (a held expert death, then the router's z-loss).
+    alert.signal = trigger.signal;
     std::vector<AlertTransition> updates;
     OnFired(run, record, step, updates);
     take_labels_from(trigger, assessment, true);  // after OnFired: names the first layer
@@ -423,10 +436,17 @@ void AlertEngine::Evaluate(RunState& run, AlertRecord& record, const Series& tri
   }
   auto note_held = [&] {
     if (!held) return;
-    if (FamilyOfAlert(alert.alertname) == AlertFamily::kCurvature) {
+    const AlertFamily family = FamilyOfAlert(alert.alertname);
+    if (family == AlertFamily::kCurvature) {
       alert.description += " Held: a curvature surge alone is often an edge-of-stability "
                            "excursion the optimizer resolves by itself, so this waits for "
                            "another kind of alert (attention, router, learning rate, loss).";
+    } else if (family == AlertFamily::kRouterCollapse) {
+      alert.description += " Held: experts that stopped receiving tokens while the router's "
+                           "logits stay steady are often a router without (enough) balance "
+                           "loss settling on fewer experts, which costs capacity, not the "
+                           "run; this waits for another kind of alert (attention, curvature, "
+                           "learning rate, loss) or for the router's logits to move.";
     } else {
       alert.description += " Held: this run computes attention in fp32, so this waits for another "
                            "kind of alert (curvature, router, learning rate, loss) to fire.";
@@ -510,8 +530,9 @@ bool AlertEngine::HeldForCorroboration(const RunState& run, const AlertRecord& r
     }
     return true;
   }
+  if (family == AlertFamily::kRouterCollapse) return ExpertDeathsAlone(run, record);
   if (!config_.probable_cause.fp32_attention_needs_corroboration) return false;
-  if (family != AlertFamily::kQKSpectrum && family != AlertFamily::kAttentionLogits) return false;
+  if (!IsAttentionFamily(family)) return false;
   // Attention logits past their absolute bound are never held (issue 33): in
   // fp32 they have no precision mechanism, so their growth is the update
   // size's mark (Wortsman et al. 2023), and DeriveCause names the learning
@@ -551,6 +572,35 @@ bool AlertEngine::HeldForCorroboration(const RunState& run, const AlertRecord& r
                : value <= *bound / kFarBeyondBound && *bound > 0) {
         return false;
       }
+    }
+  }
+  return true;
+}
+
+bool AlertEngine::ExpertDeathsAlone(const RunState& run, const AlertRecord& record) const {
+  if (!config_.probable_cause.expert_deaths_need_corroboration) return false;
+  // The router's logits moving (entropy, z-loss, flips) is a collapse of its
+  // own: never held.
+  for (const Series* s : record.series) {
+    if (s->detector.state() == SeriesState::kAnomalous && !IsExpertDeathSignal(s->signal)) {
+      return false;
+    }
+  }
+  // Another kind of trouble in the run: an alert firing now or fired earlier
+  // (then resolved), or a curvature surge held itself (the holds release
+  // each other). A router collapse elsewhere fired from its logits, since
+  // expert deaths alone never fire. Router imbalance is the same skewed load
+  // that starves the experts, so it proves nothing more.
+  for (const auto& [key, other] : run.alerts) {
+    if (&other == &record) continue;
+    const AlertFamily other_family = FamilyOfAlert(other.alert.alertname);
+    if (other_family == AlertFamily::kRouterImbalance) continue;
+    if (other.alert.state == AlertState::kFiring || other.alert.state == AlertState::kResolved) {
+      return false;
+    }
+    if (other_family == AlertFamily::kCurvature && other.alert.state == AlertState::kPending &&
+        Anomalous(other)) {
+      return false;
     }
   }
   return true;
@@ -1224,6 +1274,7 @@ std::string ConfigFingerprint(const AlertConfig& config) {
   if (!pc.fp32_attention_needs_corroboration) w.PutString("fp32_attention_alone");
   if (!pc.curvature_needs_corroboration) w.PutString("curvature_alone");
   if (!pc.unbiased_output_rules_out_precision) w.PutString("unbiased_output_not_evidence");
+  if (!pc.expert_deaths_need_corroboration) w.PutString("expert_deaths_alone");
   return w.Take();
 }
 

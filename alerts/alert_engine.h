@@ -335,8 +335,12 @@ class AlertEngine {
   // annotations changed are appended to `out` as firing -> firing.
   void OnFired(RunState& run, AlertRecord& fired, int64_t step, std::vector<AlertTransition>& out);
   // An alert that must wait, pending, for another kind: attention-side in an
-  // fp32 run, or the curvature (ProbableCauseConfig::*_needs_corroboration).
+  // fp32 run, the curvature, or expert deaths alone
+  // (ProbableCauseConfig::*_needs_corroboration).
   bool HeldForCorroboration(const RunState& run, const AlertRecord& record) const;
+  // A router collapse that only expert deaths raised, in a run with no other
+  // kind of trouble (ProbableCauseConfig::expert_deaths_need_corroboration).
+  bool ExpertDeathsAlone(const RunState& run, const AlertRecord& record) const;
   // The families whose alerts release an fp32 attention hold.
   static bool Corroborates(AlertFamily family);
   // Firing, or with a series anomalous now (confirmed, though perhaps held).

@@ -719,13 +719,16 @@ void ParseAlertsSection(const YamlReader& reader, const YAML::Node& alerts, Aler
       config.probable_cause.fp32_attention_needs_corroboration = reader.Bool(node, path);
     } else if (key == "curvature_needs_corroboration") {
       config.probable_cause.curvature_needs_corroboration = reader.Bool(node, path);
+    } else if (key == "expert_deaths_need_corroboration") {
+      config.probable_cause.expert_deaths_need_corroboration = reader.Bool(node, path);
     } else if (key == "unbiased_output_rules_out_precision") {
       config.probable_cause.unbiased_output_rules_out_precision = reader.Bool(node, path);
     } else {
       FailUnknownKey(reader, key_node, "alerts.probable_cause", key,
                      {"onset_window_steps", "settle_steps", "lr_rise_factor", "lr_baseline_steps",
                       "lr_baseline_gap_steps", "fp32_attention_needs_corroboration",
-                      "curvature_needs_corroboration", "unbiased_output_rules_out_precision"});
+                      "curvature_needs_corroboration", "unbiased_output_rules_out_precision",
+                      "expert_deaths_need_corroboration"});
     }
   }
 }

@@ -37,6 +37,7 @@
 //       lr_baseline_gap_steps: 100
 //       fp32_attention_needs_corroboration: true
 //       curvature_needs_corroboration: true
+//       expert_deaths_need_corroboration: true
 //       unbiased_output_rules_out_precision: true
 //
 // Unknown keys, wrong types and out-of-range values are errors that name the
@@ -163,6 +164,16 @@ struct ProbableCauseConfig {
   // bf16 runs at an LR too high for the model were diagnosed as precision
   // faults, with "keep the softmax in fp32" as the action).
   bool unbiased_output_rules_out_precision = true;
+  // A router collapse raised only by experts that stopped receiving tokens
+  // (router_experts_died) waits, pending, until an alert of another kind
+  // fires in the run (attention, curvature, learning rate, loss; router
+  // imbalance is the same skewed load and does not count) or the router's
+  // logits move (entropy, z-loss, flips). A MoE trained without a balance
+  // loss, or with a weak one, loses experts at every LR and still trains to
+  // its best loss (issue 33: 9 of 16 healthy Hugging Face Qwen3-MoE runs
+  // paged); dead experts cost capacity, which the exported
+  // router_experts_died and router_dead_experts series show, not the run.
+  bool expert_deaths_need_corroboration = true;
 };
 
 struct AlertConfig {

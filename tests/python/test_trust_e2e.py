@@ -1,6 +1,7 @@
 """Alerts a real training run can trust (issue 26), through the real daemon:
 a healthy MoE whose experts are dead from initialization raises no alert
-(experts that die during training do); an LR surge that persists keeps a
+(experts that die during training raise one, held until another kind of
+alert fires); an LR surge that persists keeps a
 firing alert until the run ends; a diverged run always has a firing alert
 (ForeshockLossDiverging)."""
 import json
@@ -56,7 +57,7 @@ class Router(nn.Module):
 # 12-sample warm-up: 300 probes, one per step, leave ~90 scored. The
 # dead-expert window holds up to 64 probes (200 steps, capped at 64 samples),
 # so an expert that dies at 250 is judged dead some 60 probes later.
-def _moe_run(daemon, run, die_at=None, probes=300):
+def _moe_run(daemon, run, die_at=None, probes=300, loss_spike_at=None):
     model = Router()
     monitor = Monitor(daemon.endpoint, run_id=run, job="test", model=model,
                       probe_batch=torch.zeros(1), every=1, discover=False,
@@ -65,7 +66,8 @@ def _moe_run(daemon, run, die_at=None, probes=300):
     for step in range(probes):
         if step == die_at:
             model.dead.add(5)  # an expert dies during training
-        monitor.step(step, loss=2.0 + 0.01 * math.sin(step))
+        spiked = loss_spike_at is not None and step >= loss_spike_at
+        monitor.step(step, loss=(6.0 if spiked else 2.0) + 0.01 * math.sin(step))
     assert wait_until(lambda: _last_step(daemon, run) == probes - 1, timeout_s=30)
     assert wait_until(lambda: any(n == "foreshock_router_dead_experts" and l.get("run") == run
                                   for n, l, _ in daemon.scrape()), timeout_s=30)
@@ -82,12 +84,31 @@ def test_experts_dead_from_initialization_raise_no_alert(foreshockd):
     assert dead == [2.0]  # the scenario is what it says
 
 
-def test_experts_that_die_during_training_are_a_collapse(foreshockd):
+def test_experts_that_die_during_training_wait_for_another_kind_of_alert(foreshockd):
+    """Dead experts alone are what a MoE without (enough) balance loss does at
+    any LR while its loss stays healthy (issue 33): the collapse is pending,
+    saying why, and pages nobody."""
     alerts = _moe_run(foreshockd, "moe-dying", die_at=250, probes=420)
     collapse = [a for a in alerts if a["alertname"] == "ForeshockRouterCollapse"]
     assert collapse and collapse[0]["signal"] == "router_experts_died", alerts
     assert int(collapse[0]["first_step"]) >= 250
-    # A router alert alone is no evidence of a cause.
+    assert all(a["state"] == "pending" for a in collapse), collapse
+    assert "Held: experts that stopped receiving tokens" in collapse[0]["description"], collapse
+    assert int(collapse[0]["firing_step"]) == -1
+
+
+def test_experts_that_die_before_the_loss_spikes_are_a_collapse(foreshockd):
+    """The same deaths, then the loss spikes: the collapse fires with the
+    spike, its onset kept at the deaths."""
+    alerts = _moe_run(foreshockd, "moe-dying-spike", die_at=250, probes=420, loss_spike_at=400)
+    spike = [a for a in alerts if a["alertname"] == "ForeshockLossSpike"]
+    assert spike and spike[0]["state"] == "firing", alerts
+    collapse = [a for a in alerts if a["alertname"] == "ForeshockRouterCollapse"]
+    assert collapse and collapse[0]["signal"] == "router_experts_died", alerts
+    assert collapse[0]["state"] == "firing", collapse
+    assert 250 <= int(collapse[0]["first_step"]) < 400
+    assert int(collapse[0]["firing_step"]) >= 400
+    # Neither a router alert nor a loss spike is evidence of a cause.
     assert collapse[0]["probable_cause"] == "unknown", collapse[0]
 
 
