@@ -22,6 +22,7 @@ for faults, expected_cause.
 """
 import argparse
 import concurrent.futures
+import hashlib
 import json
 import os
 import shutil
@@ -329,6 +330,22 @@ def load_manifest(path):
     return {"runs": []}
 
 
+def build_info(foreshockd):
+    """The commit of this checkout, whether its tree differs from it, and the
+    daemon binary's hash."""
+    def git(*argv):
+        out = subprocess.run(["git", "-C", ROOT, *argv], capture_output=True, text=True)
+        return out.stdout.strip() if out.returncode == 0 else None
+    digest = hashlib.sha256()
+    with open(foreshockd, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return dict(commit=git("rev-parse", "HEAD"),
+                tree_differs=bool(git("status", "--porcelain", "--untracked-files=no")),
+                foreshockd=foreshockd, foreshockd_sha256=digest.hexdigest(),
+                recorded_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+
 def write_manifest(path, manifest):
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -409,6 +426,9 @@ def main(argv=None):
                     if not (args.smoke or args.frozen or args.plan) else {})
     if args.plan:
         manifest["plan"] = os.path.relpath(os.path.abspath(args.plan), ROOT)
+    # Which build made the recordings (a draw is recorded by a build of its
+    # freeze commit): appended per invocation, since a corpus can be resumed.
+    manifest.setdefault("builds", []).append(build_info(os.path.abspath(args.foreshockd)))
     print(f"{len(runs)} runs planned, {len(runs) - len(todo)} already done, {len(todo)} to run",
           flush=True)
     if not todo:

@@ -108,6 +108,55 @@ CELLS = {
     "data_switch": ("control", None, {"data": "text"},
                     lambda r, inj: ["--text-switch-step", inj, "--text-switch-to", "permissive"]),
 }
+# The powered design (issue 33): a draw whose fault runs mostly diverge, so
+# that it holds at least 20 diverging faults beside 12 controls. Only the
+# fault cells with a strength that makes a run diverge by the §6.3 rule, at
+# strengths calibrated on calibration draws 3-7, never on a held-out one
+# (docs/EVALUATION.md, "Draw 5"). Left out: lr_peak (an LR too high from the
+# start stalls the loss under clipping, or blows it up inside the warm-up,
+# where the rule does not look: 3 of 12 diverged in draws 1-4 at x8-15, 2 of
+# 11 in calibration draws 3-4 at x10-50, also with a 400-600-step warm-up;
+# the natural benchmark scores that fault as a degraded run), no_balance
+# and adam_eps (1 of 24 diverged, and no strength knob).
+POWERED_CELLS = {"lr_hidden": 10, "lowprec": 7, "lowprec_rtn": 7,
+                 "healthy": 3, "rewarm_x2": 3, "lr_raise": 3, "data_switch": 3}
+# cell -> the strengths a run draws from: the hidden LR's factor (diverged
+# 6 of 6 at x30-100 in calibration 7, 12 of 12 at x300 in draws 1-4), the
+# precision faults' --fault-strength (truncation: 8 of 9 at x48-96 in
+# calibrations 3, 5, 6, against 8 of 12 at x24-32 in draws 1-4; x128
+# diverged 7 of 7, most 7-39 steps after the injection, faster than many
+# probe cadences; round-to-nearest: 11 of 12 at x48-128 in draws 1-4).
+POWERED_STRENGTHS = {"lr_peak": [8, 10, 15], "lr_hidden": [30, 100, 300],
+                     "lowprec": [48, 64, 96], "lowprec_rtn": [48, 128]}
+CALIBRATION_RUNS_PER_CELL = 6
+# Calibration draw 4 tried lr_peak with a long warm-up (its plan records it).
+POWERED_LR_PEAK_WARMUP = [400, 600]
+
+
+def powered_flags(cell, strengths):
+    """CELLS[cell]'s flags, with the cell's strength drawn from `strengths`."""
+    kind, cause, pins, flags_of = CELLS[cell]
+    if cell not in strengths:
+        return CELLS[cell]
+    choices = strengths[cell]
+    if cell == "lr_peak":
+        # A long warm-up, as large runs use: the model learns before the LR
+        # passes what the architecture takes, and then diverges. With the
+        # space's 50-200-step warm-ups a peak too high stalls the loss from
+        # the start instead (1 of 5 diverged at x20-50, calibration draw 3).
+        return kind, cause, dict(pins, warmup=POWERED_LR_PEAK_WARMUP), \
+            lambda r, inj: ["--fault", "lr_peak", "--lr-factor", r.choice(choices)]
+    if cell == "lowprec":
+        return kind, cause, pins, lambda r, inj: ["--fault", "lowprec", "--fault-strength",
+                                                  r.choice(choices), "--lowprec-on", "both"]
+    if cell == "lr_hidden":
+        return kind, cause, pins, lambda r, inj: ["--fault", "lr_hidden", "--lr-factor",
+                                                  r.choice(choices), "--lr-ramp-steps",
+                                                  r.choice([300, 500, 800])]
+    return kind, cause, pins, lambda r, inj: ["--fault", "lowprec_rtn", "--fault-strength",
+                                              r.choice(choices), "--rtn-tie-window", 0.1]
+
+
 # Faults present from step 0 (their injection step is 0).
 FROM_START = ("lr_peak", "no_balance", "adam_eps")
 CATEGORY = {"lr_peak": "LR, knob-blind", "lr_hidden": "LR, knob-blind",
@@ -147,7 +196,23 @@ def draw_config(rng, pins):
     return [str(f) for f in flags] + ["--attention-dtype", dtype], dtype
 
 
-def draw(commit, per_cell=PER_CELL, calibration_seed=None):
+def design_cells(design, per_cell=PER_CELL, strengths=None, only=None):
+    """cell -> (runs, (kind, cause, pins, flags)) of a design ("classic":
+    every cell, per_cell runs each; "powered": POWERED_CELLS at
+    POWERED_STRENGTHS, or `strengths` for a calibration draw), less the cells
+    not in `only`."""
+    if design == "classic":
+        cells = {cell: (per_cell, spec) for cell, spec in CELLS.items()}
+    else:
+        table = dict(POWERED_STRENGTHS, **(strengths or {}))
+        # A calibration draw of chosen cells: CALIBRATION_RUNS_PER_CELL each.
+        counts = {cell: CALIBRATION_RUNS_PER_CELL for cell in only} if only else POWERED_CELLS
+        cells = {cell: (n, powered_flags(cell, table)) for cell, n in counts.items()}
+    return {cell: v for cell, v in cells.items() if not only or cell in only}
+
+
+def draw(commit, per_cell=PER_CELL, calibration_seed=None, design="classic", strengths=None,
+         only=None):
     """The runs (make_corpus.make_run dicts) of the draw seeded by `commit`, or,
     for tuning, of a calibration draw seeded by `calibration_seed` (same space,
     never scored as held out)."""
@@ -158,8 +223,9 @@ def draw(commit, per_cell=PER_CELL, calibration_seed=None):
     else:
         rng, split = random.Random(seed_of(commit)), f"preregistered-{commit[:12]}"
     runs = []
-    for cell, (kind, cause, pins, flags_of) in CELLS.items():
-        for _ in range(per_cell):
+    for cell, (count, (kind, cause, pins, flags_of)) in design_cells(
+            design, per_cell, strengths, only).items():
+        for _ in range(count):
             flags, dtype = draw_config(rng, pins)
             seed = rng.randrange(1000)
             lo, hi = SPACE["injection"]
@@ -198,7 +264,17 @@ def frozen_tree_matches(commit, paths=FREEZE):
 
 def cmd_draw(args):
     commit = args.commit or head_commit()
-    runs = draw(commit, args.per_cell, args.calibration_seed)
+    strengths = {}
+    for item in args.strengths or []:
+        cell, _, values = item.partition("=")
+        if cell not in POWERED_STRENGTHS or not values:
+            sys.exit(f"--strengths {item}: expected CELL=a,b,... with CELL one of "
+                     f"{', '.join(POWERED_STRENGTHS)}")
+        strengths[cell] = [float(v) if "." in v else int(v) for v in values.split(",")]
+    if (strengths or args.cells) and args.calibration_seed is None:
+        sys.exit("--strengths and --cells are for calibration draws: a held-out draw is "
+                 "the design as frozen")
+    runs = draw(commit, args.per_cell, args.calibration_seed, args.design, strengths, args.cells)
     name = (f"calibration-{args.calibration_seed}" if args.calibration_seed is not None
             else f"draw-{commit[:12]}")
     path = args.out or os.path.join(HERE, "preregistered", f"{name}.json")
@@ -206,6 +282,11 @@ def cmd_draw(args):
     doc = dict(freeze_commit=commit if args.calibration_seed is None else None,
                seed=seed_of(commit) if args.calibration_seed is None
                else f"calibration-{args.calibration_seed}", per_cell=args.per_cell,
+               design=args.design,
+               cell_counts={c: n for c, (n, _) in design_cells(
+                   args.design, args.per_cell, strengths, args.cells).items()},
+               strengths=dict(POWERED_STRENGTHS, **strengths) if args.design == "powered"
+               else None,
                frozen_paths=list(FREEZE), space={k: v for k, v in SPACE.items()},
                cells={k: dict(kind=v[0], expected_cause=v[1], category=CATEGORY[k])
                       for k, v in CELLS.items()},
@@ -318,7 +399,14 @@ def main(argv=None):
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("draw", help="draw the held-out runs, seeded by the freeze commit")
     d.add_argument("--commit", default=None, help="the freeze commit (default: HEAD)")
-    d.add_argument("--per-cell", type=int, default=PER_CELL)
+    d.add_argument("--per-cell", type=int, default=PER_CELL, help="runs per cell (classic)")
+    d.add_argument("--design", choices=["classic", "powered"], default="classic",
+                   help="classic: every cell, --per-cell runs each; powered: the diverging "
+                        "fault cells at calibrated strengths, 6 runs each, and 12 controls")
+    d.add_argument("--strengths", nargs="*", metavar="CELL=a,b",
+                   help="calibration draws only: the strengths a powered cell draws from")
+    d.add_argument("--cells", nargs="*", choices=sorted(CELLS),
+                   help="calibration draws only: draw these cells alone")
     d.add_argument("--out", default=None)
     d.add_argument("--calibration-seed", type=int, default=None,
                    help="a calibration draw for tuning (same space, seeded by this number, "

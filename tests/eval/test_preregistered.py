@@ -88,3 +88,32 @@ def test_every_frozen_path_exists_and_the_model_is_one():
         assert os.path.exists(os.path.join(root, path)), path
     for path in ("demo/tiny_moe_gpt.py", "tests/eval/make_corpus.py", "tests/eval/evaluate.py"):
         assert path in preregistered.FREEZE
+
+
+def test_the_powered_design_holds_its_cells_at_their_calibrated_strengths():
+    runs = preregistered.draw(A, design="powered")
+    assert runs == preregistered.draw(A, design="powered")
+    counts = {}
+    for run in runs:
+        counts[run["cell"]] = counts.get(run["cell"], 0) + 1
+    assert counts == preregistered.POWERED_CELLS
+    assert sum(n for c, n in counts.items() if preregistered.CELLS[c][0] == "fault") >= 24
+    assert sum(n for c, n in counts.items() if preregistered.CELLS[c][0] == "control") == 12
+    strength = {"lr_hidden": "--lr-factor", "lowprec": "--fault-strength",
+                "lowprec_rtn": "--fault-strength"}
+    for run in runs:
+        cell = run["cell"]
+        if cell in strength:
+            drawn = float(flag(run, strength[cell]))
+            assert drawn in [float(v) for v in preregistered.POWERED_STRENGTHS[cell]], run
+        if cell.startswith("lowprec"):
+            assert flag(run, "--attention-dtype") == "bf16"
+    # A calibration draw may try other strengths and cells; a held-out one may not.
+    cal = preregistered.draw(A, calibration_seed=9, design="powered",
+                             strengths={"lr_peak": [77]}, only=["lr_peak"])
+    assert {r["cell"] for r in cal} == {"lr_peak"} and len(cal) == 6
+    assert {flag(r, "--lr-factor") for r in cal} == {"77"}
+    assert all(int(flag(r, "--warmup")) in preregistered.POWERED_LR_PEAK_WARMUP for r in cal)
+    with pytest.raises(SystemExit, match="calibration draws"):
+        preregistered.main(["draw", "--commit", A, "--design", "powered",
+                            "--strengths", "lr_peak=77", "--out", os.devnull])
