@@ -26,7 +26,7 @@ final loss, max loss, steps, wall seconds, the per-step losses) and prints the
 table per cell.
 
   # monitored: the same runs streaming to a recording foreshockd (probes every
-  # 10 steps, curvature every 50), then replayed with the mechanism signals
+  # 10 steps by default, --every N; curvature every max(50, N)), then replayed with the mechanism signals
   # alone and scored against each run's outcome
   OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/eval/natural.py record \
       --out /work/natural --cells moe-fp32 --lrs 3e-3 1e-1 --seeds 0
@@ -170,14 +170,15 @@ def run_id_of(cell, lr, seed):
 
 
 def _record_one(spec):
-    cell, lr, seed, steps, endpoint, out_dir, shape = spec
+    cell, lr, seed, steps, endpoint, out_dir, shape, every = spec
     run_id = run_id_of(cell, lr, seed)
     losses_path = os.path.join(out_dir, "losses", run_id + ".json")
     argv = [sys.executable, os.path.join(ROOT, "demo", "train.py"), "--endpoint", endpoint,
             "--run-id", run_id, "--job", "foreshock-natural", "--steps", str(steps),
             "--lr", repr(lr), "--seed", str(seed), "--threads", "1", "--log-every", "0",
-            "--no-alerts", "--every", "10", "--probe-seqs", "2" if shape == "base" else "1",
-            "--curvature-every", "50", "--losses-out", losses_path, "--label", f"cell={cell}",
+            "--no-alerts", "--every", str(every), "--probe-seqs", "2" if shape == "base" else "1",
+            "--curvature-every", str(max(50, every)), "--losses-out", losses_path,
+            "--label", f"cell={cell}", "--label", f"every={every}",
             "--label", f"lr={lr:g}", "--label", f"warmup_steps={WARMUP}"] + cell_flags(cell, shape)
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     t0 = time.monotonic()
@@ -187,7 +188,7 @@ def _record_one(spec):
     losses = [math.nan if x is None else x for x in json.load(open(losses_path))["losses"]]
     from demo.train import divergence_step
     finite = [x for x in losses if math.isfinite(x)]
-    return dict(cell=cell, lr=lr, seed=seed, run_id=run_id, steps=len(losses),
+    return dict(cell=cell, lr=lr, seed=seed, run_id=run_id, steps=len(losses), every=every,
                 divergence_step=divergence_step(losses, WARMUP),
                 final_loss=final_loss(losses), max_loss=max(finite) if finite else None,
                 wall_s=round(time.monotonic() - t0, 1), losses=losses)
@@ -208,7 +209,8 @@ def cmd_record(args):
     try:
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
             for row in pool.map(_record_one, [(c, lr, s, args.steps, daemon.endpoint, args.out,
-                                               args.shape) for c, lr, s in specs]):
+                                               args.shape, args.every)
+                                              for c, lr, s in specs]):
                 done = [r for r in done if (r["cell"], r["lr"], r["seed"]) !=
                         (row["cell"], row["lr"], row["seed"])] + [row]
                 with open(path, "w") as f:
@@ -338,6 +340,8 @@ def main():
     r.add_argument("--steps", type=int, default=STEPS)
     r.add_argument("--shape", choices=sorted(SHAPES), default="base",
                    help="base: the demo's model; ci: the small runs shipped for CI")
+    r.add_argument("--every", type=int, default=10,
+                   help="the probe cadence in training steps (curvature every max(50, this))")
     r.add_argument("--foreshockd", default=os.path.join(ROOT, "build", "server", "foreshockd"))
     c = sub.add_parser("score", help="replay a record's recordings, mechanism signals alone")
     c.add_argument("out")
