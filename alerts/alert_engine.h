@@ -299,7 +299,7 @@ class AlertEngine {
   // take the restored values as its new baseline (or export them once).
   //
   // Format: codec (detectors/state_codec.h), Header "FSAE" version 4
-  // (versions 2 and 3 are still read); see alert_engine.cc for the layout.
+  // (versions 2 and 3 are still read); see alert_engine_checkpoint.cc for the layout.
   std::string SaveState() const;
   bool RestoreState(std::string_view bytes, std::string* error = nullptr);
 
@@ -367,6 +367,12 @@ class AlertEngine {
   // onset; firing alerts are re-sent (firing -> firing) with the final cause.
   void MaybeSettleCause(RunState& run, int64_t step, std::vector<AlertTransition>& out);
   void RecordLearningRate(RunState& run, int64_t step, double lr);
+
+  // RestoreState, a run at a time (alert_engine_checkpoint.cc).
+  bool RestoreRun(codec::StateReader& r, uint32_t version, RunState& run) const;
+  static bool RestoreRunScalars(codec::StateReader& r, uint32_t version, RunState& run);
+  bool RestoreRunSeries(codec::StateReader& r, RunState& run) const;
+  static bool RestoreRunAlerts(codec::StateReader& r, uint32_t version, RunState& run);
 
   const AlertConfig config_;
   std::map<std::string, std::unique_ptr<RunState>, std::less<>> runs_;

@@ -14,43 +14,24 @@
 
 namespace foreshock::alerts {
 
-// ---------------------------------------------------------------------------
-// Defaults. Counts are in samples of the series. The generic values are the
-// member initializers of ChangeDetectorOptions (change_detector.h):
-//   warmup 12, window 40 (scored from 4 samples: min_baseline), gap 8, trend
-//   on, z_threshold 5, cusum k 1 / h 8, min_relative_change 0.10,
-//   min_absolute_change 0, small_sample_inflation 25, gate_inflation 20,
-//   persist 3 of 5, clear_after 10, no bound.
-// Why those:
-// - z 5 with 3-of-5 persistence keeps stationary noise silent: no episode in
-//   1.6M Gaussian samples with noise as large as the 10% gate, about one per
-//   250k samples of Laplace noise (tests/alerts/change_detector_test.cc);
-// - the CUSUM (k 1, h 8, input clipped at 3) confirms a sustained 3-4 sigma
-//   shift within about 7 samples;
-// - the 8-sample gap is longer than the 5-sample persistence window, so a
-//   collapse is confirmed before it can enter its own baseline; 40 samples
-//   of window keep the median/MAD stable;
-// - scored from the 13th sample (warm-up 12, a baseline of 4 or more): a
-//   fixed warm-up in samples is a warm-up in steps that depends on the probe
-//   cadence (40 samples were 2,000 steps at one probe per 50), so instead a
-//   young baseline is trusted less: its scale is multiplied by 1 + 25/n and
-//   its effect-size gate by (1 + 20/n) / (1 + 20/40) for n baseline samples
-//   (at n = 4: 7.25x the scale and 3.5x the gate; at the full 40: 1.6x and 1x).
-// The per-signal overrides below set the direction and the effect size that
-// counts: a change smaller than that is healthy drift whatever its z-score.
-// These values were chosen by tests/eval/evaluate.py --calibrate on the
-// calibration configurations of the evaluation corpus (docs/EVALUATION.md),
-// among the candidates it lists; the held-out configurations did not enter.
-AlertConfig DefaultAlertConfig() {
-  AlertConfig config;
+namespace {
+
+// Adds `signal` to `config`, raising `alert` and judged in `direction`; the
+// caller sets the rest of its change detector's options.
+ChangeDetectorOptions& AddSignal(AlertConfig& config, std::string_view signal,
+                                 std::string_view alert, Direction direction) {
+  SignalConfig& entry = config.signals[std::string(signal)];
+  entry.alertname = std::string(alert);
+  entry.detector.direction = direction;
+  return entry.detector;
+}
+
+// The QK increment, attention logits and entropy, and the output check.
+void AddAttentionSignals(AlertConfig& config) {
   auto add = [&](std::string_view signal, std::string_view alert,
                  Direction direction) -> ChangeDetectorOptions& {
-    SignalConfig& entry = config.signals[std::string(signal)];
-    entry.alertname = std::string(alert);
-    entry.detector.direction = direction;
-    return entry.detector;
+    return AddSignal(config, signal, alert, direction);
   };
-
   // Low-precision attention makes the QK increment low-rank: its spectral
   // entropy (in [0, 1]) drops and the top direction's share rises.
   // Judged per head (issue 25): the layer's minimum over heads hops between
@@ -113,7 +94,14 @@ AlertConfig DefaultAlertConfig() {
     o.persist_m = 2;
     o.persist_n = 3;
   }
+}
 
+// The MoE router: collapse and load imbalance.
+void AddRouterSignals(AlertConfig& config) {
+  auto add = [&](std::string_view signal, std::string_view alert,
+                 Direction direction) -> ChangeDetectorOptions& {
+    return AddSignal(config, signal, alert, direction);
+  };
   // Router collapse (docs/DESIGN.md §1.2): entropy falls, flips surge, z-loss
   // grows, experts die.
   add("router_entropy", kRouterCollapse, Direction::kDrop).min_relative_change = 0.15;
@@ -150,7 +138,14 @@ AlertConfig DefaultAlertConfig() {
     o.min_relative_change = 0.5;
     o.min_absolute_change = 0.25;
   }
+}
 
+// The preregistered curvature rules: lambda (mechanism) and rho (direct).
+void AddCurvatureSignals(AlertConfig& config) {
+  auto add = [&](std::string_view signal, std::string_view alert,
+                 Direction direction) -> ChangeDetectorOptions& {
+    return AddSignal(config, signal, alert, direction);
+  };
   // Curvature: two rules, one alert. Healthy Adam training sits at the edge
   // of stability (rho = lambda / tau around 1, often above), and estimates
   // from a few HVPs on a small batch are noisy (a 3-product estimate is often
@@ -201,7 +196,14 @@ AlertConfig DefaultAlertConfig() {
   // far from the edge (tests/alerts/curvature_noise_test.cc: 7 of 200 such
   // runs -> 0).
   curvature_surge("curvature_eos_ratio").min_absolute_change = 0.5;
+}
 
+// The learning-rate surge, loss spikes and the divergence rule.
+void AddStepScalarSignals(AlertConfig& config) {
+  auto add = [&](std::string_view signal, std::string_view alert,
+                 Direction direction) -> ChangeDetectorOptions& {
+    return AddSignal(config, signal, alert, direction);
+  };
   // Learning rate (docs/DESIGN.md §1.3): more than three times the highest
   // LR the run has trained at (detectors/lr_schedule_detector.cc) steps over
   // the edge of stability the run adapted to. The value is exact (no noise)
@@ -250,7 +252,11 @@ AlertConfig DefaultAlertConfig() {
     o.persist_n = 1;
     o.clear_after = 20;
   }
+}
 
+// Where the probe and curvature series start, and the span of steps their
+// counts stand for.
+void ApplyProbeWarmupAndCadence(AlertConfig& config) {
   // The probe and curvature signals start at training step 200
   // (ChangeDetectorOptions::warmup_steps): within the LR warm-up, attention
   // and routing leave their random-init state, and a baseline of the first
@@ -291,6 +297,44 @@ AlertConfig DefaultAlertConfig() {
         "router_experts_died", "router_dead_experts", "router_load_cv", "router_max_violation"}) {
     config.signals.at(signal).detector.reference_interval_steps = 10;
   }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Defaults. Counts are in samples of the series. The generic values are the
+// member initializers of ChangeDetectorOptions (change_detector.h):
+//   warmup 12, window 40 (scored from 4 samples: min_baseline), gap 8, trend
+//   on, z_threshold 5, cusum k 1 / h 8, min_relative_change 0.10,
+//   min_absolute_change 0, small_sample_inflation 25, gate_inflation 20,
+//   persist 3 of 5, clear_after 10, no bound.
+// Why those:
+// - z 5 with 3-of-5 persistence keeps stationary noise silent: no episode in
+//   1.6M Gaussian samples with noise as large as the 10% gate, about one per
+//   250k samples of Laplace noise (tests/alerts/change_detector_test.cc);
+// - the CUSUM (k 1, h 8, input clipped at 3) confirms a sustained 3-4 sigma
+//   shift within about 7 samples;
+// - the 8-sample gap is longer than the 5-sample persistence window, so a
+//   collapse is confirmed before it can enter its own baseline; 40 samples
+//   of window keep the median/MAD stable;
+// - scored from the 13th sample (warm-up 12, a baseline of 4 or more): a
+//   fixed warm-up in samples is a warm-up in steps that depends on the probe
+//   cadence (40 samples were 2,000 steps at one probe per 50), so instead a
+//   young baseline is trusted less: its scale is multiplied by 1 + 25/n and
+//   its effect-size gate by (1 + 20/n) / (1 + 20/40) for n baseline samples
+//   (at n = 4: 7.25x the scale and 3.5x the gate; at the full 40: 1.6x and 1x).
+// The per-signal overrides (the Add*Signals functions above) set the direction and the effect size that
+// counts: a change smaller than that is healthy drift whatever its z-score.
+// These values were chosen by tests/eval/evaluate.py --calibrate on the
+// calibration configurations of the evaluation corpus (docs/EVALUATION.md),
+// among the candidates it lists; the held-out configurations did not enter.
+AlertConfig DefaultAlertConfig() {
+  AlertConfig config;
+  AddAttentionSignals(config);
+  AddRouterSignals(config);
+  AddCurvatureSignals(config);
+  AddStepScalarSignals(config);
+  ApplyProbeWarmupAndCadence(config);
   return config;
 }
 

@@ -1,5 +1,10 @@
 #include "alerts/probable_cause.h"
 
+#include <algorithm>
+#include <cmath>
+
+#include "alerts/alert_engine_state.h"
+
 #include "alerts/config.h"
 #include "alerts/text.h"
 
@@ -83,6 +88,431 @@ std::string SuggestedAction(ProbableCause cause, int64_t rollback_step) {
   return internal::Cat(
       "Inspect the run's foreshock signals for the alerted layers; if they keep degrading, ",
       rollback, ".");
+}
+
+// ---------------------------------------------------------------------------
+// The engine's side of the probable cause: which alerts wait for
+// corroboration, what happens when an alert fires, and how the run's cause is
+// derived, settled and written into its alerts (docs/DESIGN.md §5.5).
+
+using engine_internal::IsAttentionFamily;
+using engine_internal::IsExpertDeathSignal;
+using engine_internal::kFamilyCount;
+using engine_internal::kFarBeyondBound;
+using engine_internal::kOutputBiasSignal;
+using engine_internal::kUnbiasedOutputEvidence;
+using engine_internal::Num;
+
+bool AlertEngine::HeldForCorroboration(const RunState& run, const AlertRecord& record) const {
+  const AlertFamily family = FamilyOfAlert(record.alert.alertname);
+  if (family == AlertFamily::kCurvature) {
+    if (!config_.probable_cause.curvature_needs_corroboration) return false;
+    // Another kind of alert anomalous now: fired, or confirmed and held
+    // itself (an fp32 attention alert; the two holds release each other).
+    for (const auto& [key, other] : run.alerts) {
+      if (&other == &record || FamilyOfAlert(other.alert.alertname) == AlertFamily::kCurvature) {
+        continue;
+      }
+      if (other.alert.state != AlertState::kResolved && Anomalous(other)) return false;
+    }
+    return true;
+  }
+  if (family == AlertFamily::kRouterCollapse) return ExpertDeathsAlone(run, record);
+  if (!config_.probable_cause.fp32_attention_needs_corroboration) return false;
+  if (!IsAttentionFamily(family)) return false;
+  // Attention logits past their absolute bound are never held (issue 33): in
+  // fp32 they have no precision mechanism, so their growth is the update
+  // size's mark (Wortsman et al. 2023), and DeriveCause names the learning
+  // rate. Holding them kept a run's earliest signal pending for hundreds of
+  // steps while it diverged. The hold only keeps fp32 from being diagnosed
+  // as a precision fault from changes of the QK spectrum and the entropy.
+  if (record.alert.alertname == kAttentionLogitGrowth) return false;
+  if (run.attention_bits.empty()) return false;
+  for (const auto& [layer, bits] : run.attention_bits) {
+    if (bits < 32) return false;
+  }
+  // Another sign of trouble in the run: an alert of another kind firing now,
+  // or one that fired earlier in the run (then resolved: a loss spike).
+  bool trouble_seen = false;
+  for (const auto& [key, other] : run.alerts) {
+    const AlertFamily other_family = FamilyOfAlert(other.alert.alertname);
+    if (!Corroborates(other_family)) continue;
+    if (other.alert.state == AlertState::kFiring) return false;
+    // A curvature surge held for corroboration itself is the other kind.
+    if (other_family == AlertFamily::kCurvature && other.alert.state == AlertState::kPending &&
+        Anomalous(other)) {
+      return false;
+    }
+    trouble_seen |= other.alert.state == AlertState::kResolved;
+  }
+  // A value far beyond its absolute bound (attention max logit 800 against
+  // 100) is not the model learning: once the run has shown trouble it is not
+  // held any longer (issue 26: logits of 821-1,880 stayed held while the run
+  // diverged).
+  if (trouble_seen) {
+    for (const Series* s : record.series) {
+      const std::optional<double>& bound = s->config->detector.bound;
+      if (!bound || s->detector.state() != SeriesState::kAnomalous) continue;
+      const double value = s->detector.last().value;
+      const bool rise = s->config->detector.direction == Direction::kRise;
+      if (rise ? value >= kFarBeyondBound * *bound && *bound > 0
+               : value <= *bound / kFarBeyondBound && *bound > 0) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+bool AlertEngine::ExpertDeathsAlone(const RunState& run, const AlertRecord& record) const {
+  if (!config_.probable_cause.expert_deaths_need_corroboration) return false;
+  // The router's logits moving (entropy, z-loss, flips) is a collapse of its
+  // own: never held.
+  for (const Series* s : record.series) {
+    if (s->detector.state() == SeriesState::kAnomalous && !IsExpertDeathSignal(s->signal)) {
+      return false;
+    }
+  }
+  // Another kind of trouble in the run: an alert firing now or fired earlier
+  // (then resolved), or a curvature surge held itself (the holds release
+  // each other). A router collapse elsewhere fired from its logits, since
+  // expert deaths alone never fire. Router imbalance is the same skewed load
+  // that starves the experts, so it proves nothing more.
+  for (const auto& [key, other] : run.alerts) {
+    if (&other == &record) continue;
+    const AlertFamily other_family = FamilyOfAlert(other.alert.alertname);
+    if (other_family == AlertFamily::kRouterImbalance) continue;
+    if (other.alert.state == AlertState::kFiring || other.alert.state == AlertState::kResolved) {
+      return false;
+    }
+    if (other_family == AlertFamily::kCurvature && other.alert.state == AlertState::kPending &&
+        Anomalous(other)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool AlertEngine::Corroborates(AlertFamily family) {
+  return family == AlertFamily::kCurvature || family == AlertFamily::kRouterCollapse ||
+         family == AlertFamily::kLearningRate || family == AlertFamily::kConsequence ||
+         family == AlertFamily::kRoundingBias;
+}
+
+void AlertEngine::ReleaseHeld(RunState& run, int64_t step, std::vector<AlertTransition>& out) {
+  std::vector<AlertRecord*> held;
+  for (auto& [key, record] : run.alerts) {
+    if (record.alert.state != AlertState::kPending) continue;
+    for (const Series* s : record.series) {
+      if (s->detector.state() == SeriesState::kAnomalous) {
+        held.push_back(&record);
+        break;
+      }
+    }
+  }
+  for (AlertRecord* record : held) {
+    for (const Series* s : record->series) {
+      if (s->detector.state() != SeriesState::kAnomalous) continue;
+      Evaluate(run, *record, *s, s->detector.last(), step, out);
+      break;
+    }
+  }
+}
+
+void AlertEngine::OnFired(RunState& run, AlertRecord& fired, int64_t step,
+                          std::vector<AlertTransition>& out) {
+  // Held alerts (fp32 attention, curvature) fire with the first alert of another kind.
+  ReleaseHeld(run, step, out);
+  const Alert& alert = fired.alert;
+  // The episode's onset: the earliest first anomalous step of the series
+  // that are anomalous now (a non-finite alert has no series: its step).
+  int64_t onset = step;
+  for (const Series* s : fired.series) {
+    if (s->detector.state() == SeriesState::kAnomalous && s->detector.last().onset_step >= 0) {
+      onset = std::min(onset, s->detector.last().onset_step);
+    }
+  }
+
+  if (fired.layer >= 0) {
+    const bool earlier = !run.first_firing ||
+                         std::pair(step, onset) <
+                             std::pair(run.first_firing->firing_step, run.first_firing->first_step);
+    if (earlier) {
+      run.first_firing = FirstFiring{alert.alertname, fired.layer, "", step, onset};
+      // The signal that confirmed: an anomalous series of this record.
+      for (const Series* s : fired.series) {
+        if (s->detector.state() == SeriesState::kAnomalous) {
+          run.first_firing->signal = s->signal;
+          break;
+        }
+      }
+    }
+  }
+
+  // A new episode after every mechanism alert of the run resolved is a new
+  // diagnosis: alerts that came and went before it (false alarms, or an
+  // incident the run recovered from) cannot explain it.
+  if (run.mechanism_onset >= 0 && !AnyMechanismAlertActive(run, &fired)) {
+    run.family_onset.fill(-1);
+    run.family_fired_step.fill(-1);
+    run.mechanism_onset = -1;
+    run.cause = ProbableCause::kUnknown;
+    run.cause_settled = false;
+    run.cause_evidence.clear();
+  }
+
+  const AlertFamily family = EvidenceFamilyOf(alert.alertname, alert.signal);
+  int64_t& family_onset = run.family_onset[static_cast<size_t>(family)];
+  if (family == AlertFamily::kConsequence || (family_onset >= 0 && family_onset <= onset)) return;
+  family_onset = onset;
+  run.family_fired_step[static_cast<size_t>(family)] = step;
+
+  if (run.cause_settled) {
+    // The diagnosis was delivered as final; an earlier onset (layers arrive
+    // out of order) still moves the rollback step.
+    run.mechanism_onset = std::min(run.mechanism_onset, onset);
+    // A learning-rate surge or a measured rounding bias is a cause whenever it
+    // comes (a job input, a kernel's arithmetic): it completes the diagnosis.
+    const ProbableCause before = run.cause;
+    if (family == AlertFamily::kLearningRate) {
+      if (run.cause == ProbableCause::kUnknown) run.cause = ProbableCause::kLearningRateTooHigh;
+      if (run.cause == ProbableCause::kLowPrecisionAttention) run.cause = ProbableCause::kCombined;
+    } else if (family == AlertFamily::kRoundingBias) {
+      if (run.cause == ProbableCause::kUnknown) run.cause = ProbableCause::kLowPrecisionAttention;
+      if (run.cause == ProbableCause::kLearningRateTooHigh &&
+          run.cause_evidence.find(kUnbiasedOutputEvidence) != std::string::npos) {
+        // The learning rate was named because the output looked unbiased;
+        // now it is not: derive again with the bias, as of now.
+        DeriveCause(run, step);
+      } else if (run.cause == ProbableCause::kLearningRateTooHigh) {
+        run.cause = ProbableCause::kCombined;
+      }
+    }
+    if (run.cause != before) {
+      run.cause_evidence += internal::Cat(
+          "; then ", family == AlertFamily::kLearningRate ? "learning rate surge" : "attention rounding bias",
+          " from step ", onset);
+    }
+  } else {
+    DeriveCause(run);
+  }
+  ReannotateRun(run, &fired, step, out);
+}
+
+bool AlertEngine::OutputMeasuredUnbiased(const RunState& run) {
+  // A kernel that has shown a bias once in the run (an episode of the
+  // rounding-bias alert, even one that cleared without firing) stays
+  // suspect: a bias that comes and goes does not make later growth the LR's.
+  for (const auto& [key, record] : run.alerts) {
+    if (key.first == kAttentionRoundingBias && record.alert.episode > 0) return false;
+  }
+  // Every layer that computes attention below fp32 sent output checks (its
+  // attention_output_bias series exists).
+  const auto checks = run.series.find(kOutputBiasSignal);
+  bool low_precision = false;
+  for (const auto& [layer, bits] : run.attention_bits) {
+    if (bits >= 32) continue;
+    low_precision = true;
+    if (checks == run.series.end() || !checks->second.contains(layer)) return false;
+  }
+  return low_precision;
+}
+
+bool AlertEngine::AnyMechanismAlertActive(const RunState& run, const AlertRecord* except) {
+  for (const auto& [key, record] : run.alerts) {
+    if (&record == except || FamilyOfAlert(record.alert.alertname) == AlertFamily::kConsequence) {
+      continue;
+    }
+    if (record.alert.state == AlertState::kPending || record.alert.state == AlertState::kFiring) {
+      return true;
+    }
+  }
+  return false;
+}
+
+void AlertEngine::ReannotateRun(RunState& run, const AlertRecord* skip, int64_t step,
+                                std::vector<AlertTransition>& out) const {
+  for (auto& [key, record] : run.alerts) {
+    if (&record == skip) continue;
+    const bool changed = RefreshCause(run, record);
+    if (changed && record.alert.state == AlertState::kFiring) {
+      out.push_back(AlertTransition{record.alert, AlertState::kFiring, AlertState::kFiring, step});
+    }
+  }
+}
+
+void AlertEngine::DeriveCause(RunState& run, int64_t fired_by) const {
+  const ProbableCauseConfig& cfg = config_.probable_cause;
+  // A family's onset, when its episode fired by `fired_by` (else -1): the
+  // settled cause counts only what every layer had reached, whatever order
+  // the workers delivered it in.
+  auto onset_of = [&](size_t f) {
+    return run.family_fired_step[f] <= fired_by ? run.family_onset[f] : int64_t{-1};
+  };
+  int64_t mechanism_onset = -1;
+  for (size_t f = 0; f < kFamilyCount; ++f) {
+    const int64_t onset_f = onset_of(f);
+    if (static_cast<AlertFamily>(f) == AlertFamily::kConsequence || onset_f < 0) continue;
+    if (mechanism_onset < 0 || onset_f < mechanism_onset) mechanism_onset = onset_f;
+  }
+  run.mechanism_onset = mechanism_onset;
+  if (mechanism_onset < 0) return;
+  std::vector<std::string> because;
+  auto within = [&](AlertFamily f, std::string_view what) {
+    const int64_t o = onset_of(static_cast<size_t>(f));
+    const bool in = o >= 0 && o - mechanism_onset <= cfg.onset_window_steps;
+    if (in) because.push_back(internal::Cat(what, " from step ", o));
+    return in;
+  };
+  CauseEvidence evidence;
+  evidence.qk_spectrum = within(AlertFamily::kQKSpectrum, "QK increment collapse");
+  evidence.attention_logits = within(AlertFamily::kAttentionLogits, "attention logit growth");
+  evidence.router_collapse = within(AlertFamily::kRouterCollapse, "router collapse");
+  evidence.router_logit_growth =
+      within(AlertFamily::kRouterLogitGrowth, "router logit growth (z-loss, entropy)");
+  evidence.router_imbalance = within(AlertFamily::kRouterImbalance, "router load imbalance");
+  evidence.curvature = within(AlertFamily::kCurvature, "curvature above the edge");
+  // A learning-rate surge and a measured rounding bias count whenever they
+  // began in the episode: neither is a consequence of the instability.
+  auto any_time = [&](AlertFamily f, std::string_view what) {
+    const int64_t o = onset_of(static_cast<size_t>(f));
+    if (o >= 0) because.push_back(internal::Cat(what, " from step ", o));
+    return o >= 0;
+  };
+  evidence.lr_rise = any_time(AlertFamily::kLearningRate, "learning rate surge");
+  evidence.rounding_bias = any_time(AlertFamily::kRoundingBias, "attention rounding bias");
+
+  // LR rise: the first LR, up to the end of the provisional period, of at
+  // least lr_rise_factor x the highest LR of the lagged baseline window (or
+  // the earliest value of a young run). The highest, not the median: a
+  // warm-up still climbing in the window has a low median, and the peak it
+  // reached is no rise.
+  const int64_t lr_window_end = mechanism_onset + cfg.settle_steps;
+  const int64_t baseline_from = mechanism_onset - cfg.lr_baseline_steps;
+  const int64_t baseline_to = mechanism_onset - cfg.lr_baseline_gap_steps;
+  std::vector<double> baseline;
+  for (const auto& [lr_step, lr] : run.learning_rate) {
+    if (lr_step >= baseline_from && lr_step < baseline_to) baseline.push_back(lr);
+  }
+  if (baseline.empty() && !run.learning_rate.empty()) {
+    baseline.push_back(run.learning_rate.front().second);
+  }
+  int64_t lr_rise_step = -1;
+  if (evidence.lr_rise) lr_rise_step = onset_of(static_cast<size_t>(AlertFamily::kLearningRate));
+  if (!baseline.empty() && !evidence.lr_rise) {
+    const double reference = *std::max_element(baseline.begin(), baseline.end());
+    for (const auto& [lr_step, lr] : run.learning_rate) {
+      if (lr_step > lr_window_end) break;
+      if (reference > 0 && lr_step >= baseline_to && lr >= cfg.lr_rise_factor * reference) {
+        lr_rise_step = lr_step;
+        evidence.lr_rise = true;
+        because.push_back(internal::Cat("learning rate up ", Num(lr / reference), "x (",
+                                        Num(reference), " -> ", Num(lr), ") at step ", lr_step));
+        break;
+      }
+    }
+  }
+  // Did the attention logits move before anything pointed at the learning rate?
+  int64_t learning_rate_onset = lr_rise_step;
+  for (AlertFamily f : {AlertFamily::kCurvature, AlertFamily::kRouterCollapse,
+                        AlertFamily::kRouterLogitGrowth}) {
+    const int64_t o = onset_of(static_cast<size_t>(f));
+    const bool in = o >= 0 && o - mechanism_onset <= cfg.onset_window_steps;
+    if (in && (learning_rate_onset < 0 || o < learning_rate_onset)) learning_rate_onset = o;
+  }
+  const int64_t logits_onset = onset_of(static_cast<size_t>(AlertFamily::kAttentionLogits));
+  evidence.attention_before_learning_rate =
+      evidence.attention_logits && (learning_rate_onset < 0 || logits_onset < learning_rate_onset);
+  const int64_t qk_onset = onset_of(static_cast<size_t>(AlertFamily::kQKSpectrum));
+  evidence.qk_before_learning_rate =
+      evidence.qk_spectrum && (learning_rate_onset < 0 || qk_onset < learning_rate_onset);
+  // Attention computed in fp32 (every layer that says) cannot be a precision fault.
+  if (!run.attention_bits.empty()) {
+    evidence.precision_ruled_out = true;
+    for (const auto& [layer, bits] : run.attention_bits) evidence.precision_ruled_out &= bits >= 32;
+    if (evidence.precision_ruled_out) because.push_back("attention computed in fp32 (not precision)");
+  }
+  // Low-precision attention whose output the client measured unbiased
+  // against fp32 (the output check): not a precision fault either, unless a
+  // rounding bias is measured later in the episode (then re-derived).
+  if (!evidence.precision_ruled_out && !evidence.rounding_bias &&
+      cfg.unbiased_output_rules_out_precision && OutputMeasuredUnbiased(run)) {
+    evidence.precision_ruled_out = true;
+    because.push_back(internal::Cat(kUnbiasedOutputEvidence, " (not precision)"));
+  }
+  run.cause = ClassifyProbableCause(evidence);
+  run.cause_evidence = because.empty() ? std::string("none") : internal::Join(because, "; ");
+}
+
+void AlertEngine::MaybeSettleCause(RunState& run, int64_t step,
+                                   std::vector<AlertTransition>& out) {
+  if (run.cause_settled || run.mechanism_onset < 0) return;
+  const int64_t settle_step = run.mechanism_onset + config_.probable_cause.settle_steps;
+  // The watermark: the slowest layer's progress, so that every transition up
+  // to settle_step has been seen. A layer that stopped reporting long ago
+  // (stalled, or not probed any more) does not hold it back.
+  const int64_t stall_horizon = std::max<int64_t>(1000, 10 * config_.probable_cause.settle_steps);
+  int64_t watermark = run.latest_step;
+  for (const auto& [layer, layer_step] : run.layer_steps) {
+    if (layer_step >= run.latest_step - stall_horizon) watermark = std::min(watermark, layer_step);
+  }
+  if (watermark < settle_step) return;
+  DeriveCause(run, settle_step);
+  run.cause_settled = true;
+  ReannotateRun(run, nullptr, step, out);
+  // An alert that resolved after settle_step was active at settle_step: in
+  // step order it would have received the settled cause before resolving.
+  // With several workers one layer may run ahead and resolve it first, so give
+  // it the settled diagnosis here, and the result does not depend on the
+  // order the workers delivered the layers in. (Its resolved transition was
+  // already delivered; this is what ListAlerts shows for it.)
+  for (auto& [key, record] : run.alerts) {
+    if (record.alert.state == AlertState::kResolved && record.alert.resolved_step > settle_step) {
+      RefreshCause(run, record, /*include_resolved=*/true);
+    }
+  }
+}
+
+void AlertEngine::RecordLearningRate(RunState& run, int64_t step, double lr) {
+  auto& points = run.learning_rate;
+  if (!points.empty() && step <= points.back().first) return;  // resent or stale
+  points.emplace_back(step, lr);
+  // Keep what a future onset's baseline window can reach, and while the cause
+  // is still open, what the current onset's baseline needs.
+  int64_t keep_from = step - config_.probable_cause.lr_baseline_steps;
+  if (run.mechanism_onset >= 0 && !run.cause_settled) {
+    keep_from = std::min(keep_from, run.mechanism_onset - config_.probable_cause.lr_baseline_steps);
+  }
+  constexpr size_t kMaxPoints = 1 << 14;
+  while (!points.empty() && (points.front().first < keep_from || points.size() > kMaxPoints)) {
+    points.pop_front();
+  }
+}
+
+bool AlertEngine::RefreshCause(const RunState& run, AlertRecord& record,
+                               bool include_resolved) const {
+  Alert& alert = record.alert;
+  // Resolved and inactive alerts keep the diagnosis they were delivered with.
+  if (alert.state != AlertState::kPending && alert.state != AlertState::kFiring &&
+      !(include_resolved && alert.state == AlertState::kResolved)) {
+    return false;
+  }
+  int64_t rollback = alert.first_step;
+  if (run.mechanism_onset >= 0 && (rollback < 0 || run.mechanism_onset < rollback)) {
+    rollback = run.mechanism_onset;
+  }
+  std::string cause(ProbableCauseName(run.cause));
+  std::string action = SuggestedAction(run.cause, rollback);
+  if (cause == alert.probable_cause && action == alert.suggested_action &&
+      alert.probable_cause_settled == run.cause_settled &&
+      alert.probable_cause_evidence == run.cause_evidence) {
+    return false;
+  }
+  alert.probable_cause = std::move(cause);
+  alert.suggested_action = std::move(action);
+  alert.probable_cause_settled = run.cause_settled;
+  alert.probable_cause_evidence = run.cause_evidence;
+  return true;
 }
 
 }  // namespace foreshock::alerts
