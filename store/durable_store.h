@@ -282,7 +282,15 @@ class DurableSeriesStore final : public SeriesStore {
 
   explicit DurableSeriesStore(DurableStoreOptions options);
   absl::Status OpenImpl();
+  // Recovery of one segment file at Open, in passes (segment_recovery.cc).
+  struct SegmentScan;
   void RecoverSegmentLocked(uint64_t sequence, const std::string& path, bool newest);
+  static void FrameRecords(SegmentScan& scan);
+  static void CutUnfinishedWrite(SegmentScan& scan);
+  void DefineSeriesLocked(SegmentScan& scan);
+  void ReadContentsLocked(SegmentScan& scan);
+  std::string CountDamageLocked(const SegmentScan& scan);
+  void FinishRecoveryLocked(SegmentScan& scan, bool newest);
   void QuarantineLocked(const std::string& path, const std::string& why);
   void StopMaintenance();
   int64_t Now() const;
