@@ -357,33 +357,10 @@ ABSL_FLAG(bool, insecure, false,
           "flags speaks TLS.");
 ABSL_FLAG(std::string, log_level, "info", "Log level: trace, debug, info, warn, error, off.");
 
-int main(int argc, char** argv) {
-  // Freed memory goes back to the kernel, whichever thread freed it. By
-  // default glibc raises its mmap and trim thresholds to 32-64 MiB as large
-  // blocks come and go, and each thread's arena then keeps what it freed: a
-  // query answer of 20 MB left 31 MiB resident in each HTTP thread that ever
-  // answered one (eight threads: 250 MiB), and an ingest batch the same in
-  // gRPC's threads. Fixed at 1 MiB: blocks above it are mapped and unmapped,
-  // and an arena's free top above it is returned when memory is freed.
-  mallopt(M_MMAP_THRESHOLD, 1 << 20);
-  mallopt(M_TRIM_THRESHOLD, 1 << 20);
-  absl::SetProgramUsageMessage(
-      "foreshockd: the Foreshock sidecar. Training ranks stream Q/K, router, curvature and "
-      "step samples over gRPC; detectors compute instability signals; Prometheus scrapes "
-      "/metrics.\n\nUsage: foreshockd [--listen=HOST:PORT] [--metrics_listen=HOST:PORT] "
-      "[flags]");
-  // Block the signals before any thread starts, so that only the waiter below
-  // receives them: gRPC must never be shut down from a signal handler.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGTERM);
-  sigaddset(&stop_signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+namespace {
 
-  absl::ParseCommandLine(argc, argv);
-  spdlog::set_level(spdlog::level::from_str(absl::GetFlag(FLAGS_log_level)));
-
-  foreshock::server::DaemonOptions options;
+// The listeners, HTTP, workers, metrics, ingest limits and memory bounds.
+void ApplyLimitFlags(foreshock::server::DaemonOptions& options) {
   options.listen = absl::GetFlag(FLAGS_listen);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.http_limits.threads = std::clamp(absl::GetFlag(FLAGS_http_threads), 1, 4096);
@@ -451,7 +428,10 @@ int main(int argc, char** argv) {
   options.max_message_bytes = static_cast<int>(std::clamp<int64_t>(absl::GetFlag(FLAGS_max_message_mb), 1, 2047)) << 20;
   options.grpc_stream_window_bytes =
       static_cast<int>(std::clamp<int64_t>(absl::GetFlag(FLAGS_grpc_stream_window_kb), 0, 1 << 20)) << 10;
+}
 
+// Recording, the store and checkpoints; false (after logging why) on a bad value.
+bool ApplyStoreFlags(foreshock::server::DaemonOptions& options) {
   options.record_dir = absl::GetFlag(FLAGS_record_dir);
   options.record_max_bytes = static_cast<uint64_t>(std::max<int64_t>(0, absl::GetFlag(FLAGS_record_max_mb))) << 20;
   options.record_max_age = std::chrono::hours(std::max<int64_t>(0, absl::GetFlag(FLAGS_record_max_age_h)));
@@ -462,7 +442,7 @@ int main(int argc, char** argv) {
     options.store_options.fsync = *policy;
   } else {
     spdlog::critical("--fsync={}: must be every, interval or none", absl::GetFlag(FLAGS_fsync));
-    return 2;
+    return false;
   }
   options.store_options.fsync_interval =
       std::chrono::milliseconds(std::max<int64_t>(1, absl::GetFlag(FLAGS_fsync_interval_ms)));
@@ -474,12 +454,17 @@ int main(int argc, char** argv) {
       std::max(0.0, absl::GetFlag(FLAGS_retention_max_gb)) * double(uint64_t{1} << 30));
   options.checkpoint_interval =
       std::chrono::seconds(std::max<int64_t>(0, absl::GetFlag(FLAGS_checkpoint_interval_s)));
+  return true;
+}
+
+// Alertmanager and the alert configuration; false (after logging why) on a bad one.
+bool ApplyAlertingFlags(foreshock::server::DaemonOptions& options) {
   if (const std::string url = absl::GetFlag(FLAGS_alertmanager_url); !url.empty()) {
     auto parsed = foreshock::server::ParseAlertmanagerUrl(url);
     if (!parsed.ok()) {
       // The reason quotes no part of the URL: it may hold a password.
       spdlog::critical("{}", std::string(parsed.status().message()));
-      return 2;
+      return false;
     }
     options.alertmanager_url = parsed->url;
   }
@@ -489,23 +474,27 @@ int main(int argc, char** argv) {
     auto config = foreshock::alerts::LoadAlertConfigFile(path);
     if (!config.ok()) {
       spdlog::critical("--config {}: {}", path, config.status().ToString());
-      return 2;
+      return false;
     }
     options.alert_config = *std::move(config);
     spdlog::info("alert configuration loaded from {}", path);
   }
+  return true;
+}
 
-  // Transport security and authorization, and the safe defaults.
+// TLS, tokens and the listen plan; false (after logging why) when the daemon
+// would be half-secured or would listen beyond loopback unsecured.
+bool ApplySecurityFlags(foreshock::server::DaemonOptions& options) {
   options.tls.cert = absl::GetFlag(FLAGS_tls_cert);
   options.tls.key = absl::GetFlag(FLAGS_tls_key);
   options.tls.client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   if (options.tls.cert.empty() != options.tls.key.empty()) {
     spdlog::critical("--tls_cert and --tls_key go together");
-    return 2;
+    return false;
   }
   if (!options.tls.client_ca.empty() && options.tls.cert.empty()) {
     spdlog::critical("--tls_client_ca needs --tls_cert and --tls_key");
-    return 2;
+    return false;
   }
   if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
     // Before reading it: a file others can read has leaked its tokens already.
@@ -514,14 +503,14 @@ int main(int argc, char** argv) {
         !mode.ok()) {
       if (!absl::IsFailedPrecondition(mode) || !absl::GetFlag(FLAGS_allow_insecure_token_file)) {
         spdlog::critical("{}", std::string(mode.message()));
-        return 2;
+        return false;
       }
       spdlog::warn("--allow_insecure_token_file: {}", std::string(mode.message()));
     }
     auto authorizer = foreshock::server::Authorizer::LoadFile(path);
     if (!authorizer.ok()) {
       spdlog::critical("--token_file: {}", std::string(authorizer.status().message()));
-      return 2;
+      return false;
     }
     options.authorizer = *std::move(authorizer);
   }
@@ -535,13 +524,50 @@ int main(int argc, char** argv) {
          .insecure = insecure});
     if (!plan.ok()) {
       spdlog::critical("{}", std::string(plan.status().message()));
-      return 2;
+      return false;
     }
     for (const std::string& warning : plan->warnings) spdlog::warn("{}", warning);
     options.listen_plan = *std::move(plan);
     if (!options.authorizer && !insecure) {
       spdlog::info("no --token_file: listening on loopback only; every local client is trusted");
     }
+  }
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Freed memory goes back to the kernel, whichever thread freed it. By
+  // default glibc raises its mmap and trim thresholds to 32-64 MiB as large
+  // blocks come and go, and each thread's arena then keeps what it freed: a
+  // query answer of 20 MB left 31 MiB resident in each HTTP thread that ever
+  // answered one (eight threads: 250 MiB), and an ingest batch the same in
+  // gRPC's threads. Fixed at 1 MiB: blocks above it are mapped and unmapped,
+  // and an arena's free top above it is returned when memory is freed.
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 20);
+  absl::SetProgramUsageMessage(
+      "foreshockd: the Foreshock sidecar. Training ranks stream Q/K, router, curvature and "
+      "step samples over gRPC; detectors compute instability signals; Prometheus scrapes "
+      "/metrics.\n\nUsage: foreshockd [--listen=HOST:PORT] [--metrics_listen=HOST:PORT] "
+      "[flags]");
+  // Block the signals before any thread starts, so that only the waiter below
+  // receives them: gRPC must never be shut down from a signal handler.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  absl::ParseCommandLine(argc, argv);
+  spdlog::set_level(spdlog::level::from_str(absl::GetFlag(FLAGS_log_level)));
+
+  foreshock::server::DaemonOptions options;
+  ApplyLimitFlags(options);
+  if (!ApplyStoreFlags(options) || !ApplyAlertingFlags(options) ||
+      !ApplySecurityFlags(options)) {
+    return 2;  // fails closed: a configuration that cannot be honoured does not start
   }
 
   foreshock::server::Daemon daemon(options);

@@ -47,7 +47,7 @@ constexpr std::string_view kRejectionReasons[] = {
     reason::kWorldSizeOverLimit,
     reason::kWorldSizeConflict,
     reason::kEmptyRequest,
-    "malformed_request",  // kMalformedRequest, private to ingest_service.cc
+    reason::kMalformedRequest,
     reason::kTooManyStreams,
     reason::kTooManyStreamsForTenant,
     reason::kTooManyRuns,

@@ -97,6 +97,8 @@ class IngestService final
 
  private:
   friend class IngestReactor;
+  // The tenant whose share of --max_runs a run counts in, without --token_file.
+  static std::string RunTenantOfJob(const std::string& job);
   const IngestLimits limits_;
   AdmissionGate& gate_;
   WorkerPool& pool_;

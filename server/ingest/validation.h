@@ -175,6 +175,9 @@ inline constexpr char kWorldSizeOverLimit[] = "world_size_over_limit";
 // outside it (RunLifecycle::WorldSizeConflict).
 inline constexpr char kWorldSizeConflict[] = "world_size_conflict";
 inline constexpr char kEmptyRequest[] = "empty_request";
+// A message that is not a parseable StreamRequest (with the typed API gRPC
+// would end such a stream itself).
+inline constexpr char kMalformedRequest[] = "malformed_request";
 // Stream-level, RESOURCE_EXHAUSTED (the client may retry later).
 inline constexpr char kTooManyStreams[] = "too_many_streams";
 inline constexpr char kTooManyRuns[] = "too_many_runs";
