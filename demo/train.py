@@ -113,7 +113,11 @@ def parse_args(argv=None):
                    help="held-out sequences in the curvature batch (its Hessian is estimated)")
     p.add_argument("--curvature-hvps", type=int, default=3,
                    help="Hessian-vector products (Lanczos steps) per curvature estimate, at "
-                        "least; up to 3x as many while the estimate has not converged")
+                        "least")
+    p.add_argument("--curvature-max-hvps", type=int, default=None,
+                   help="at most this many products per estimate: Lanczos continues past "
+                        "--curvature-hvps while the Ritz residual is above 0.05 (default: "
+                        "--curvature-hvps, a fixed budget)")
     p.add_argument("--metrics-url", default=None,
                    help="foreshockd /metrics URL, scraped through the run for the final table")
     p.add_argument("--scrape-interval", type=float, default=2.0, help="seconds between scrapes")
@@ -464,6 +468,7 @@ def run(args, tap=None, out=print):
             monitor.curvature = CurvatureEstimator(
                 model, lambda m, b: F.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten()),
                 (inputs, targets), optimizer, every=args.curvature_every, hvps=args.curvature_hvps,
+                max_hvps=args.curvature_max_hvps,
                 budget=args.curvature_budget or None)
         # The explicit one-line capture API (same Q/K as discovery finds here: no rotary).
         model.set_qk_hook(monitor.capture_qk)
