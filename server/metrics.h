@@ -133,7 +133,7 @@ inline constexpr std::string_view kMetricPrefix = "foreshock_";
 //
 // foreshock_ingest_rejected_total{reason}: every code ingest can count
 // (docs/DESIGN.md §3.2). tests/server/metrics_test.cc checks it against the
-// codes declared in server/ingest/validation.h and ingest_service.cc.
+// codes declared in server/ingest/validation.h.
 std::span<const std::string_view> RejectionReasons();
 // foreshock_alertmanager_posts_total{result}, with --alertmanager_url.
 inline constexpr std::array<std::string_view, 2> kAlertmanagerPostResults = {"ok", "error"};

@@ -80,7 +80,7 @@ def bias_in_units(stats, unit):
 
 @pytest.mark.parametrize("tokens,dim,heads", [(8, 8, 1), (64, 16, 4), (128, 32, 8)])
 def test_round_to_nearest_stays_far_below_the_bound_and_truncation_above(tokens, dim, heads):
-    """The daemon's bound is 0.25 unit roundoffs (alerts/config.cc). The demo's
+    """The daemon's bound is 0.25 unit roundoffs (alerts/default_config.cc). The demo's
     attention: healthy bf16/fp16 rounds P and O to nearest; the fault truncates."""
     g = torch.Generator().manual_seed(tokens + dim)
     q = torch.randn(2, heads, tokens, dim, generator=g) * 2
