@@ -1,6 +1,6 @@
 """Post hoc: would a growth rule on the attention max logit, or on the size of
 the attention logits' change per training step, warn the LR faults the
-shipped mechanism signals missed (docs/EVALUATION.md, draw 4: "Why the three
+shipped mechanism signals missed (docs/evaluation/HISTORY.md, draw 4: "Why the three
 lr_hidden runs were not warned")? Nothing here is a shipped rule; it measures
 candidates on recorded corpora, so that the figures in EVALUATION.md can be
 reproduced.

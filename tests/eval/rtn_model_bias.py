@@ -1,5 +1,5 @@
 """How biased the emulated bf16 FlashAttention (demo/tiny_moe_gpt.py flash_rtn_bf16)
-is inside the demo model (docs/EVALUATION.md, the precision strength sweep): trains
+is inside the demo model (docs/evaluation/HISTORY.md, the precision strength sweep): trains
 a healthy gpt4-text-bf16-shaped run for --steps steps, then, per layer, on one batch,
 the share of attention rows with a row-max tie and the mean error of O against fp64
 softmax(S) V along sign(O) (> 0: |O| too large), in unit roundoffs at the output's

@@ -1,4 +1,4 @@
-"""The precision strength sweep's table (issue 25 item 2; docs/EVALUATION.md): per
+"""The precision strength sweep's table (issue 25 item 2; docs/evaluation/HISTORY.md): per
 run of a corpus recorded with configs.KNOB_BLIND's lowprec_rtn_* scenarios, whether
 training diverged, and what each replay (mechanism signals alone, direct checks
 alone, shipped defaults) raised first, against the strength.

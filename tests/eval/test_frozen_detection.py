@@ -22,7 +22,7 @@ FROZEN = os.path.join(HERE, "frozen")
 FORESHOCKCTL = os.environ.get("FORESHOCKCTL", os.path.join(ROOT, "build", "ctl", "foreshockctl"))
 
 # run_id -> what the mechanism-only replay gave when the corpus was recorded
-# (docs/EVALUATION.md, "The frozen CI corpus"): the trainer's divergence step,
+# (docs/evaluation/HISTORY.md, "on the frozen CI corpus"): the trainer's divergence step,
 # the first alert's step and name, and the step at which the per-head
 # QK-increment alert (ForeshockQKIncrementCollapse) first fired.
 EXPECTED = {

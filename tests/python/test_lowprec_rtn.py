@@ -1,7 +1,7 @@
 """The emulated bf16 FlashAttention fault (demo/tiny_moe_gpt.py FlashRTNAttention,
 train.py --fault lowprec_rtn): round-to-nearest P-bar V is biased where P-bar holds
 several exact ones (row-max ties) and the tied V entries share a sign, and unbiased
-otherwise (docs/EVALUATION.md, "The published mechanism")."""
+otherwise (docs/evaluation/HISTORY.md, "Precision faults at realistic strength")."""
 import torch
 
 from demo import tiny_moe_gpt as tmg
