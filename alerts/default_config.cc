@@ -56,18 +56,22 @@ void AddAttentionSignals(AlertConfig& config) {
     o.min_relative_change = 0.25;
     o.log_scale = true;
     o.bound = 100.0;
-    // The bound needs no baseline: judged from the 4th probe of the run, not
-    // after step 200 like the signals that learn a baseline (issue 33: a
-    // run that diverged at step 250 had a max logit in the thousands at step
-    // 200, and the generic 12-probe warm-up held the alert back until step
-    // 320 at a probe every 10 steps, 800 at every 50). On the natural
-    // benchmark's calibration runs (docs/EVALUATION.md) an LR too high for
-    // a model without QK-layernorm passed 100 by step 50-150 and damaged the
-    // loss from step 100-460, while healthy runs and every QK-layernorm twin
-    // stayed at or below 26 throughout. Switching change_detection back on
-    // needs the baseline's start, warmup_steps 200, too.
-    o.warmup = 3;
-    o.warmup_steps = 0;
+    // The bound needs no baseline: judged from training step 30, not after
+    // step 200 like the signals that learn a baseline (issue 33: a run that
+    // diverged at step 250 had a max logit in the thousands at step 200, and
+    // the generic 12-probe warm-up held the alert back until step 320 at a
+    // probe every 10 steps, 800 at every 50). On the natural benchmark's
+    // calibration runs (docs/EVALUATION.md) an LR too high for a model
+    // without QK-layernorm passed 100 by step 50-150 and damaged the loss
+    // from step 100-460, while healthy runs and every QK-layernorm twin
+    // stayed at or below 26 throughout. The start is in steps, not probes:
+    // it was the run's 4th probe (step 30 at a probe every 10), which at a
+    // probe every 50 is step 150, and the benchmark's seed 4 at every 50 was
+    // damaged from step 136-187 while its bound fired at 200. Switching
+    // change_detection back on needs the baseline's start, warmup_steps
+    // 200, too.
+    o.warmup = 0;
+    o.warmup_steps = 30;
   }
   add("attention_entropy", kAttentionEntropyCollapse, Direction::kDrop).min_relative_change = 0.40;
   config.signals.at("attention_entropy").enabled = false;

@@ -614,8 +614,9 @@ TEST(AlertEngineTest, AttentionMaxLogitBoundFiresWithoutABaselineChange) {
 
 // Issue 33: an LR too high for a model without QK-layernorm drives the max
 // logit past the bound within the LR warm-up; the bound needs no baseline,
-// so it is judged from the run's 4th probe, not after step 200.
-TEST(AlertEngineTest, AttentionLogitBoundIsJudgedFromTheFourthProbeOfTheRun) {
+// so it is judged from training step 30, not after step 200, at every
+// cadence (it was the run's 4th probe: step 150 at a probe every 50).
+TEST(AlertEngineTest, AttentionLogitBoundIsJudgedFromStep30AtEveryCadence) {
   for (const int every : {10, 50}) {
     EngineDriver driver(DefaultAlertConfig());
     for (int64_t i = 0; i < 8; ++i) {
@@ -624,11 +625,11 @@ TEST(AlertEngineTest, AttentionLogitBoundIsJudgedFromTheFourthProbeOfTheRun) {
     const auto logit = driver.StateChanges(kAttentionLogitGrowth, "0");
     ASSERT_FALSE(logit.empty()) << every;
     EXPECT_EQ(logit.front().to, AlertState::kPending) << every;
-    EXPECT_EQ(logit.front().step, 3 * every) << every;  // the 4th probe
+    EXPECT_EQ(logit.front().step, every == 10 ? 30 : 50) << every;  // the first probe from 30
     EXPECT_EQ(logit.back().to, AlertState::kFiring) << every;
     // Persistence 3 of 5 probes at the reference cadence; at a probe every 50
     // steps the counts span the same steps, down to their floor of 2 of 2.
-    EXPECT_EQ(logit.back().step, (every == 10 ? 5 : 4) * every) << every;
+    EXPECT_EQ(logit.back().step, every == 10 ? 50 : 100) << every;
   }
 }
 

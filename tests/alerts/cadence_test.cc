@@ -170,6 +170,42 @@ TEST(CadenceTest, AStateSavedAtADenseCadenceRestores) {
   EXPECT_EQ(saved.state(), SeriesState::kAnomalous);
 }
 
+// The max-logit bound needs no baseline, and its start is a training step:
+// a series above the bound from the first probe is judged from step 30 and
+// confirmed within about the same steps at every cadence. Its start was the
+// run's 4th probe (step 30 at every 10, 150 at every 50, firing at 200 when
+// the natural benchmark's runs at every 50 were damaged from step 136).
+TEST(CadenceTest, TheMaxLogitBoundStartsAtTheSameStepAtEveryCadence) {
+  const ChangeDetectorOptions bound =
+      DefaultAlertConfig().signals.at("attention_max_logit").detector;
+  for (int64_t every : {5, 10, 25, 50}) {
+    SCOPED_TRACE(every);
+    ChangeDetector detector(bound);
+    int64_t first_judged = -1, fired = -1;
+    for (int64_t step = 0; step <= 400 && fired < 0; step += every) {
+      const ChangeAssessment a = detector.Update(step, step == 0 ? 0.1 : 500.0);
+      if (a.guard_flag && first_judged < 0) first_judged = step;
+      if (a.state == SeriesState::kAnomalous) fired = step;
+    }
+    EXPECT_EQ(first_judged, (30 + every - 1) / every * every);  // the first probe at or after 30
+    EXPECT_LE(fired, 100);
+    EXPECT_GE(fired, every == 5 ? 55 : every == 10 ? 50 : every == 25 ? 75 : 100);
+  }
+  // Counted in probes (the previous default, warm-up 3 samples), a probe every
+  // 50 steps is first judged at step 150 and fires at 200.
+  ChangeDetectorOptions in_probes = bound;
+  in_probes.warmup = 3;
+  in_probes.warmup_steps = 0;
+  ChangeDetector detector(in_probes);
+  int64_t fired = -1;
+  for (int64_t step = 0; step <= 400 && fired < 0; step += 50) {
+    if (detector.Update(step, step == 0 ? 0.1 : 500.0).state == SeriesState::kAnomalous) {
+      fired = step;
+    }
+  }
+  EXPECT_EQ(fired, 200);
+}
+
 // The built-in defaults: probe signals are calibrated at a probe every 10
 // steps; the curvature, the step scalars and the direct checks stay in samples.
 TEST(CadenceTest, DefaultsSayWhichSignalsCountInSteps) {
