@@ -26,7 +26,7 @@
 #include "server/pipeline/rank_scalars.h"
 #include "server/pipeline/run_lifecycle.h"
 #include "server/pipeline/run_tracker.h"
-#include "server/ingest/series_limit.h"
+#include "server/pipeline/series_limit.h"
 #include "server/pipeline/series_store.h"
 #include "server/pipeline/worker_pool.h"
 

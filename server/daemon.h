@@ -94,7 +94,7 @@ struct DaemonOptions {
   int64_t max_query_total_bytes = 0;
   IngestLimits limits;
   // Distinct (signal, layer, head) series a run may create; observations
-  // of further new series are dropped and counted (server/ingest/series_limit.h).
+  // of further new series are dropped and counted (server/pipeline/series_limit.h).
   // 0: no limit.
   int64_t max_series_per_run = 100000;
   detectors::DetectorOptions detector_options;

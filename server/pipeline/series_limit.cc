@@ -1,4 +1,4 @@
-#include "server/ingest/series_limit.h"
+#include "server/pipeline/series_limit.h"
 
 #include <spdlog/spdlog.h>
 
