@@ -569,25 +569,34 @@ ProbableCause AlertEngine::RunProbableCause(std::string_view run) const {
   return it == runs_.end() ? ProbableCause::kUnknown : it->second->cause;
 }
 
-std::vector<AlertTransition> AlertEngine::ForgetRun(std::string_view run) {
+// Firing alerts of `run` resolve and pending ones clear, at its latest step,
+// with `reason` (if given) as their resolved_reason.
+std::vector<AlertTransition> AlertEngine::CloseOpenAlerts(
+    RunState& run, std::optional<std::string_view> reason) {
   std::vector<AlertTransition> out;
-  const auto it = runs_.find(run);
-  if (it == runs_.end()) return out;
-  const int64_t step = it->second->latest_step;
-  for (auto& [key, record] : it->second->alerts) {
+  const int64_t step = run.latest_step;
+  for (auto& [key, record] : run.alerts) {
     Alert& alert = record.alert;
     const AlertState from = alert.state;
     if (from == AlertState::kFiring) {
       alert.state = AlertState::kResolved;
-      alert.resolved_step = step;
     } else if (from == AlertState::kPending) {
       alert.state = AlertState::kInactive;
-      alert.resolved_step = step;
     } else {
       continue;
     }
+    alert.resolved_step = step;
+    if (reason) alert.resolved_reason = std::string(*reason);
     out.push_back(AlertTransition{alert, from, alert.state, step});
   }
+  return out;
+}
+
+std::vector<AlertTransition> AlertEngine::ForgetRun(std::string_view run) {
+  std::vector<AlertTransition> out;
+  const auto it = runs_.find(run);
+  if (it == runs_.end()) return out;
+  out = CloseOpenAlerts(*it->second, std::nullopt);
   kept_episodes_ -= it->second->earlier_episodes.size();
   runs_.erase(it);
   return out;
@@ -602,22 +611,7 @@ std::vector<AlertTransition> AlertEngine::CloseEpisodes(std::string_view run_nam
   const auto it = runs_.find(run_name);
   if (it == runs_.end()) return out;
   RunState& run = *it->second;
-  const int64_t step = run.latest_step;
-  for (auto& [key, record] : run.alerts) {
-    Alert& alert = record.alert;
-    const AlertState from = alert.state;
-    if (from == AlertState::kFiring) {
-      alert.state = AlertState::kResolved;
-      alert.resolved_step = step;
-    } else if (from == AlertState::kPending) {
-      alert.state = AlertState::kInactive;
-      alert.resolved_step = step;
-    } else {
-      continue;
-    }
-    alert.resolved_reason = std::string(reason);
-    out.push_back(AlertTransition{alert, from, alert.state, step});
-  }
+  out = CloseOpenAlerts(run, reason);
   // A resumed attempt keeps what the ended one raised: a later episode of the
   // same name and layer must not overwrite it in AllAlerts.
   if (reason == kRunResumed) {

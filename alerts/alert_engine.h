@@ -309,6 +309,9 @@ class AlertEngine {
   struct RunState;
 
   RunState& GetRun(std::string_view run);
+  // Resolves the run's firing alerts and clears its pending ones (ForgetRun, CloseEpisodes).
+  std::vector<AlertTransition> CloseOpenAlerts(RunState& run,
+                                               std::optional<std::string_view> reason);
   // Moves `record`'s episode (if it has one not kept yet) into the run's
   // earlier episodes, before a new one opens or a resume closes it.
   void KeepEpisode(RunState& run, AlertRecord& record);
