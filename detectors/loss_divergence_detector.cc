@@ -21,6 +21,7 @@
 #include <map>
 
 #include "detectors/detector.h"
+#include "detectors/run_map_state.h"
 
 namespace foreshock::detectors {
 namespace {
@@ -68,57 +69,34 @@ class LossDivergenceDetector final : public Detector {
   // step, I64 samples, Double running minimum, U64 count and Double losses
   // of the mean window (oldest first).
   void SaveState(codec::StateWriter& writer) const override {
-    writer.PutU32(kStateVersion);
-    writer.PutU64(runs_.size());
-    for (const auto& [name, run] : runs_) {
-      writer.PutString(name);
-      writer.PutI64(run.last_step);
-      writer.PutI64(run.samples);
-      writer.PutDouble(run.running_min);
-      writer.PutU64(run.losses.size());
-      for (double loss : run.losses) writer.PutDouble(loss);
-    }
+    SaveRunMap(writer, kStateVersion, runs_, [](codec::StateWriter& w, const RunState& run) {
+      w.PutI64(run.last_step);
+      w.PutI64(run.samples);
+      w.PutDouble(run.running_min);
+      w.PutU64(run.losses.size());
+      for (double loss : run.losses) w.PutDouble(loss);
+    });
   }
 
   bool RestoreState(codec::StateReader& reader, const SeriesFilter& keep) override {
-    std::map<std::string, RunState, std::less<>> restored;
-    auto read = [&]() -> bool {
-      uint32_t version = 0;
-      uint64_t count = 0;
-      if (!reader.GetVersion("loss_divergence", kStateVersion, kStateVersion, version) ||
-          !reader.GetCount(count)) {
-        return false;
-      }
-      for (uint64_t i = 0; i < count; ++i) {
-        std::string name;
-        RunState run;
-        uint64_t losses = 0;
-        if (!reader.GetString(name) || !reader.GetI64(run.last_step) ||
-            !reader.GetI64(run.samples) || !reader.GetDouble(run.running_min) ||
-            !reader.GetCount(losses, 8)) {
-          return false;
-        }
-        if (losses > kMeanSamples || run.samples < 0) {
-          return reader.Fail("loss window longer than the mean window");
-        }
-        for (uint64_t j = 0; j < losses; ++j) {
-          double loss = 0;
-          if (!reader.GetDouble(loss)) return false;
-          run.losses.push_back(loss);
-        }
-        if (keep && !keep(name, kNoLayer)) continue;
-        if (!restored.emplace(std::move(name), std::move(run)).second) {
-          return reader.Fail("run saved twice");
-        }
-      }
-      return true;
-    };
-    if (!read()) {
-      runs_.clear();
-      return false;
-    }
-    for (auto& [name, run] : restored) runs_.insert_or_assign(name, std::move(run));
-    return true;
+    return RestoreRunMap(
+        reader, "loss_divergence", kStateVersion, keep, runs_, [] { return RunState(); },
+        [](codec::StateReader& r, RunState& run) {
+          uint64_t losses = 0;
+          if (!r.GetI64(run.last_step) || !r.GetI64(run.samples) ||
+              !r.GetDouble(run.running_min) || !r.GetCount(losses, 8)) {
+            return false;
+          }
+          if (losses > kMeanSamples || run.samples < 0) {
+            return r.Fail("loss window longer than the mean window");
+          }
+          for (uint64_t j = 0; j < losses; ++j) {
+            double loss = 0;
+            if (!r.GetDouble(loss)) return false;
+            run.losses.push_back(loss);
+          }
+          return true;
+        });
   }
 
  private:

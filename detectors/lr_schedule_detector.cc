@@ -34,6 +34,7 @@
 #include <map>
 
 #include "detectors/detector.h"
+#include "detectors/run_map_state.h"
 
 namespace foreshock::detectors {
 namespace {
@@ -109,51 +110,27 @@ class LrScheduleDetector final : public Detector {
   // step, I64 samples, Double max, I64 samples since a new max, Bool warmed up,
   // Double held max, Double level, I64 samples at that level.
   void SaveState(codec::StateWriter& writer) const override {
-    writer.PutU32(kStateVersion);
-    writer.PutU64(runs_.size());
-    for (const auto& [name, run] : runs_) {
-      writer.PutString(name);
-      writer.PutI64(run.last_step);
-      writer.PutI64(run.samples);
-      writer.PutDouble(run.max);
-      writer.PutI64(run.since_new_max);
-      writer.PutBool(run.warmed_up);
-      writer.PutDouble(run.held_max);
-      writer.PutDouble(run.level);
-      writer.PutI64(run.level_samples);
-    }
+    SaveRunMap(writer, kStateVersion, runs_, [](codec::StateWriter& w, const RunState& run) {
+      w.PutI64(run.last_step);
+      w.PutI64(run.samples);
+      w.PutDouble(run.max);
+      w.PutI64(run.since_new_max);
+      w.PutBool(run.warmed_up);
+      w.PutDouble(run.held_max);
+      w.PutDouble(run.level);
+      w.PutI64(run.level_samples);
+    });
   }
 
   bool RestoreState(codec::StateReader& reader, const SeriesFilter& keep) override {
-    std::map<std::string, RunState> restored;
-    auto read = [&]() -> bool {
-      uint32_t version = 0;
-      uint64_t count = 0;
-      if (!reader.GetVersion("lr_schedule", kStateVersion, kStateVersion, version) ||
-          !reader.GetCount(count)) {
-        return false;
-      }
-      for (uint64_t i = 0; i < count; ++i) {
-        std::string name;
-        RunState run;
-        if (!reader.GetString(name) || !reader.GetI64(run.last_step) ||
-            !reader.GetI64(run.samples) || !reader.GetDouble(run.max) ||
-            !reader.GetI64(run.since_new_max) || !reader.GetBool(run.warmed_up) ||
-            !reader.GetDouble(run.held_max) || !reader.GetDouble(run.level) ||
-            !reader.GetI64(run.level_samples)) {
-          return false;
-        }
-        if (keep && !keep(name, kNoLayer)) continue;
-        if (!restored.emplace(std::move(name), run).second) return reader.Fail("run saved twice");
-      }
-      return true;
-    };
-    if (!read()) {
-      runs_.clear();
-      return false;
-    }
-    for (auto& [name, run] : restored) runs_.insert_or_assign(name, run);
-    return true;
+    return RestoreRunMap(
+        reader, "lr_schedule", kStateVersion, keep, runs_, [] { return RunState(); },
+        [](codec::StateReader& r, RunState& run) {
+          return r.GetI64(run.last_step) && r.GetI64(run.samples) && r.GetDouble(run.max) &&
+                 r.GetI64(run.since_new_max) && r.GetBool(run.warmed_up) &&
+                 r.GetDouble(run.held_max) && r.GetDouble(run.level) &&
+                 r.GetI64(run.level_samples);
+        });
   }
 
  private:

@@ -14,6 +14,7 @@
 #include <map>
 
 #include "detectors/detector.h"
+#include "detectors/run_map_state.h"
 
 namespace foreshock::detectors {
 namespace {
@@ -149,47 +150,22 @@ class ScalarBaselinesDetector final : public Detector {
   // State, version 1: U64 run count, then per run (by name): run, I64 last
   // step, Double max loss, the loss window, the grad-norm window.
   void SaveState(codec::StateWriter& writer) const override {
-    writer.PutU32(kStateVersion);
-    writer.PutU64(runs_.size());
-    for (const auto& [run, state] : runs_) {
-      writer.PutString(run);
-      writer.PutI64(state.last_step);
-      writer.PutDouble(state.max_loss);
-      state.loss.Save(writer);
-      state.grad_norm.Save(writer);
-    }
+    SaveRunMap(writer, kStateVersion, runs_, [](codec::StateWriter& w, const RunState& state) {
+      w.PutI64(state.last_step);
+      w.PutDouble(state.max_loss);
+      state.loss.Save(w);
+      state.grad_norm.Save(w);
+    });
   }
 
   bool RestoreState(codec::StateReader& reader, const SeriesFilter& keep) override {
-    std::map<std::string, RunState> restored;
-    auto read = [&]() -> bool {
-      uint32_t version = 0;
-      uint64_t count = 0;
-      if (!reader.GetVersion("scalar_baselines", kStateVersion, kStateVersion, version) ||
-          !reader.GetCount(count)) {
-        return false;
-      }
-      for (uint64_t i = 0; i < count; ++i) {
-        std::string run;
-        RunState state(options_);
-        if (!reader.GetString(run) || !reader.GetI64(state.last_step) ||
-            !reader.GetDouble(state.max_loss) || !state.loss.Restore(reader) ||
-            !state.grad_norm.Restore(reader)) {
-          return false;
-        }
-        if (keep && !keep(run, kNoLayer)) continue;
-        if (!restored.emplace(std::move(run), std::move(state)).second) {
-          return reader.Fail("run saved twice");
-        }
-      }
-      return true;
-    };
-    if (!read()) {
-      runs_.clear();
-      return false;
-    }
-    for (auto& [run, state] : restored) runs_.insert_or_assign(run, std::move(state));
-    return true;
+    return RestoreRunMap(
+        reader, "scalar_baselines", kStateVersion, keep, runs_,
+        [this] { return RunState(options_); },
+        [](codec::StateReader& r, RunState& state) {
+          return r.GetI64(state.last_step) && r.GetDouble(state.max_loss) &&
+                 state.loss.Restore(r) && state.grad_norm.Restore(r);
+        });
   }
 
  private:
