@@ -5,66 +5,13 @@
 // delivers the transitions it returns (Alertmanager, WatchAlerts, the
 // foreshock_alert_active gauge, a log line).
 //
-// ## What drives alerts
-//
-// Only points with for_detection = true and a signal enabled in
-// AlertConfig::signals; of those, head = kAllHeads (the layer aggregate:
-// the worst head), except for signals with SignalConfig::per_head, whose
-// per-head points are judged instead (one detector per head, thresholds
-// raised with ln(heads)); their aggregate only in a layer that never sent a
-// per-head value of the signal (a source that reports aggregates alone). One ChangeDetector (change_detector.h) runs per
-// (run, signal, layer[, head]); run-level signals (layer = kNoLayer) get
-// the layer label "all".
-// Several ranks reporting the same series and step are deduplicated there
-// (the worst value of a step counts). Default signal -> alert mapping
-// (config.cc): qk_increment_entropy (drop) and qk_increment_top1_share
-// (rise) -> ForeshockQKIncrementCollapse; attention_max_logit (rise, bound
-// 100) -> ForeshockAttentionLogitGrowth; attention_entropy (drop) ->
-// ForeshockAttentionEntropyCollapse; router_entropy (drop), router_flip_rate,
-// router_z_loss (rise), router_experts_died (> 0) -> ForeshockRouterCollapse;
-// router_load_cv, router_max_violation (rise) -> ForeshockRouterImbalance;
-// curvature_eos_ratio (surge, or > 1) -> ForeshockCurvatureAboveEdge; loss
-// (rise) -> ForeshockLossSpike; loss_over_running_min (> 1.3) ->
-// ForeshockLossDiverging. Non-finite events -> ForeshockNonFinite.
-//
-// ## Alerts and lifecycle
-//
-// One alert per (alertname, run, layer), fed by every series of its signals
-// in that layer. Its state follows the series:
-//   inactive/resolved -> pending   some series has an unconfirmed anomalous sample
-//   pending  -> firing             a series reached persistence (m of n)
-//   pending  -> inactive           the anomalous samples left the persistence window
-//   firing   -> resolved           no series anomalous any more (each cleared after
-//                                  clear_after consecutive normal samples)
-//   resolved -> pending/firing     a new episode (same labels except `signal`)
-// A new episode keeps the one it replaces (AllAlerts lists both: Alert::episode).
-// ForeshockNonFinite (layer "all") fires on the first non-finite event and
-// resolves once the run has reported finite values at nonfinite.clear_after
-// distinct later steps.
-//
-// Labels: alertname, run, layer, signal (the series that opened or confirmed
-// the episode), severity (that signal's). Annotations: summary, description
-// (signal, value, baseline, robust z, relative change, step), probable_cause,
-// suggested_action, first_step (the episode's first anomalous step).
-//
-// ## Probable cause
-//
-// Per run, from the rule table in probable_cause.h over the alert families
-// whose first episode's first_step lies within
-// probable_cause.onset_window_steps of the run's earliest mechanism onset,
-// and over the learning rate the run streams (signal "lr"). When new evidence
-// changes a run's cause, every firing alert of the run is re-annotated and
-// reported as a firing -> firing transition. The cause stays "provisional"
-// until every layer of the run has been processed to settle_steps past the
-// onset; it then becomes "settled" (every firing alert is re-sent once more)
-// and no longer changes, until a new diagnosis: an alert that fires while
-// no other mechanism alert of the run is pending or firing starts one, from
-// no evidence, so alerts that came and went before its onset (false alarms,
-// an incident the run recovered from) do not explain it. The client's
-// attention compute dtype (signal attention_compute_bits) enters the rule
-// table: fp32 rules out a precision fault. The settled cause counts only the alerts that fired
-// by that step, so it does not depend on the order in which worker threads
-// deliver the layers (the provisional one may).
+// What drives alerts (which points, which signals, per head or per layer,
+// deduplicated across ranks), the lifecycle (inactive -> pending -> firing ->
+// resolved, episodes), labels and annotations, and how the probable cause is
+// derived and settled are the contract of docs/DESIGN.md §5.1-§5.5; the
+// shipped signal -> alert mapping is default_config.cc. Implementation:
+// alert_engine.cc (the state machine), probable_cause.cc (cause and
+// corroboration), alert_engine_checkpoint.cc (SaveState/RestoreState).
 //
 // ## Threading
 //
