@@ -246,12 +246,13 @@ ROWS_HEADER = ("| group | row | warned before divergence (95% CI) | median lead 
                "| cause right | first alarm (runs) |\n|---|---|---|---|---|---|---|---|---|")
 
 
-def rows_table(rows_by_name, group_of):
-    """The ROWS for every configuration group (group_of(run) -> group name)."""
+def rows_table(rows_by_name, group_of, row_titles=ROWS):
+    """The rows named in `row_titles` for every configuration group
+    (group_of(run) -> group name)."""
     groups = sorted({group_of(r) for r in rows_by_name["shipped"]}) + ["all"]
     lines = [ROWS_HEADER]
     for g in groups:
-        for name, title in ROWS:
+        for name, title in row_titles:
             chosen = [r for r in rows_by_name[name] if g == "all" or group_of(r) == g]
             s = summarize(chosen)
             reference_row = name in ("qk_head_z", "gradnorm_z")

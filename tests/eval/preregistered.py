@@ -310,6 +310,11 @@ def cmd_score(args):
     by_id = {r["run_id"]: r for r in doc["runs"]}
     files = evaluate.recordings(args.corpus)
     rows = evaluate.three_rows(args.foreshockctl, files, args.config, args.jobs)
+    # Preregistered from draw 6 on: the row that reads no LR by any path but
+    # keeps the attention output check (mechanism + output check), which tells
+    # logit growth from an LR apart from a precision fault in bf16 jobs.
+    rows["no_lr"] = evaluate.backtest_parallel(args.foreshockctl, files, args.config, args.jobs,
+                                               extra=("--signals", "no_lr"))["runs"]
     for name in rows:
         rows[name] = [dict(r, category=by_id[r["run_id"]]["category"],
                            cell=by_id[r["run_id"]]["cell"])
@@ -318,7 +323,9 @@ def cmd_score(args):
         manifest = {r["run_id"]: r for r in json.load(f)["runs"]}
     lines = [f"Freeze commit `{commit}`, seed {doc['seed']}; {len(doc['runs'])} runs drawn, "
              f"{len(rows['shipped'])} scored.", "",
-             without_all(evaluate.rows_table(rows, lambda r: "this draw")), "",
+             without_all(evaluate.rows_table(rows, lambda r: "this draw",
+                                             evaluate.ROWS + NO_LR_ROW)), "",
+             controls_that_held(rows), "",
              "By fault category (each row's controls are all the draw's controls):", "",
              category_table(evaluate, rows), "", per_run_table(rows, manifest)]
     text = "\n".join(lines) + "\n"
@@ -334,6 +341,27 @@ def cmd_score(args):
             json.dump(dict(freeze_commit=commit, rows=rows), f, indent=1)
 
 
+# The fourth row (draw 6 on): no LR read by any path, the output check kept.
+NO_LR_ROW = (("no_lr", "no LR read (mechanism signals and the output check)"),)
+
+
+def controls_that_held(rows):
+    """Controls alarmed, counting only the controls that did not diverge
+    themselves (preregistered from draw 6 on): a control that diverges by the
+    §6.3 rule is an instability, and an alert on it is not a false alarm. The
+    table above keeps every control."""
+    import evaluate  # noqa: E402
+    lines = ["Controls that did not diverge, alarmed:", "",
+             "| row | controls alarmed (95% CI) | controls that diverged |", "|---|---|---|"]
+    for name, title in evaluate.ROWS + NO_LR_ROW:
+        controls = [r for r in rows[name] if not r["fault"]]
+        held = [r for r in controls if r["divergence_step"] is None]
+        alarmed = sum(1 for r in held if r["alerts"])
+        lines.append(f"| {title} | {alarmed}/{len(held)} ({evaluate.wilson(alarmed, len(held))}) "
+                     f"| {len(controls) - len(held)} |")
+    return "\n".join(lines)
+
+
 def category_table(evaluate, rows):
     controls = {name: [r for r in v if not r["fault"]] for name, v in rows.items()}
     cats = sorted({r["category"] for r in rows["shipped"] if r["fault"]})
@@ -343,7 +371,8 @@ def category_table(evaluate, rows):
                         + controls[name] for name, v in rows.items()}
     lines = []
     for cat in cats:
-        table = evaluate.rows_table(per_cat[cat], lambda r, c=cat: c).split("\n")
+        table = evaluate.rows_table(per_cat[cat], lambda r, c=cat: c,
+                                    evaluate.ROWS + NO_LR_ROW).split("\n")
         lines += table if not lines else table[2:]
     return without_all("\n".join(lines))
 

@@ -3,12 +3,14 @@ commit alone, every cell's pins respected, runs labelled for the backtest, and
 scoring refused when the frozen paths changed."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [HERE]
 
 import preregistered  # noqa: E402
@@ -117,3 +119,34 @@ def test_the_powered_design_holds_its_cells_at_their_calibrated_strengths():
     with pytest.raises(SystemExit, match="calibration draws"):
         preregistered.main(["draw", "--commit", A, "--design", "powered",
                             "--strengths", "lr_peak=77", "--out", os.devnull])
+
+
+def test_score_reports_the_no_lr_row_and_the_controls_that_held(tmp_path):
+    """`score` on real recordings (the CI corpus's five runs, drawn here as a
+    calibration draw): the mechanism, direct and shipped rows, the no-LR row
+    (mechanism + output check, from draw 6 on) and the controls table that
+    leaves out controls which diverged themselves."""
+    ctl = os.environ.get("FORESHOCKCTL", os.path.join(ROOT, "build", "ctl", "foreshockctl"))
+    frozen = os.path.join(HERE, "frozen")
+    corpus = tmp_path / "corpus"
+    shutil.copytree(os.path.join(frozen, "recordings"), corpus / "recordings")
+    shutil.copy(os.path.join(frozen, "manifest.json"), corpus / "manifest.json")
+    manifest = json.load(open(corpus / "manifest.json"))["runs"]
+    runs = [dict(run_id=r["run_id"], category="precision" if r["kind"] == "fault" else "control",
+                 cell=r["scenario"]) for r in manifest]
+    draw = tmp_path / "draw.json"
+    draw.write_text(json.dumps(dict(freeze_commit=None, seed="calibration-test", runs=runs)))
+    report, out = tmp_path / "report.md", tmp_path / "rows.json"
+    assert preregistered.main(["score", "--corpus", str(corpus), "--draw", str(draw),
+                               "--foreshockctl", ctl, "--report", str(report),
+                               "--json", str(out), "--jobs", "2"]) is None
+    rows = json.load(open(out))["rows"]
+    assert set(rows) == {"mechanism", "direct", "shipped", "no_lr", "qk_head_z", "gradnorm_z"}
+    assert {r["run_id"] for r in rows["no_lr"]} == {r["run_id"] for r in manifest}
+    text = report.read_text()
+    assert "| this draw | no LR read (mechanism signals and the output check) |" in text
+    controls = [r for r in rows["mechanism"] if not r["fault"]]
+    held = [r for r in controls if r["divergence_step"] is None]
+    alarmed = sum(1 for r in held if r["alerts"])
+    assert (f"| mechanism signals alone (no LR streamed, no output check) | "
+            f"{alarmed}/{len(held)} (") in text
