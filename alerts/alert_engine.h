@@ -245,7 +245,7 @@ class AlertEngine {
   // Restoring changes counters(): a caller exporting counter deltas must
   // take the restored values as its new baseline (or export them once).
   //
-  // Format: codec (detectors/state_codec.h), Header "FSAE" version 4
+  // Format: codec (codec/state_codec.h), Header "FSAE" version 4
   // (versions 2 and 3 are still read); see alert_engine_checkpoint.cc for the layout.
   std::string SaveState() const;
   bool RestoreState(std::string_view bytes, std::string* error = nullptr);

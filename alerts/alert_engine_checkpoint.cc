@@ -6,7 +6,7 @@
 
 #include "alerts/alert_engine_state.h"
 #include "alerts/text.h"
-#include "detectors/state_codec.h"
+#include "codec/state_codec.h"
 
 namespace foreshock::alerts {
 using engine_internal::kFamilyCount;

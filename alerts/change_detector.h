@@ -93,7 +93,7 @@
 #include <string_view>
 #include <vector>
 
-#include "detectors/state_codec.h"
+#include "codec/state_codec.h"
 
 namespace foreshock::alerts {
 

@@ -21,7 +21,7 @@
 
 #include "detectors/retained_state.h"
 #include "detectors/sample.h"
-#include "detectors/state_codec.h"
+#include "codec/state_codec.h"
 
 namespace foreshock::detectors {
 

@@ -12,7 +12,7 @@
 #include <utility>
 
 #include "detectors/detector.h"
-#include "detectors/state_codec.h"
+#include "codec/state_codec.h"
 
 namespace foreshock::detectors {
 

@@ -42,18 +42,6 @@ constexpr std::string_view kAlertEvents = "alert";
 constexpr std::string_view kDetectorCheckpoint = "detectors";
 constexpr std::string_view kAlertCheckpoint = "alerts";
 
-// A StateWriter's sink over the store's checkpoint output.
-class CheckpointSink final : public codec::StateSink {
- public:
-  explicit CheckpointSink(store::CheckpointOutput& out) : out_(out) {}
-  void Append(std::string_view bytes) override { out_.Append(bytes); }
-  void BeginLengthPrefixed() override { out_.BeginLengthPrefixed(); }
-  void EndLengthPrefixed() override { out_.EndLengthPrefixed(); }
-
- private:
-  store::CheckpointOutput& out_;
-};
-
 StreamRecorderOptions RecordingOptions(const DaemonOptions& options) {
   StreamRecorderOptions recording(options.record_dir);
   recording.max_total_bytes = options.record_max_bytes;
@@ -352,9 +340,8 @@ bool Daemon::Checkpoint() {
   // a checkpoint adds a chunk to the daemon's memory, not a copy of the
   // detector state (which can be most of it under large probes).
   const bool detectors_ok = store_->WriteCheckpointStreamed(
-      kDetectorCheckpoint, [this](store::CheckpointOutput& out) {
-        CheckpointSink sink(out);
-        codec::StateWriter writer(&sink);
+      kDetectorCheckpoint, [this](codec::StateSink& out) {
+        codec::StateWriter writer(&out);
         pool_->SaveDetectorState(writer);
         writer.Flush();
         return true;

@@ -16,6 +16,8 @@
 #include <string_view>
 #include <vector>
 
+#include "codec/state_codec.h"
+
 namespace foreshock::store {
 
 bool WriteCheckpointFile(const std::string& dir, std::string_view name, std::string_view bytes,
@@ -63,26 +65,13 @@ class CheckpointBytes {
 CheckpointStatus MapCheckpointFile(const std::string& dir, std::string_view name,
                                    CheckpointBytes* bytes, std::string* error);
 
-// Where a checkpoint's bytes go as they are produced (the store's interface
-// for streamed checkpoints, SeriesStore::WriteCheckpointStreamed).
-class CheckpointOutput {
- public:
-  virtual ~CheckpointOutput() = default;
-  virtual void Append(std::string_view bytes) = 0;
-  // A field of U64 length (little-endian) + bytes whose length is known only
-  // at its end: Begin writes the length's place, the Appends until the
-  // matching End are the field's bytes, End fills the length in. Nests.
-  virtual void BeginLengthPrefixed() = 0;
-  virtual void EndLengthPrefixed() = 0;
-};
-
 // The file above, written as it is produced: the bytes go straight to
 // <name>.ckpt.tmp (the CRC is computed on the way; a length field filled in
 // later is folded in with Crc32cCombine), Commit writes the header, fsyncs
 // and renames. Destroyed without a successful Commit, it removes the
 // temporary file and the previous checkpoint stays. The first failure is
 // kept (later calls do nothing) and Commit reports it.
-class CheckpointFileWriter final : public CheckpointOutput {
+class CheckpointFileWriter final : public codec::StateSink {
  public:
   CheckpointFileWriter(std::string dir, std::string_view name);
   ~CheckpointFileWriter() override;

@@ -239,7 +239,7 @@ bool DurableSeriesStore::WriteCheckpoint(std::string_view name, std::string_view
 }
 
 bool DurableSeriesStore::WriteCheckpointStreamed(
-    std::string_view name, const std::function<bool(CheckpointOutput&)>& fill) {
+    std::string_view name, const std::function<bool(codec::StateSink&)>& fill) {
   if (!IsValidCheckpointName(name)) {
     Report("refused checkpoint with invalid name '" + std::string(name) + "'");
     return false;

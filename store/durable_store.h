@@ -188,7 +188,7 @@ class DurableSeriesStore final : public SeriesStore {
   std::optional<CheckpointBytes> ReadLargeCheckpoint(std::string_view name) const override;
   // Straight to the file (store/checkpoint.h, CheckpointFileWriter).
   bool WriteCheckpointStreamed(std::string_view name,
-                               const std::function<bool(CheckpointOutput&)>& fill) override;
+                               const std::function<bool(codec::StateSink&)>& fill) override;
 
   // Makes everything appended so far durable. Returns false on an fsync error.
   bool Sync();

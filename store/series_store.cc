@@ -211,8 +211,8 @@ std::vector<std::string> InMemorySeriesStore::Events(std::string_view kind) cons
 
 namespace {
 
-// A CheckpointOutput that collects the bytes in a string.
-class StringCheckpointOutput final : public CheckpointOutput {
+// A checkpoint sink that collects the bytes in a string.
+class StringCheckpointOutput final : public codec::StateSink {
  public:
   void Append(std::string_view bytes) override { bytes_.append(bytes); }
   void BeginLengthPrefixed() override {
@@ -237,7 +237,7 @@ class StringCheckpointOutput final : public CheckpointOutput {
 }  // namespace
 
 bool SeriesStore::WriteCheckpointStreamed(std::string_view name,
-                                          const std::function<bool(CheckpointOutput&)>& fill) {
+                                          const std::function<bool(codec::StateSink&)>& fill) {
   if (!IsValidCheckpointName(name)) return false;
   StringCheckpointOutput output;
   if (!fill(output) || !output.complete()) return false;

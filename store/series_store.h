@@ -187,7 +187,7 @@ class SeriesStore {
   // never copied whole in memory; this default collects them and calls
   // WriteCheckpoint. The bytes read back are the same either way.
   virtual bool WriteCheckpointStreamed(std::string_view name,
-                                       const std::function<bool(CheckpointOutput&)>& fill);
+                                       const std::function<bool(codec::StateSink&)>& fill);
 };
 
 bool IsValidCheckpointName(std::string_view name);

@@ -4,7 +4,7 @@
 
 #include <spdlog/spdlog.h>
 
-#include "detectors/state_codec.h"
+#include "codec/state_codec.h"
 #include "server/clock.h"
 
 namespace foreshock::server {

@@ -56,7 +56,7 @@
 #include <vector>
 
 #include "detectors/sample.h"
-#include "detectors/state_codec.h"
+#include "codec/state_codec.h"
 
 namespace foreshock::server {
 
@@ -101,7 +101,7 @@ class RankScalars {
   // Steps waiting for ranks, over all runs (for tests and introspection).
   size_t OpenSteps() const;
 
-  // Every run's state, open steps included (codec, detectors/state_codec.h):
+  // Every run's state, open steps included (codec, codec/state_codec.h):
   //   Header "FSRS" v2 | U64 runs | per run: String name, I32 world_size,
   //   Bool several, I64 emitted, I64 steps, U64 ranks, per rank: I32 rank,
   //   I64 last_step, I32 missed | U64 open steps, per step: I64 step,

@@ -9,7 +9,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "detectors/state_codec.h"
+#include "codec/state_codec.h"
 #include "server/alerting/alert_hub.h"
 #include "server/clock.h"
 #include "server/pipeline/run_tracker.h"
@@ -32,7 +32,7 @@ RunLifecycle::RunLifecycle(SeriesStore* store, AlertHub* alerts, WorkerPool* poo
 // ---------------------------------------------------------------------------
 // Events: U8 version, U8 type, U64 seq, String run, I32 attempt, I32 rank,
 // U64 sender, I64 step, I64 wall_ms, from v2 String tenant, from v3 I32
-// world_size (codec, detectors/state_codec.h).
+// world_size (codec, codec/state_codec.h).
 
 std::string RunLifecycle::Encode(const Event& e) {
   codec::StateWriter w;

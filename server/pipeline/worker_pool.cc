@@ -7,7 +7,7 @@
 #include <map>
 #include <set>
 
-#include "detectors/state_codec.h"
+#include "codec/state_codec.h"
 
 namespace foreshock::server {
 namespace {

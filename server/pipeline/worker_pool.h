@@ -172,7 +172,7 @@ class WorkerPool {
   // one instant: fine, since their series are disjoint. A worker is paused
   // only while its own detectors are serialized.
   //
-  // Format (codec, detectors/state_codec.h), version 1:
+  // Format (codec, codec/state_codec.h), version 1:
   //   Header "FSDP" v1 | U32 workers | per worker: U32 detectors |
   //   per detector: String registered name, Bytes Detector::SaveState blob;
   //   last, String "server.rank_scalars", Bytes RankScalars::SaveState blob

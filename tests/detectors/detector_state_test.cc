@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "detectors/detector.h"
-#include "detectors/state_codec.h"
+#include "codec/state_codec.h"
 #include "tests/detectors/detector_test_support.h"
 #include "tests/detectors/sample_streams.h"
 

@@ -14,7 +14,7 @@
 #include "detectors/attention_stats.h"
 #include "detectors/detector.h"
 #include "detectors/qk_spectrum.h"
-#include "detectors/state_codec.h"
+#include "codec/state_codec.h"
 
 namespace foreshock::detectors {
 namespace {

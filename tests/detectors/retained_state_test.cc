@@ -12,7 +12,7 @@
 
 #include "detectors/detector.h"
 #include "detectors/retained_state.h"
-#include "detectors/state_codec.h"
+#include "codec/state_codec.h"
 #include "tests/detectors/detector_test_support.h"
 #include "tests/detectors/sample_streams.h"
 

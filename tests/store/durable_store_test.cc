@@ -723,7 +723,7 @@ TEST(DurableStoreTest, StreamedCheckpointsAreTheSameFileAsWholeOnes) {
   const std::string inner = "inner" + le64(big.size() + 1) + big + "!";
   const std::string whole = "head" + le64(inner.size()) + inner + "tail";
   ASSERT_TRUE(store->WriteCheckpoint("whole", whole));
-  ASSERT_TRUE(store->WriteCheckpointStreamed("streamed", [&](CheckpointOutput& out) {
+  ASSERT_TRUE(store->WriteCheckpointStreamed("streamed", [&](codec::StateSink& out) {
     out.Append("head");
     out.BeginLengthPrefixed();
     out.Append("inner");
@@ -739,21 +739,21 @@ TEST(DurableStoreTest, StreamedCheckpointsAreTheSameFileAsWholeOnes) {
   const std::string checkpoints = dir.path() + "/checkpoints/";
   EXPECT_EQ(testing::ReadFile(checkpoints + "streamed.ckpt"), testing::ReadFile(checkpoints + "whole.ckpt"));
   // Given up half way (or a length field left open): the old one stays, no temporary file.
-  EXPECT_FALSE(store->WriteCheckpointStreamed("streamed", [](CheckpointOutput& out) {
+  EXPECT_FALSE(store->WriteCheckpointStreamed("streamed", [](codec::StateSink& out) {
     out.Append("partial");
     return false;
   }));
-  EXPECT_FALSE(store->WriteCheckpointStreamed("streamed", [](CheckpointOutput& out) {
+  EXPECT_FALSE(store->WriteCheckpointStreamed("streamed", [](codec::StateSink& out) {
     out.BeginLengthPrefixed();
     out.Append("unterminated");
     return true;
   }));
   EXPECT_EQ(store->ReadCheckpoint("streamed"), whole);
   EXPECT_FALSE(std::filesystem::exists(checkpoints + "streamed.ckpt.tmp"));
-  EXPECT_FALSE(store->WriteCheckpointStreamed("../escape", [](CheckpointOutput&) { return true; }));
+  EXPECT_FALSE(store->WriteCheckpointStreamed("../escape", [](codec::StateSink&) { return true; }));
   // The in-memory store collects the same bytes.
   InMemorySeriesStore memory(8);
-  ASSERT_TRUE(memory.WriteCheckpointStreamed("s", [&](CheckpointOutput& out) {
+  ASSERT_TRUE(memory.WriteCheckpointStreamed("s", [&](codec::StateSink& out) {
     out.Append("head");
     out.BeginLengthPrefixed();
     out.Append(inner);

@@ -1,4 +1,6 @@
-// A tiny binary codec for checkpointed state (detector series, alert engine).
+// A tiny binary codec for checkpointed state (detector series, alert engine,
+// the server's run state), in a module of its own so that detectors/, alerts/,
+// server/ and store/ share it without depending on one another.
 //
 // Pure and header-only: no protobuf, no I/O. The store adds the file framing
 // and checksum (store/checkpoint.h); this is what goes inside.
@@ -39,7 +41,8 @@
 
 namespace foreshock::codec {
 
-// Where a streaming StateWriter's bytes go.
+// Where a streaming StateWriter's bytes go: the store's checkpoint file
+// (store::CheckpointFileWriter, SeriesStore::WriteCheckpointStreamed) or a string.
 class StateSink {
  public:
   virtual ~StateSink() = default;

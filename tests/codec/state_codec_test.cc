@@ -1,6 +1,6 @@
 // The checkpoint codec: exact round trips, and corrupt input that fails
 // cleanly (never crashes, never allocates what the input cannot back).
-#include "detectors/state_codec.h"
+#include "codec/state_codec.h"
 
 #include <gtest/gtest.h>
 
