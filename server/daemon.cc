@@ -22,7 +22,7 @@
 #include "server/http/http_server.h"
 #include "server/query/query_backend.h"
 #include "server/ingest/ingest_service.h"
-#include "server/metrics.h"
+#include "server/common/metrics.h"
 #include "server/pipeline/rank_scalars.h"
 #include "server/pipeline/run_lifecycle.h"
 #include "server/pipeline/run_tracker.h"

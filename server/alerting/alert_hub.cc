@@ -5,7 +5,7 @@
 #include <spdlog/spdlog.h>
 
 #include "codec/state_codec.h"
-#include "server/clock.h"
+#include "server/common/clock.h"
 
 namespace foreshock::server {
 namespace {
@@ -28,7 +28,7 @@ std::string AlertKeyV1(const alerts::Alert& alert) {
 AlertHub::AlertHub(alerts::AlertConfig config, DaemonMetrics& metrics,
                    std::unique_ptr<AlertmanagerNotifier> notifier)
     : metrics_(metrics), notifier_(std::move(notifier)), engine_(std::move(config)) {
-  // Known label values at 0 from the start (server/metrics.h): every alert
+  // Known label values at 0 from the start (server/common/metrics.h): every alert
   // this configuration can raise, in every state it can move to.
   const alerts::AlertConfig& active = engine_.config();
   std::set<std::string> alertnames;

@@ -16,12 +16,13 @@
 #include "alerts/alert_engine.h"
 #include "foreshock/v1/query.pb.h"
 #include "server/alerting/alertmanager_notifier.h"
-#include "server/metrics.h"
+#include "server/common/metrics.h"
+#include "server/pipeline/run_alert_effects.h"
 #include "server/pipeline/worker_pool.h"
 
 namespace foreshock::server {
 
-class AlertHub final : public ObservationSink {
+class AlertHub final : public ObservationSink, public RunAlertEffects {
  public:
   // `notifier` may be null (no --alertmanager_url).
   AlertHub(alerts::AlertConfig config, DaemonMetrics& metrics,
@@ -50,15 +51,16 @@ class AlertHub final : public ObservationSink {
 
   AlertmanagerNotifier* notifier() { return notifier_.get(); }
 
-  // Run lifecycle (server/pipeline/run_lifecycle.h): the engine's
-  // CloseEpisodes / RewindRun for `run`, its transitions delivered like any
-  // other (gauge, log, Alertmanager, WatchAlerts, event log), and `mark`
-  // recorded with the change under one lock, so that a checkpoint holds both
-  // or neither.
+  // RunAlertEffects (server/pipeline/run_alert_effects.h), for the run
+  // lifecycle: the engine's CloseEpisodes / RewindRun for `run`, its
+  // transitions delivered like any other (gauge, log, Alertmanager,
+  // WatchAlerts, event log), and `mark` recorded with the change under one
+  // lock, so that a checkpoint holds both or neither.
   void CloseRunEpisodes(const std::string& run, std::string_view reason,
-                        const alerts::LifecycleMark& mark);
-  void RewindRun(const std::string& run, int64_t from_step, const alerts::LifecycleMark& mark);
-  alerts::LifecycleMark GetLifecycleMark(const std::string& run) const;
+                        const alerts::LifecycleMark& mark) override;
+  void RewindRun(const std::string& run, int64_t from_step,
+                 const alerts::LifecycleMark& mark) override;
+  alerts::LifecycleMark GetLifecycleMark(const std::string& run) const override;
 
   // Every transition, as its AlertEvent, also goes to `log` (the durable
   // store's event log); called in order, under the hub's lock.

@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "server/alerting/alertmanager_url.h"
-#include "server/clock.h"
+#include "server/common/clock.h"
 
 namespace foreshock::server {
 namespace {

@@ -17,7 +17,7 @@
 #include <utility>
 #include <vector>
 
-#include "server/metrics.h"
+#include "server/common/metrics.h"
 
 namespace foreshock::server {
 

@@ -36,6 +36,7 @@ IngestService::IngestService(const IngestLimits& limits, AdmissionGate& gate, Wo
       on_hello_(std::move(on_hello)),
       tenant_limit_(TenantStreamLimit(limits)),
       tenant_run_limit_(TenantRunLimit(limits)) {
+  metrics_.DeclareRejectionReasons(RejectionReasons());
   if (!recording.dir.empty()) {
     recorder_ = std::make_unique<StreamRecorder>(std::move(recording), metrics_);
   }

@@ -27,7 +27,7 @@
 #include "server/ingest/memory_guard.h"
 #include "server/ingest/state_budget.h"
 #include "server/security/auth.h"
-#include "server/metrics.h"
+#include "server/common/metrics.h"
 #include "server/ingest/stream_recorder.h"
 #include "server/ingest/validation.h"
 #include "server/pipeline/worker_pool.h"

@@ -31,7 +31,7 @@
 #include <string>
 #include <thread>
 
-#include "server/metrics.h"
+#include "server/common/metrics.h"
 
 namespace foreshock::server {
 

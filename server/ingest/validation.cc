@@ -8,6 +8,61 @@
 #include "absl/strings/str_join.h"
 
 namespace foreshock::server {
+
+namespace {
+
+// Record-level codes first, then stream-level, as in docs/DESIGN.md §3.2.
+constexpr std::string_view kRejectionReasons[] = {
+    reason::kMissingPayload,
+    reason::kUnknownDType,
+    reason::kBadShape,
+    reason::kByteLengthMismatch,
+    reason::kShapeMismatch,
+    reason::kShapeOverLimit,
+    reason::kLayerOutOfRange,
+    reason::kHeadsMismatch,
+    reason::kBadSeqLen,
+    reason::kBadOutputCheck,
+    reason::kBadSoftcap,
+    reason::kBadTopK,
+    reason::kExpertsMismatch,
+    reason::kNotMoeLayer,
+    reason::kBadId,
+    reason::kNonIncreasingSeq,
+    reason::kNegativeStep,
+    reason::kTensorTooLarge,
+    reason::kTooManyLayers,
+    reason::kTooManyRecords,
+    reason::kStepOutOfRange,
+    reason::kStepAheadOfRun,
+    reason::kTooManyProbeIds,
+    reason::kBatchBeforeHello,
+    reason::kDuplicateHello,
+    reason::kBadHello,
+    reason::kBadLabels,
+    reason::kBadRank,
+    reason::kWorldSizeOverLimit,
+    reason::kWorldSizeConflict,
+    reason::kEmptyRequest,
+    reason::kMalformedRequest,
+    reason::kTooManyStreams,
+    reason::kTooManyStreamsForTenant,
+    reason::kTooManyRuns,
+    reason::kTooManyRunsForTenant,
+    reason::kRankInUse,
+    reason::kMessageTooLarge,
+    reason::kMemoryLimit,
+    reason::kStateLimit,
+    reason::kDiskFull,
+    reason::kStoreUnavailable,
+    reason::kHelloTimeout,
+    reason::kStreamIdleTimeout,
+};
+
+
+}  // namespace
+
+std::span<const std::string_view> RejectionReasons() { return kRejectionReasons; }
 namespace {
 
 namespace v1 = foreshock::v1;

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -203,6 +204,12 @@ inline constexpr char kRankInUse[] = "rank_in_use";
 inline constexpr char kHelloTimeout[] = "hello_timeout";
 inline constexpr char kStreamIdleTimeout[] = "stream_idle_timeout";
 }  // namespace reason
+
+// Every code above that ingest counts in foreshock_ingest_rejected_total,
+// record-level first (docs/DESIGN.md §3.2); the ingest service declares them
+// to the metrics (exported at 0 from the start). tests/server/common/
+// metrics_test.cc checks the list against the codes declared here.
+std::span<const std::string_view> RejectionReasons();
 
 // An Ack lists at most this many rejections; the rest are counted in
 // Ack.omitted_rejections and omitted_by_reason, so that an Ack stays small

@@ -2,7 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
-#include "server/clock.h"
+#include "server/common/clock.h"
 
 namespace foreshock::server {
 

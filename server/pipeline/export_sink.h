@@ -3,7 +3,7 @@
 
 #include <atomic>
 
-#include "server/metrics.h"
+#include "server/common/metrics.h"
 #include "server/pipeline/run_tracker.h"
 #include "server/pipeline/series_store.h"
 #include "server/pipeline/worker_pool.h"

@@ -10,8 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "codec/state_codec.h"
-#include "server/alerting/alert_hub.h"
-#include "server/clock.h"
+#include "server/common/clock.h"
 #include "server/pipeline/run_tracker.h"
 #include "server/pipeline/worker_pool.h"
 
@@ -25,7 +24,7 @@ constexpr uint32_t kStateVersion = 3;
 constexpr uint8_t kEventVersion = 3;
 }  // namespace
 
-RunLifecycle::RunLifecycle(SeriesStore* store, AlertHub* alerts, WorkerPool* pool,
+RunLifecycle::RunLifecycle(SeriesStore* store, RunAlertEffects* alerts, WorkerPool* pool,
                            RunTracker* runs)
     : store_(store), alerts_(alerts), pool_(pool), tracker_(runs) {}
 

@@ -65,11 +65,11 @@
 #include <vector>
 
 #include "alerts/alert_engine.h"
+#include "server/pipeline/run_alert_effects.h"
 #include "server/pipeline/series_store.h"
 
 namespace foreshock::server {
 
-class AlertHub;
 class RunTracker;
 class WorkerPool;
 
@@ -80,7 +80,7 @@ class RunLifecycle {
   static constexpr int kCheckpointEvery = 256;
 
   // Every collaborator may be null (then that effect is skipped: tests).
-  RunLifecycle(SeriesStore* store, AlertHub* alerts, WorkerPool* pool, RunTracker* runs);
+  RunLifecycle(SeriesStore* store, RunAlertEffects* alerts, WorkerPool* pool, RunTracker* runs);
 
   // Ingest: an accepted Hello, before its HelloAck.
   // `world_size` (Hello label world_size, 0 when absent): with it, the run
@@ -201,7 +201,7 @@ class RunLifecycle {
   int64_t VisibleLastStep(const std::string& run, const std::vector<Boundary>& boundaries) const;
 
   SeriesStore* const store_;
-  AlertHub* const alerts_;
+  RunAlertEffects* const alerts_;
   WorkerPool* const pool_;
   RunTracker* const tracker_;
 

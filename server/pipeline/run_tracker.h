@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "foreshock/v1/ingest.pb.h"
-#include "server/metrics.h"
+#include "server/common/metrics.h"
 
 namespace foreshock::server {
 

@@ -12,7 +12,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "server/metrics.h"
+#include "server/common/metrics.h"
 #include "server/pipeline/worker_pool.h"
 
 namespace foreshock::server {

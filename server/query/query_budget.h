@@ -20,7 +20,7 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "server/metrics.h"
+#include "server/common/metrics.h"
 
 namespace foreshock::server {
 

@@ -8,7 +8,7 @@
 #include "foreshock/v1/query.grpc.pb.h"
 #include "server/alerting/alert_hub.h"
 #include "server/security/auth.h"
-#include "server/metrics.h"
+#include "server/common/metrics.h"
 #include "server/query/query_backend.h"
 
 namespace foreshock::server {

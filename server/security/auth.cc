@@ -114,7 +114,7 @@ AuthMetrics::AuthMetrics(prometheus::Registry& registry)
                          "unknown; permission_denied: the token does not cover the run or right)")
                    .Register(registry)) {
   // Every API and reason at 0 from the start (known label values,
-  // server/metrics.h). The APIs are the names AccessCheck's callers pass.
+  // server/common/metrics.h). The APIs are the names AccessCheck's callers pass.
   for (const char* api : {"grpc_ingest", "grpc_query", "http"}) {
     for (const char* reason : {"unauthenticated", "permission_denied"}) {
       family_->Add({{"api", api}, {"reason", reason}});

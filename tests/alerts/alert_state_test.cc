@@ -17,7 +17,7 @@
 #include "alerts/alert_engine.h"
 #include "alerts/change_detector.h"
 #include "alerts/config.h"
-#include "detectors/state_codec.h"
+#include "codec/state_codec.h"
 
 namespace foreshock::alerts {
 namespace {

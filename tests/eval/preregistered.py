@@ -42,7 +42,7 @@ sys.path[:0] = [HERE]
 # daemon and the client, the model and its fault code (demo/tiny_moe_gpt.py;
 # draws 1-4 named a demo/model.py that never existed, so the model was not
 # guarded), and the evaluation code that plans, records and scores a draw.
-FREEZE = ("detectors", "alerts", "server", "ctl", "deploy/foreshock.yaml", "proto",
+FREEZE = ("codec", "detectors", "alerts", "server", "ctl", "deploy/foreshock.yaml", "proto",
           "client/python/foreshock", "demo/train.py", "demo/tiny_moe_gpt.py",
           "tests/eval/make_corpus.py", "tests/eval/configs.py", "tests/eval/evaluate.py",
           "tests/eval/reference.py", "tests/eval/preregistered.py")

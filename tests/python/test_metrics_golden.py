@@ -12,7 +12,7 @@ orders series by hash. Everything else is compared as is: every family name,
 its HELP and TYPE, every series with its labels, and the values of counters
 the stream determines. So the test fails when a family is renamed or dropped,
 loses or changes its HELP text, changes type, or a known label value that is
-exported at 0 (server/metrics.h) disappears.
+exported at 0 (server/common/metrics.h) disappears.
 
 After an intended change, regenerate the golden file and review its diff:
 
@@ -218,8 +218,8 @@ def stream(endpoint, requests):
 
 
 def declared_families():
-    """foreshock_<name> of every family in server/metrics.h's tables."""
-    with open(os.path.join(ROOT, "server", "metrics.h")) as f:
+    """foreshock_<name> of every family in server/common/metrics.h's tables."""
+    with open(os.path.join(ROOT, "server", "common", "metrics.h")) as f:
         text = f.read()
     return {"foreshock_" + name for name in re.findall(r'X\(\w+,\s*"(\w+)"', text)}
 
@@ -273,7 +273,7 @@ def test_metrics_page_matches_the_golden_file(daemon):
 
     # Independent of the golden file: the scenario reaches every declared family.
     missing = sorted(f for f in declared_families() if f"# HELP {f} " not in page)
-    assert not missing, f"families of server/metrics.h not on the page: {missing}"
+    assert not missing, f"families of server/common/metrics.h not on the page: {missing}"
 
     if os.environ.get("FORESHOCK_UPDATE_GOLDEN"):
         os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)

@@ -6,7 +6,12 @@ hand, on the source tree only.
   out-of-line member definitions: a line at column 0 that opens a function,
   to its closing brace at column 0);
 - detectors/ is pure math: it includes nothing from server/, alerts/ or
-  store/.
+  store/;
+- inside server/, includes only go down the layers of SERVER_LAYERS (a
+  folder may include its own files and those of the folders before it; the
+  top-level files, daemon.cc and foreshockd.cc, wire everything together and
+  nothing includes them but each other);
+- the state codec lives in codec/ alone and includes nothing of the project.
 
 Exempt: ui/index.html, the web UI, is one self-contained page by design
 (docs/DESIGN.md §2.11): the daemon serves its bytes as they are, and
@@ -93,7 +98,61 @@ def test_detectors_include_nothing_from_server_alerts_or_store():
     assert not upward, "\n".join(upward)
 
 
+# server/'s folders, lowest first (docs/DESIGN.md §2.11): what every
+# component shares (the metric table, the clock), authentication, the HTTP
+# server, the detector pipeline (workers, export, store, run lifecycle), the
+# alerting fed by it, ingest feeding the pipeline, and queries over all.
+SERVER_LAYERS = ("common", "security", "http", "pipeline", "alerting", "ingest", "query")
+_SERVER_INCLUDE = re.compile(r'\s*#\s*include\s+"server/([^"]+)"')
+
+
+def server_layer(path_in_server):
+    """The layer index of a path under server/ (top-level files: above all)."""
+    folder = path_in_server.split("/")[0] if "/" in path_in_server else None
+    return len(SERVER_LAYERS) if folder is None else SERVER_LAYERS.index(folder)
+
+
+def upward_server_includes(path, text):
+    """The includes of `path` (under server/) that climb to a later layer."""
+    here = server_layer(path[len("server/"):])
+    out = []
+    for n, line in enumerate(text.split("\n"), 1):
+        m = _SERVER_INCLUDE.match(line)
+        if m and server_layer(m.group(1)) > here:
+            out.append(f"{path}:{n}: {line.strip()}")
+    return out
+
+
+def test_server_includes_only_go_down_its_layers():
+    folders = {p.split("/")[1] for p in sources()
+               if p.startswith("server/") and p.count("/") >= 2}
+    assert folders <= set(SERVER_LAYERS), f"place these in SERVER_LAYERS: {folders - set(SERVER_LAYERS)}"
+    upward = [hit for p in sources() if p.startswith("server/") and p.endswith((".h", ".cc"))
+              for hit in upward_server_includes(p, read(p))]
+    assert not upward, "\n".join(upward)
+
+
+def test_the_codec_is_one_neutral_module():
+    codec = [p for p in sources() if p.startswith("codec/") and p.endswith((".h", ".cc"))]
+    assert codec == ["codec/state_codec.h"]
+    own = [line for line in read(codec[0]).split("\n") if re.match(r'\s*#\s*include\s+"', line)]
+    assert not own, f"the codec includes nothing of the project: {own}"
+    copies = [p for p in sources() if p.endswith((".h", ".cc")) and
+              re.search(r"class \w+ *(final *)?\{\n *public:\n *virtual ~\w+\(\) = default;\n"
+                        r" *virtual void Append\(std::string_view", read(p))]
+    assert copies == ["codec/state_codec.h"], f"a second checkpoint sink interface: {copies}"
+
+
 # The checks themselves, on made-up input.
+
+def test_an_upward_server_include_is_caught():
+    text = '#include "server/common/metrics.h"\n#include "server/alerting/alert_hub.h"\n'
+    assert upward_server_includes("server/pipeline/x.cc", text) == [
+        'server/pipeline/x.cc:2: #include "server/alerting/alert_hub.h"']
+    assert upward_server_includes("server/daemon.cc", text) == []
+    assert upward_server_includes("server/common/m.cc", '#include "server/daemon.h"\n') == [
+        'server/common/m.cc:1: #include "server/daemon.h"']
+
 
 def test_function_lengths_finds_definitions_and_skips_the_rest():
     text = "\n".join([

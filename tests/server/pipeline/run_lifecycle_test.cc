@@ -9,7 +9,7 @@
 #include <memory>
 
 #include "server/alerting/alert_hub.h"
-#include "server/clock.h"
+#include "server/common/clock.h"
 #include "server/pipeline/run_tracker.h"
 #include "server/pipeline/worker_pool.h"
 #include "tests/server/metric_reader.h"

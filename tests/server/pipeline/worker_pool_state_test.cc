@@ -14,7 +14,7 @@
 #include <tuple>
 #include <vector>
 
-#include "detectors/state_codec.h"
+#include "codec/state_codec.h"
 #include "server/pipeline/worker_pool.h"
 #include "tests/detectors/sample_streams.h"
 

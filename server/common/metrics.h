@@ -130,11 +130,8 @@ inline constexpr std::string_view kMetricPrefix = "foreshock_";
 // (Prometheus practice), so that rate(), increase() and absent() see a 0 from
 // the daemon's start instead of nothing, and an alert on the first event
 // fires. docs/DESIGN.md §4.5 says which series exist when.
-//
-// foreshock_ingest_rejected_total{reason}: every code ingest can count
-// (docs/DESIGN.md §3.2). tests/server/metrics_test.cc checks it against the
-// codes declared in server/ingest/validation.h.
-std::span<const std::string_view> RejectionReasons();
+// foreshock_ingest_rejected_total{reason}: the codes ingest declares
+// (DeclareRejectionReasons below).
 // foreshock_alertmanager_posts_total{result}, with --alertmanager_url.
 inline constexpr std::array<std::string_view, 2> kAlertmanagerPostResults = {"ok", "error"};
 // foreshock_alert_points_total{outcome}.
@@ -168,8 +165,12 @@ class DaemonMetrics {
   // foreshock_metrics_series_dropped_total; existing series keep updating).
   bool ExportObservation(const std::string& run, const detectors::Observation& observation);
 
+  // The rejection codes ingest can count (server/ingest/validation.h,
+  // RejectionReasons()), exported at 0 from now on. Called once, by the
+  // ingest service's constructor, before any CountRejection.
+  void DeclareRejectionReasons(std::span<const std::string_view> codes);
   // Rejections are counted in one place so that reason codes stay consistent.
-  // A code missing from RejectionReasons() is still counted (and logged once).
+  // A code that was not declared is still counted (and logged once).
   void CountRejection(std::string_view reason_code, double n = 1);
 
   // The series of a run that exist from its first Hello, at 0:

@@ -10,7 +10,7 @@
 #include <algorithm>
 #include <random>
 
-#include "server/metrics.h"
+#include "server/common/metrics.h"
 
 namespace foreshock::server {
 namespace {

@@ -1,11 +1,10 @@
-#include "server/metrics.h"
+#include "server/common/metrics.h"
 
 #include <spdlog/spdlog.h>
 
 #include <atomic>
 #include <string>
 
-#include "server/ingest/validation.h"
 
 namespace foreshock::server {
 namespace {
@@ -14,57 +13,7 @@ std::string Prefixed(std::string_view name) {
   return std::string(kMetricPrefix) + std::string(name);
 }
 
-// Record-level codes first, then stream-level, as in docs/DESIGN.md §3.2.
-constexpr std::string_view kRejectionReasons[] = {
-    reason::kMissingPayload,
-    reason::kUnknownDType,
-    reason::kBadShape,
-    reason::kByteLengthMismatch,
-    reason::kShapeMismatch,
-    reason::kShapeOverLimit,
-    reason::kLayerOutOfRange,
-    reason::kHeadsMismatch,
-    reason::kBadSeqLen,
-    reason::kBadOutputCheck,
-    reason::kBadSoftcap,
-    reason::kBadTopK,
-    reason::kExpertsMismatch,
-    reason::kNotMoeLayer,
-    reason::kBadId,
-    reason::kNonIncreasingSeq,
-    reason::kNegativeStep,
-    reason::kTensorTooLarge,
-    reason::kTooManyLayers,
-    reason::kTooManyRecords,
-    reason::kStepOutOfRange,
-    reason::kStepAheadOfRun,
-    reason::kTooManyProbeIds,
-    reason::kBatchBeforeHello,
-    reason::kDuplicateHello,
-    reason::kBadHello,
-    reason::kBadLabels,
-    reason::kBadRank,
-    reason::kWorldSizeOverLimit,
-    reason::kWorldSizeConflict,
-    reason::kEmptyRequest,
-    reason::kMalformedRequest,
-    reason::kTooManyStreams,
-    reason::kTooManyStreamsForTenant,
-    reason::kTooManyRuns,
-    reason::kTooManyRunsForTenant,
-    reason::kRankInUse,
-    reason::kMessageTooLarge,
-    reason::kMemoryLimit,
-    reason::kStateLimit,
-    reason::kDiskFull,
-    reason::kStoreUnavailable,
-    reason::kHelloTimeout,
-    reason::kStreamIdleTimeout,
-};
-
 }  // namespace
-
-std::span<const std::string_view> RejectionReasons() { return kRejectionReasons; }
 
 const prometheus::Histogram::BucketBoundaries& DaemonMetrics::DetectorSecondsBuckets() {
   static const prometheus::Histogram::BucketBoundaries kBuckets = {
@@ -108,9 +57,6 @@ DaemonMetrics::DaemonMetrics(prometheus::Registry& registry, bool per_head_metri
   }
   for (std::string_view outcome : kAlertPointOutcomes) {
     alert_points_total.Add({{"outcome", std::string(outcome)}});
-  }
-  for (std::string_view code : kRejectionReasons) {
-    rejections_.emplace(std::string(code), &ingest_rejected_total.Add({{"reason", std::string(code)}}));
   }
   for (const detectors::DetectorInfo& detector : detectors::DetectorRegistry::Instance().detectors()) {
     const prometheus::Labels labels{{"detector", std::string(detector.name)}};
@@ -168,6 +114,12 @@ bool DaemonMetrics::ExportObservation(const std::string& run,
   return true;
 }
 
+void DaemonMetrics::DeclareRejectionReasons(std::span<const std::string_view> codes) {
+  for (std::string_view code : codes) {
+    rejections_.emplace(std::string(code), &ingest_rejected_total.Add({{"reason", std::string(code)}}));
+  }
+}
+
 void DaemonMetrics::CountRejection(std::string_view reason_code, double n) {
   if (auto it = rejections_.find(reason_code); it != rejections_.end()) {
     it->second->Increment(n);
@@ -175,7 +127,7 @@ void DaemonMetrics::CountRejection(std::string_view reason_code, double n) {
   }
   static std::atomic<bool> warned{false};
   if (!warned.exchange(true)) {
-    spdlog::error("rejection code '{}' is missing from RejectionReasons() (server/metrics.cc)",
+    spdlog::error("rejection code '{}' is missing from RejectionReasons() (server/common/metrics.cc)",
                   std::string(reason_code));
   }
   ingest_rejected_total.Add({{"reason", std::string(reason_code)}}).Increment(n);
