@@ -1,90 +1,24 @@
 // A per-series change detector: decides, one sample at a time, whether a
-// signal series (one run, one signal, one layer) has changed in the alert
-// direction, and tracks that decision with persistence and hysteresis.
-//
+// signal series (one run, one signal, one layer or head) has changed in the
+// alert direction, and tracks that decision with persistence and hysteresis.
 // Pure computation: no clock, no threads, no I/O.
 //
-// ## Algorithm (per sample x_t of the series, t counted in samples)
+// The algorithm and its defaults are docs/DESIGN.md §5.2: a robust baseline
+// trailing the sample by a gap (so that a collapse is confirmed before it
+// enters its own baseline), an optional clamped trend, the robust z, an
+// effect-size gate, a one-sided CUSUM, the absolute bound, persistence m of n,
+// and a baseline frozen while anomalous. The comments on Options and in the
+// .cc give each knob's exact arithmetic.
 //
-// Direction d = +1 for kRise (logits, shares, CV, flip rate, rho, loss) and
-// -1 for kDrop (entropies). Only changes in the direction d are anomalous.
+// Several sources per step (ranks): the first value of a step is scored at
+// once; a later value for that step that is worse in the alert direction
+// rolls the detector back to its state before the step and re-scores it,
+// anything else for the step (or an older step: stale) is ignored. So a
+// worse value never retracts a decision; it can only postpone a clearing.
 //
-// 1. Baseline, learned from the series' own recent past. The history keeps
-//    the last `window + gap` accepted samples; the baseline window is the
-//    oldest `window` of them, so it trails the current sample by `gap`
-//    samples. Why the gap: a collapse is confirmed (persistence, below)
-//    within `persist_n` samples, before its first anomalous samples could
-//    enter the baseline; a slow drift, by contrast, moves the baseline along.
-//    Statistics are robust: the median m and the MAD of the window.
-//    Samples at steps below `warmup_steps` are ignored altogether (early
-//    training's transient is not a baseline).
-//    The baseline is ready once `warmup` samples have been seen and the
-//    window holds at least `min_baseline` samples (0: max(3, window/2)).
-//    A baseline from few samples is less certain: its scale is multiplied by
-//    1 + small_sample_inflation / n for a window of n samples, so that a
-//    young series needs a larger change to alarm (small_sample_inflation 0:
-//    no inflation); likewise the effect-size gate, by
-//    (1 + gate_inflation / n) / (1 + gate_inflation / window). With
-//    `log_scale` every step below works on log(value) (multiplicative series).
-// 2. Trend (when `trend` is on): the slope of a span is the difference of
-//    the medians of its newer and older halves divided by the distance
-//    between them, clamped to the alert direction (a rise detector only
-//    follows rising trends, a drop detector only falling ones). The span's
-//    median and MAD are taken on the detrended values and the level is
-//    extrapolated from the span's centre to the current sample. Two spans
-//    are fitted, the whole window and its newer half (when each holds >= 6
-//    samples); the level further along the alert direction and the larger
-//    scale win. Healthy training drifts in the alert direction (attention
-//    sharpens, entropies fall, logits grow), often accelerating away from
-//    the plateau it starts on; following that drift suppresses it, while a
-//    change much faster than the recent trend still stands out. Clamping
-//    means a plateau after a drift against the alert direction can never
-//    look like a change. The price: a sustained moderate shift (z of 3)
-//    that takes longer than `gap` samples to confirm gets partly absorbed.
-// 3. Robust z-score: z = (x_t - baseline) / s, with s = 1.4826 * MAD,
-//    floored at 1e-6 * |baseline| + 1e-12 so that a flat series (MAD = 0)
-//    gives a finite, huge z: on such a series the effect-size gate decides.
-//    The tests below use the directed z_d = d * z.
-// 4. Effect-size gate: the change e = d * (x_t - baseline) must reach
-//    max(min_relative_change * |baseline|, min_absolute_change). This is
-//    what makes the detector tolerate slow drift and flat series: a
-//    statistically significant but small change is not an alert.
-// 5. One-sided CUSUM on the gated, clipped z:
-//      S_t = max(0, S_{t-1} + u_t - k),
-//      u_t = min(z_d, c) if the gate passes, else min(z_d, 0); c = min(3, z_threshold).
-//    It catches a sustained shift past the gate whose z_d (2..4, a noisy
-//    series) never crosses z_threshold. Clipping keeps outliers of
-//    heavy-tailed noise from reaching h in two samples; gating keeps a long
-//    small shift (healthy drift) from charging S for a later sample.
-// 6. The sample is anomalous when
-//      (gate passes and (z_d >= z_threshold or S_t >= h)) [change test]
-//      or value beyond `bound` (d * (x_t - bound) > 0)      [absolute guard]
-//    The absolute guard needs no baseline (only the warm-up).
-// 7. Persistence: the series turns kAnomalous when at least `persist_m` of
-//    its last `persist_n` scored samples are anomalous; it is kPending while
-//    some but fewer than `persist_m` are. The onset step is the step of the
-//    earliest anomalous sample in that persistence window.
-// 8. While kAnomalous the baseline is frozen (nothing enters the history),
-//    so a sustained collapse is never absorbed into its own baseline.
-//    Hysteresis: the series clears (back to kNormal, CUSUM and persistence
-//    reset) only after `clear_after` consecutive normal samples.
-//
-// ## Steps and several sources per step
-//
-// Each sample carries the training step it was taken at. Several ranks can
-// report the same series for the same step: the first value is scored at
-// once; a later value for the same step that is worse in the alert direction
-// replaces it (the detector rolls back to its state before that step and
-// re-scores), anything else for that step is ignored. Samples for a step
-// older than the latest one are ignored (stale). A worse value can only make
-// the series more anomalous, so re-scoring never retracts an earlier
-// decision, except that it can postpone a clearing that the first value
-// completed.
-//
-// Known limitation: because the baseline freezes while anomalous, a genuine
-// permanent level shift that was confirmed keeps the series anomalous until
-// the value returns. Thresholds must keep benign shifts (an LR decay, a text
-// switch) below the gate; the fault-injection evaluation calibrates them.
+// Known limitation: since the baseline freezes while anomalous, a permanent
+// level shift that was confirmed stays anomalous until the value returns;
+// thresholds keep benign shifts (an LR decay, a data switch) below the gate.
 #pragma once
 
 #include <cstdint>
@@ -101,7 +35,7 @@ enum class Direction : uint8_t { kRise, kDrop };
 std::string_view DirectionName(Direction direction);  // "rise" or "drop"
 
 // Every knob of one detector. The defaults here are the generic defaults;
-// config.cc overrides some per signal (see DefaultAlertConfig()). Counts are
+// default_config.cc overrides some per signal (DefaultAlertConfig()). Counts are
 // in samples of the series, not in training steps.
 struct ChangeDetectorOptions {
   Direction direction = Direction::kRise;
@@ -137,7 +71,9 @@ struct ChangeDetectorOptions {
   // Samples between the newest baseline sample and the current one. Keep
   // it >= persist_n so a collapse confirms before it leaks into the baseline.
   int gap = 8;
-  // Follow the series' own trend in the alert direction (step 2 above).
+  // Follow the series' own trend in the alert direction, clamped to it (two
+  // spans, the whole window and its newer half when each holds >= 6 samples;
+  // the level further along the alert direction and the larger scale win).
   bool trend = true;
   // Robust z-score that marks a sample anomalous on its own.
   double z_threshold = 5.0;

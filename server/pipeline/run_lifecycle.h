@@ -1,54 +1,18 @@
-// Run lifecycle: when a run has ended, and when it restarted from a
-// checkpoint under the same run_id (docs/DESIGN.md §3.4, §5.3).
+// Run lifecycle: when a run has ended, restarted from a checkpoint under the
+// same run_id (a new attempt), or had one rank resumed; the contract (end,
+// world size, restart, rank resume, rewind, durability) is docs/DESIGN.md
+// §3.4, and each method below says which ingest event calls it.
 //
-// A sender is the (rank, Hello.sender_id) of an ingest stream; sender_id 0
+// A sender is the (rank, Hello.sender_id) of an ingest stream (sender_id 0
 // for clients without Hello.first_seq, whose restarts cannot be told from
-// reconnects. Per run, the lifecycle keeps the current attempt's senders:
-// how many streams each has open and whether it said goodbye (Batch.goodbye,
-// sent by Monitor.close()).
+// reconnects). Per run the lifecycle keeps the current attempt's senders:
+// streams open, goodbye said, records sent. Which stream may speak for a rank
+// at all is decided before this, by the ingest service's rank ownership.
 //
-// - End: once every sender of the current attempt that sent records for the
-//   run has said goodbye (and, with a world_size, that many ranks did), the
-//   run has ended: its open alert episodes close with reason run_ended
-//   (resolved in Alertmanager, WatchAlerts, the gauge) and ListRuns says so.
-//   A sender that said Hello and never sent a record is not waited for: a
-//   second client's idle Hello cannot hold the job's run open.
-// - World size: the attempt's first Hello declares it (its world_size label;
-//   0: not said). A later Hello of the same attempt may not raise it, nor
-//   name a rank outside it (WorldSizeConflict; the ingest service refuses it
-//   with world_size_conflict), so no other client can make the run wait for
-//   ranks the job does not have. A new attempt declares its own.
-// - Restart: a Hello from a sender new to the attempt starts a new attempt
-//   when the run has ended, or when every sender of the attempt is gone (no
-//   stream open, no goodbye: the whole job died and restarted; a one-rank
-//   job's crash is this). The run's open episodes close with reason
-//   run_resumed before the HelloAck goes out, so a watcher the new process
-//   subscribes after its HelloAck (Monitor.on_alert) is not handed the old
-//   attempt's alerts as active.
-// - Rank resume: a new sender for a rank whose senders are gone while other
-//   ranks of the run stream on (or said goodbye) resumes that rank only: it
-//   replaces the rank's senders in the attempt (so the run ends with its
-//   goodbye, not the dead one's), and nothing else changes: no alert
-//   resolves, no point is hidden, the detectors keep the run.
-//   Which stream may speak for a rank at all is the ingest service's rank
-//   ownership (IngestService::ClaimRank): a second live sender of a rank is
-//   refused before it gets here, and a holder taken over is reported closed
-//   first.
-// - Rewind: the first accepted records of a new attempt give its first step
-//   S (the checkpoint it resumed from). Before they are dispatched, the
-//   detectors forget the run, the alert engine forgets steps >= S
-//   (AlertEngine::RewindRun), the run's last step becomes S - 1 if it was
-//   beyond, and a boundary (S, now) is recorded: LatestAttempt then leaves
-//   out every stored point of a step >= S written before it, so a series
-//   shows one point per step, the resumed attempt's.
-//
-// Durability: each change is appended to the store's event log (kind
-// "lifecycle") before it takes effect; the whole state is a checkpoint
-// (SaveState) written with the daemon's other checkpoints and after every
-// kCheckpointEvery events, so the event ring (the newest events of a kind)
-// never has to reach further back. Restore reads the checkpoint, replays the
-// newer events, and re-applies to the restored alert engine and detectors
-// what their own checkpoints missed (alerts::LifecycleMark).
+// Each change is appended to the store's event log before it takes effect,
+// and the state is checkpointed with the daemon's others and every
+// kCheckpointEvery events; Restore replays the newer events and re-applies to
+// the alerts (RunAlertEffects) and detectors what their own checkpoints missed.
 //
 // Thread-safe. Lock order: an ingest stream's lock, then this one, then the
 // alert hub's, the worker pool's detector locks, the run tracker's and the
