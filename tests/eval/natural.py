@@ -222,8 +222,10 @@ def cmd_record(args):
 
 
 def replay_mechanism(ctl, recordings):
-    """run_id -> the backtest row of the mechanism-only replay."""
-    out = subprocess.run([ctl, "backtest", recordings, "--json", "--signals", "mechanism"],
+    """run_id -> the backtest row of the mechanism-only replay (with the
+    QK-increment entropy's points, for the per-head reference)."""
+    out = subprocess.run([ctl, "backtest", recordings, "--json", "--signals", "mechanism",
+                          "--dump_series", "qk_increment_entropy"],
                          capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(out.stderr)
@@ -256,6 +258,49 @@ def score(rows, replay):
             row["false_alarm"] = first is not None
         scored.append(row)
     return scored
+
+
+# The two reference baselines of docs/EVALUATION.md (tests/eval/reference.py,
+# unchanged since issue 25), on the same replays: the first step each alarms.
+REFERENCES = ("qk_head_z", "gradnorm_z")
+
+
+def reference_first_alarms(run):
+    """{reference: its first alarm step or None} for one replayed run."""
+    import reference  # noqa: E402
+    warmup = int(run.get("labels", {}).get("warmup_steps", WARMUP))
+    qk = reference.qk_head_alarms(run.get("series", {}).get("qk_increment_entropy", []), warmup)
+    grad = run.get("baselines", {}).get("gradnorm_z", {}).get("first_step")
+    return dict(qk_head_z=qk[0] if qk else None, gradnorm_z=grad)
+
+
+def score_references(scored, replay):
+    """Per reference: damaged runs warned before onset, healthy runs and
+    QK-layernorm twins alarmed, on the runs `score` scored."""
+    out = {}
+    for name in REFERENCES:
+        warned = faults = healthy = healthy_alarmed = twins = twins_alarmed = 0
+        leads = []
+        for r in scored:
+            first = reference_first_alarms(replay.get(r["run_id"], {})).get(name)
+            if r["outcome"] in ("diverged", "degraded"):
+                faults += 1
+                if first is not None and first < r["onset"]:
+                    warned += 1
+                    start = max(WARMUP, 100)
+                    leads.append(min(1.0, (r["onset"] - first) / (r["onset"] - start))
+                                 if r["onset"] > start else 1.0)
+            elif r["outcome"] == "healthy":
+                healthy += 1
+                healthy_alarmed += first is not None
+            if r["cell"].endswith("+qkln"):
+                twins += 1
+                twins_alarmed += first is not None
+        leads.sort()
+        out[name] = dict(warned=warned, damaged=faults, healthy=healthy,
+                         healthy_alarmed=healthy_alarmed, twins=twins, twins_alarmed=twins_alarmed,
+                         median_lead_fraction=leads[len(leads) // 2] if leads else None)
+    return out
 
 
 def score_table(scored):
@@ -296,6 +341,13 @@ def cmd_score(args):
     with open(os.path.join(args.out, "scored.json"), "w") as f:
         json.dump(scored, f, indent=1)
     print(score_table(scored))
+    print()
+    for name, v in score_references(scored, replay).items():
+        lead = v["median_lead_fraction"]
+        print(f"reference {name}: warned {v['warned']}/{v['damaged']}, median lead "
+              f"{'—' if lead is None else f'{100 * lead:.0f}%'}; healthy alarmed "
+              f"{v['healthy_alarmed']}/{v['healthy']}; QK-layernorm twins alarmed "
+              f"{v['twins_alarmed']}/{v['twins']}")
 
 
 def outcomes(rows):

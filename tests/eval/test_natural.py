@@ -78,3 +78,28 @@ def test_scoring_against_a_replay():
     assert scored[natural.run_id_of("moe-fp32+qkln", 3e-3, 0)]["false_alarm"] is True
     table = natural.score_table(list(scored.values()))
     assert "warned before onset: 2" in table and "twins (any outcome) alarmed: 1/3" in table
+
+
+def test_the_references_are_scored_like_the_mechanism():
+    """score_references: a reference alarm before the onset warns, one on a
+    healthy run or a twin is a false alarm; the grad-norm z comes from the
+    backtest's baseline, the per-head QK z from the dumped entropy points."""
+    scored = [dict(run_id="bad", cell="moe-fp32", outcome="degraded", onset=300),
+               dict(run_id="late", cell="moe-fp32", outcome="diverged", onset=250),
+               dict(run_id="ok", cell="moe-fp32", outcome="healthy", onset=None),
+               dict(run_id="twin", cell="moe-fp32+qkln", outcome="healthy", onset=None)]
+    # One head's entropy: flat at 2.0 (a little noise), then a collapse to
+    # 0.5 from step 1000 on, confirmed on the third probe (1020).
+    flat = [[s, 0, 0, 2.0 + 0.01 * (s % 3)] for s in range(100, 1000, 10)]
+    collapse = flat + [[s, 0, 0, 0.5] for s in range(1000, 1100, 10)]
+    replay = {"bad": dict(baselines=dict(gradnorm_z=dict(first_step=200))),
+              "late": dict(baselines=dict(gradnorm_z=dict(first_step=260))),
+              "ok": dict(baselines=dict(gradnorm_z={}),
+                         series=dict(qk_increment_entropy=collapse)),
+              "twin": dict(baselines=dict(gradnorm_z={}),
+                           series=dict(qk_increment_entropy=flat))}
+    out = natural.score_references(scored, replay)
+    assert out["gradnorm_z"] == dict(warned=1, damaged=2, healthy=2, healthy_alarmed=0, twins=1,
+                                     twins_alarmed=0, median_lead_fraction=0.5)
+    assert natural.reference_first_alarms(replay["ok"])["qk_head_z"] == 1020
+    assert out["qk_head_z"]["healthy_alarmed"] == 1 and out["qk_head_z"]["twins_alarmed"] == 0
