@@ -221,10 +221,11 @@ def cmd_record(args):
     print_table(done)
 
 
-def replay_mechanism(ctl, recordings):
-    """run_id -> the backtest row of the mechanism-only replay (with the
-    QK-increment entropy's points, for the per-head reference)."""
-    out = subprocess.run([ctl, "backtest", recordings, "--json", "--signals", "mechanism",
+def replay_mechanism(ctl, recordings, signals="mechanism"):
+    """run_id -> the backtest row of the mechanism-only replay (or of another
+    --signals row), with the QK-increment entropy's points for the per-head
+    reference."""
+    out = subprocess.run([ctl, "backtest", recordings, "--json", "--signals", signals,
                           "--dump_series", "qk_increment_entropy"],
                          capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
@@ -336,9 +337,11 @@ def score_table(scored):
 
 def cmd_score(args):
     rows = json.load(open(os.path.join(args.out, "runs.json")))
-    replay = replay_mechanism(args.foreshockctl, os.path.join(args.out, "recordings"))
+    replay = replay_mechanism(args.foreshockctl, os.path.join(args.out, "recordings"),
+                              args.signals)
     scored = score(rows, replay)
-    with open(os.path.join(args.out, "scored.json"), "w") as f:
+    name = "scored.json" if args.signals == "mechanism" else f"scored-{args.signals}.json"
+    with open(os.path.join(args.out, name), "w") as f:
         json.dump(scored, f, indent=1)
     print(score_table(scored))
     print()
@@ -398,6 +401,9 @@ def main():
     c = sub.add_parser("score", help="replay a record's recordings, mechanism signals alone")
     c.add_argument("out")
     c.add_argument("--foreshockctl", default=os.path.join(ROOT, "build", "ctl", "foreshockctl"))
+    c.add_argument("--signals", choices=["mechanism", "no_lr"], default="mechanism",
+                   help="the backtest row: mechanism (the benchmark's) or no_lr (the mechanism "
+                        "signals and the attention output check; reads no LR either)")
     t = sub.add_parser("table", help="the outcome table of a pilot.json or runs.json")
     t.add_argument("path")
     args = parser.parse_args()
