@@ -32,6 +32,14 @@ table per cell.
       --out /work/natural --cells moe-fp32 --lrs 3e-3 1e-1 --seeds 0
   /usr/bin/python3 tests/eval/natural.py score /work/natural
 
+  # drawn cells, preregistered: the groups (architecture, cadence, probe,
+  # curvature, data from preregistered.SPACE; one per mitigation) seeded by the
+  # freeze commit, each at DRAWN_LRS with its QK-layernorm twin
+  /usr/bin/python3 tests/eval/natural.py draw            # at the freeze commit
+  OPENBLAS_NUM_THREADS=1 /usr/bin/python3 tests/eval/natural.py record \
+      --out /work/natural-draw --plan tests/eval/preregistered/natural-SHA.json
+  /usr/bin/python3 tests/eval/natural.py score /work/natural-draw [--signals no_lr]
+
 Scoring (per run, from `foreshockctl backtest --signals mechanism`: no LR
 streamed, no curvature ratio, no output check): a diverged or degraded run is
 warned when an alert fired before its onset; its lead is onset - first alert
@@ -120,7 +128,7 @@ def classify(row, twin, best_final):
     if row["divergence_step"] is not None:
         return "diverged", row["divergence_step"]
     if twin is not None and twin is not row:
-        onset = damage_onset(row["losses"], twin["losses"])
+        onset = damage_onset(row["losses"], twin["losses"], row.get("warmup", WARMUP))
         if onset is not None:
             return "degraded", onset
     if final_loss(row["losses"]) <= (1 + HEALTHY_MARGIN) * best_final:
@@ -165,21 +173,103 @@ def cmd_pilot(args):
     print_table(done)
 
 
+# Drawn cells (issue 33: "its cells are drawn like the others"). A natural
+# draw is seeded by a freeze commit's hash, as preregistered.py's draws are:
+# each group draws an architecture, optimizer, probe cadence, curvature
+# estimator and data from preregistered.SPACE (the attention dtype and, for
+# the no-balance mitigation, MoE pinned by its mitigation) and is recorded at
+# every LR of DRAWN_LRS, with and without QK-layernorm. A group is a cell of
+# its own: its best LR, healthy margin and twins are its own.
+MITIGATIONS = {
+    "fp32": (["--attention-dtype", "fp32"], {"attention_dtype": "fp32"}),
+    "bf16": (["--attention-dtype", "bf16"], {"attention_dtype": "bf16"}),
+    "fp32-zloss": (["--attention-dtype", "fp32", "--z-loss", "1e-4"], {"attention_dtype": "fp32"}),
+    "fp32-nobalance": (["--attention-dtype", "fp32", "--no-balance-loss"],
+                       {"attention_dtype": "fp32", "moe": ["default", "alternate", "all"]}),
+}
+DRAWN_LRS = [3e-3, 3e-2, 1e-1]
+DRAWN_GROUPS = 4  # one per mitigation, in a drawn order
+# Knobs a group does not take from the space: the ladder sets the LR, and the
+# attention dtype comes with the mitigation.
+_SET_BY_THE_GROUP = ("--lr", "--attention-dtype")
+
+
+def draw_groups(commit, groups=DRAWN_GROUPS, seed_count=1):
+    """The drawn plan: {groups: [{cell, mitigation, flags, warmup, every}], lrs,
+    seeds}, a function of `commit` alone."""
+    import random
+    sys.path.insert(0, HERE)
+    import preregistered  # noqa: E402
+    rng = random.Random(f"natural-{preregistered.seed_of(commit)}")
+    names = list(MITIGATIONS)
+    rng.shuffle(names)
+    out = []
+    for g in range(groups):
+        mitigation = names[g % len(names)]
+        extra, pins = MITIGATIONS[mitigation]
+        flags, _ = preregistered.draw_config(rng, pins)
+        kept = []
+        i = 0
+        while i < len(flags):
+            if flags[i] in _SET_BY_THE_GROUP:
+                i += 2
+                continue
+            kept.append(flags[i])
+            i += 1
+        warmup = int(kept[kept.index("--warmup") + 1])
+        every = int(kept[kept.index("--every") + 1])
+        out.append(dict(cell=f"g{g}-{mitigation}", mitigation=mitigation, flags=kept + extra,
+                        warmup=warmup, every=every))
+    seeds = [rng.randrange(1000) for _ in range(seed_count)]
+    return dict(freeze_commit=commit, groups=out, lrs=DRAWN_LRS, seeds=seeds, steps=STEPS)
+
+
+def plan_runs(plan):
+    """(cell, lr, seed, flags, warmup, every) of every run of a drawn plan,
+    each group with its QK-layernorm twin."""
+    runs = []
+    for g in plan["groups"]:
+        for twin in (False, True):
+            cell = g["cell"] + ("+qkln" if twin else "")
+            flags = g["flags"] + (["--qk-norm"] if twin else [])
+            for lr in plan["lrs"]:
+                for seed in plan["seeds"]:
+                    runs.append((cell, lr, seed, flags, g["warmup"], g["every"]))
+    return runs
+
+
+def cmd_draw(args):
+    commit = args.commit or subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"],
+                                           capture_output=True, text=True,
+                                           check=True).stdout.strip()
+    plan = draw_groups(commit, args.groups)
+    path = args.plan or os.path.join(HERE, "preregistered", f"natural-{commit[:12]}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(plan, f, indent=1)
+    print(f"{len(plan_runs(plan))} runs in {len(plan['groups'])} drawn groups: {path}")
+
+
 def run_id_of(cell, lr, seed):
     return f"natural-{cell.replace('+', '-')}-lr{lr:g}-s{seed}"
 
 
 def _record_one(spec):
-    cell, lr, seed, steps, endpoint, out_dir, shape, every = spec
+    cell, lr, seed, steps, endpoint, out_dir, shape, every, drawn = spec
     run_id = run_id_of(cell, lr, seed)
     losses_path = os.path.join(out_dir, "losses", run_id + ".json")
+    warmup = drawn["warmup"] if drawn else WARMUP
+    if drawn:  # the drawn group's own cadence, probe and curvature flags
+        model = drawn["flags"]
+    else:
+        model = ["--every", str(every), "--probe-seqs", "2" if shape == "base" else "1",
+                 "--curvature-every", str(max(50, every))] + cell_flags(cell, shape)
     argv = [sys.executable, os.path.join(ROOT, "demo", "train.py"), "--endpoint", endpoint,
             "--run-id", run_id, "--job", "foreshock-natural", "--steps", str(steps),
             "--lr", repr(lr), "--seed", str(seed), "--threads", "1", "--log-every", "0",
-            "--no-alerts", "--every", str(every), "--probe-seqs", "2" if shape == "base" else "1",
-            "--curvature-every", str(max(50, every)), "--losses-out", losses_path,
+            "--no-alerts", "--losses-out", losses_path,
             "--label", f"cell={cell}", "--label", f"every={every}",
-            "--label", f"lr={lr:g}", "--label", f"warmup_steps={WARMUP}"] + cell_flags(cell, shape)
+            "--label", f"lr={lr:g}", "--label", f"warmup_steps={warmup}"] + model
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     t0 = time.monotonic()
     out = subprocess.run(argv, capture_output=True, text=True, env=env)
@@ -189,7 +279,7 @@ def _record_one(spec):
     from demo.train import divergence_step
     finite = [x for x in losses if math.isfinite(x)]
     return dict(cell=cell, lr=lr, seed=seed, run_id=run_id, steps=len(losses), every=every,
-                divergence_step=divergence_step(losses, WARMUP),
+                warmup=warmup, divergence_step=divergence_step(losses, warmup),
                 final_loss=final_loss(losses), max_loss=max(finite) if finite else None,
                 wall_s=round(time.monotonic() - t0, 1), losses=losses)
 
@@ -202,15 +292,22 @@ def cmd_record(args):
     path = os.path.join(args.out, "runs.json")
     done = json.load(open(path)) if os.path.exists(path) else []
     have = {(r["cell"], r["lr"], r["seed"]) for r in done if "error" not in r}
-    specs = [(c, lr, s) for c in all_cells(args.cells) for lr in args.lrs for s in args.seeds
-             if (c, lr, s) not in have]
+    if args.plan:
+        plan = json.load(open(args.plan))
+        specs = [(c, lr, s, dict(flags=f, warmup=w), e) for c, lr, s, f, w, e in plan_runs(plan)
+                 if (c, lr, s) not in have]
+        steps = plan["steps"]
+    else:
+        specs = [(c, lr, s, None, args.every) for c in all_cells(args.cells) for lr in args.lrs
+                 for s in args.seeds if (c, lr, s) not in have]
+        steps = args.steps
     daemon = Daemon(os.path.abspath(args.foreshockd), os.path.join(args.out, "recordings"),
                     os.path.join(args.out, "logs", "foreshockd.log")).start()
     try:
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-            for row in pool.map(_record_one, [(c, lr, s, args.steps, daemon.endpoint, args.out,
-                                               args.shape, args.every)
-                                              for c, lr, s in specs]):
+            for row in pool.map(_record_one, [(c, lr, s, steps, daemon.endpoint, args.out,
+                                               args.shape, every, drawn)
+                                              for c, lr, s, drawn, every in specs]):
                 done = [r for r in done if (r["cell"], r["lr"], r["seed"]) !=
                         (row["cell"], row["lr"], row["seed"])] + [row]
                 with open(path, "w") as f:
@@ -249,7 +346,9 @@ def score(rows, replay):
         if r["outcome"] in ("diverged", "degraded"):
             row["warned"] = first is not None and first["step"] < r["onset"]
             if row["warned"]:
-                start = max(WARMUP, 100)
+                # From the end of warm-up, or from step 100 for an onset inside it.
+                warmup = r.get("warmup", WARMUP)
+                start = warmup if r["onset"] > warmup else 100
                 row["lead_steps"] = r["onset"] - first["step"]
                 # An alert before the end of warm-up leads by the whole span: 100%.
                 row["lead_fraction"] = (min(1.0, row["lead_steps"] / (r["onset"] - start))
@@ -288,7 +387,8 @@ def score_references(scored, replay):
                 faults += 1
                 if first is not None and first < r["onset"]:
                     warned += 1
-                    start = max(WARMUP, 100)
+                    warmup = r.get("warmup", WARMUP)
+                    start = warmup if r["onset"] > warmup else 100
                     leads.append(min(1.0, (r["onset"] - first) / (r["onset"] - start))
                                  if r["onset"] > start else 1.0)
             elif r["outcome"] == "healthy":
@@ -398,6 +498,15 @@ def main():
     r.add_argument("--every", type=int, default=10,
                    help="the probe cadence in training steps (curvature every max(50, this))")
     r.add_argument("--foreshockd", default=os.path.join(ROOT, "build", "server", "foreshockd"))
+    d = sub.add_parser("draw", help="draw the cells (architecture, cadence, mitigation) of a "
+                                    "preregistered natural draw, seeded by the freeze commit")
+    d.add_argument("--commit", default=None, help="the freeze commit (default: HEAD)")
+    d.add_argument("--groups", type=int, default=DRAWN_GROUPS)
+    d.add_argument("--plan", default=None, help="where to write it (default: "
+                                                "tests/eval/preregistered/natural-<commit>.json)")
+    r.add_argument("--plan", default=None,
+                   help="a drawn plan (`draw`): its groups, LRs, seeds and steps replace "
+                        "--cells, --lrs, --seeds, --steps, --shape and --every")
     c = sub.add_parser("score", help="replay a record's recordings, mechanism signals alone")
     c.add_argument("out")
     c.add_argument("--foreshockctl", default=os.path.join(ROOT, "build", "ctl", "foreshockctl"))
@@ -409,6 +518,8 @@ def main():
     args = parser.parse_args()
     if args.cmd == "pilot":
         cmd_pilot(args)
+    elif args.cmd == "draw":
+        cmd_draw(args)
     elif args.cmd == "record":
         cmd_record(args)
     elif args.cmd == "score":

@@ -103,3 +103,33 @@ def test_the_references_are_scored_like_the_mechanism():
                                      twins_alarmed=0, median_lead_fraction=0.5)
     assert natural.reference_first_alarms(replay["ok"])["qk_head_z"] == 1020
     assert out["qk_head_z"]["healthy_alarmed"] == 1 and out["qk_head_z"]["twins_alarmed"] == 0
+
+
+def test_a_natural_draw_is_a_function_of_the_commit_and_keeps_its_pins():
+    a = natural.draw_groups("85d1908" + "0" * 33)
+    assert a == natural.draw_groups("85d1908" + "0" * 33)
+    assert a != natural.draw_groups("f742535" + "0" * 33)
+    assert sorted(g["mitigation"] for g in a["groups"]) == sorted(natural.MITIGATIONS)
+    for g in a["groups"]:
+        flags = g["flags"]
+        value = lambda name: flags[flags.index(name) + 1]  # noqa: E731
+        assert "--lr" not in flags and flags.count("--attention-dtype") == 1
+        assert value("--attention-dtype") == ("bf16" if g["mitigation"] == "bf16" else "fp32")
+        if g["mitigation"] == "fp32-nobalance":
+            assert "--no-balance-loss" in flags and value("--moe") != "none"
+        if g["mitigation"] == "fp32-zloss":
+            assert value("--z-loss") == "1e-4"
+        assert int(value("--warmup")) == g["warmup"] and int(value("--every")) == g["every"]
+    runs = natural.plan_runs(a)
+    assert len(runs) == 2 * len(a["groups"]) * len(a["lrs"]) * len(a["seeds"])
+    for cell, lr, seed, flags, warmup, every in runs:
+        assert ("--qk-norm" in flags) == cell.endswith("+qkln")
+
+
+def test_damage_onset_counts_from_the_run_s_own_warm_up():
+    twin = row([2.0] * 600)
+    early = row([2.0] * 60 + [3.0] * 540)
+    assert natural.classify(early, twin, 2.0) == ("degraded", 100)  # the default warm-up: 100
+    early["warmup"] = 50
+    # 2 + (s - 59) / 20 > 2.2 from s = 64, once 5 of the 20 losses are 3.0.
+    assert natural.classify(early, twin, 2.0) == ("degraded", 64)
