@@ -329,4 +329,48 @@ class StateReader {
   std::string error_;
 };
 
+// A record's fields listed once, for both directions: the owner writes one
+// function template over an `io`,
+//   template <typename Io, typename E> bool EventFields(Io& io, E& e) {
+//     return io(e.seq) && io(e.run) && io(e.step);
+//   }
+// and encodes with FieldWriter (E const, every call true) or decodes with
+// FieldReader (false at the first field that does not read). Each call is
+// typed by its field (uint8_t, bool, int32_t, uint32_t, int64_t, uint64_t,
+// float, double, std::string), so encode and decode cannot drift apart; the
+// bytes are those of the matching Put/Get calls.
+class FieldWriter {
+ public:
+  explicit FieldWriter(StateWriter& writer) : w_(writer) {}
+  bool operator()(uint8_t v) { return w_.PutU8(v), true; }
+  bool operator()(bool v) { return w_.PutBool(v), true; }
+  bool operator()(int32_t v) { return w_.PutI32(v), true; }
+  bool operator()(uint32_t v) { return w_.PutU32(v), true; }
+  bool operator()(int64_t v) { return w_.PutI64(v), true; }
+  bool operator()(uint64_t v) { return w_.PutU64(v), true; }
+  bool operator()(float v) { return w_.PutFloat(v), true; }
+  bool operator()(double v) { return w_.PutDouble(v), true; }
+  bool operator()(const std::string& v) { return w_.PutString(v), true; }
+
+ private:
+  StateWriter& w_;
+};
+
+class FieldReader {
+ public:
+  explicit FieldReader(StateReader& reader) : r_(reader) {}
+  bool operator()(uint8_t& v) { return r_.GetU8(v); }
+  bool operator()(bool& v) { return r_.GetBool(v); }
+  bool operator()(int32_t& v) { return r_.GetI32(v); }
+  bool operator()(uint32_t& v) { return r_.GetU32(v); }
+  bool operator()(int64_t& v) { return r_.GetI64(v); }
+  bool operator()(uint64_t& v) { return r_.GetU64(v); }
+  bool operator()(float& v) { return r_.GetFloat(v); }
+  bool operator()(double& v) { return r_.GetDouble(v); }
+  bool operator()(std::string& v) { return r_.GetString(v); }
+
+ private:
+  StateReader& r_;
+};
+
 }  // namespace foreshock::codec

@@ -201,22 +201,34 @@ RankScalars::Result RankScalars::Recover(const std::string& name, int32_t world_
 namespace {
 constexpr std::string_view kRankScalarsMagic = "FSRS";
 constexpr uint32_t kRankScalarsVersion = 2;  // v2: joining ranks
+
+// Each record's fields, listed once for SaveState and RestoreState (the
+// format in rank_scalars.h).
+template <typename Io, typename R>
+bool RunFields(Io& io, R& run) {
+  return io(run.world_size) && io(run.several) && io(run.emitted) && io(run.steps);
+}
+template <typename Io, typename S>
+bool RankFields(Io& io, S& state) {
+  return io(state.last_step) && io(state.missed);
+}
+template <typename Io, typename J>
+bool JoiningFields(Io& io, J& joining) {
+  return io(joining.last_step) && io(joining.steps);
+}
 }  // namespace
 
 void RankScalars::SaveState(codec::StateWriter& writer) const {
+  codec::FieldWriter io(writer);
   writer.PutHeader(kRankScalarsMagic, kRankScalarsVersion);
   writer.PutU64(runs_.size());
   for (const auto& [name, run] : runs_) {
     writer.PutString(name);
-    writer.PutI32(run.world_size);
-    writer.PutBool(run.several);
-    writer.PutI64(run.emitted);
-    writer.PutI64(run.steps);
+    RunFields(io, run);
     writer.PutU64(run.ranks.size());
     for (const auto& [rank, state] : run.ranks) {
       writer.PutI32(rank);
-      writer.PutI64(state.last_step);
-      writer.PutI32(state.missed);
+      RankFields(io, state);
     }
     writer.PutU64(run.open.size());
     for (const auto& [step, open] : run.open) {
@@ -235,14 +247,14 @@ void RankScalars::SaveState(codec::StateWriter& writer) const {
     writer.PutU64(run.joining.size());
     for (const auto& [rank, joining] : run.joining) {
       writer.PutI32(rank);
-      writer.PutI64(joining.last_step);
-      writer.PutI32(joining.steps);
+      JoiningFields(io, joining);
     }
   }
 }
 
 bool RankScalars::RestoreState(codec::StateReader& reader,
                                const std::function<bool(std::string_view run)>& keep) {
+  codec::FieldReader io(reader);
   uint32_t version = 0;
   uint64_t n_runs = 0;
   if (!reader.GetHeader(kRankScalarsMagic, 1, kRankScalarsVersion, version) ||
@@ -254,15 +266,13 @@ bool RankScalars::RestoreState(codec::StateReader& reader,
     std::string name;
     Run run;
     uint64_t n_ranks = 0, n_open = 0;
-    if (!reader.GetString(name) || !reader.GetI32(run.world_size) ||
-        !reader.GetBool(run.several) || !reader.GetI64(run.emitted) ||
-        !reader.GetI64(run.steps) || !reader.GetCount(n_ranks)) {
+    if (!reader.GetString(name) || !RunFields(io, run) || !reader.GetCount(n_ranks)) {
       return false;
     }
     for (uint64_t i = 0; i < n_ranks; ++i) {
       int32_t rank = 0;
       RankState state;
-      if (!reader.GetI32(rank) || !reader.GetI64(state.last_step) || !reader.GetI32(state.missed)) {
+      if (!reader.GetI32(rank) || !RankFields(io, state)) {
         return false;
       }
       state.high = state.last_step;
@@ -301,8 +311,7 @@ bool RankScalars::RestoreState(codec::StateReader& reader,
     for (uint64_t i = 0; i < n_joining; ++i) {
       int32_t rank = 0;
       JoiningRank joining;
-      if (!reader.GetI32(rank) || !reader.GetI64(joining.last_step) ||
-          !reader.GetI32(joining.steps)) {
+      if (!reader.GetI32(rank) || !JoiningFields(io, joining)) {
         return false;
       }
       if (!run.joining.emplace(rank, joining).second) return reader.Fail("a joining rank saved twice");

@@ -33,19 +33,21 @@ RunLifecycle::RunLifecycle(SeriesStore* store, RunAlertEffects* alerts, WorkerPo
 // U64 sender, I64 step, I64 wall_ms, from v2 String tenant, from v3 I32
 // world_size (codec, codec/state_codec.h).
 
+// An event's fields after its version and type, listed once for Encode and
+// Decode; `version` says which fields an older event has (2 added the tenant,
+// 3 the world size).
+template <typename Io, typename E>
+bool EventFields(Io& io, E& e, uint8_t version) {
+  return io(e.seq) && io(e.run) && io(e.attempt) && io(e.rank) && io(e.sender) && io(e.step) &&
+         io(e.wall_ms) && (version < 2 || io(e.tenant)) && (version < 3 || io(e.world_size));
+}
+
 std::string RunLifecycle::Encode(const Event& e) {
   codec::StateWriter w;
   w.PutU8(kEventVersion);
   w.PutU8(static_cast<uint8_t>(e.type));
-  w.PutU64(e.seq);
-  w.PutString(e.run);
-  w.PutI32(e.attempt);
-  w.PutI32(e.rank);
-  w.PutU64(e.sender);
-  w.PutI64(e.step);
-  w.PutI64(e.wall_ms);
-  w.PutString(e.tenant);
-  w.PutI32(e.world_size);
+  codec::FieldWriter io(w);
+  EventFields(io, e, kEventVersion);
   return w.Take();
 }
 
@@ -53,11 +55,9 @@ std::optional<RunLifecycle::Event> RunLifecycle::Decode(std::string_view bytes) 
   codec::StateReader r(bytes);
   Event e;
   uint8_t version = 0, type = 0;
+  codec::FieldReader io(r);
   if (!r.GetU8(version) || version < 1 || version > kEventVersion || !r.GetU8(type) ||
-      !r.GetU64(e.seq) || !r.GetString(e.run) || !r.GetI32(e.attempt) || !r.GetI32(e.rank) ||
-      !r.GetU64(e.sender) || !r.GetI64(e.step) || !r.GetI64(e.wall_ms) ||
-      (version >= 2 && !r.GetString(e.tenant)) || (version >= 3 && !r.GetI32(e.world_size)) ||
-      !r.ExpectEnd()) {
+      !EventFields(io, e, version) || !r.ExpectEnd()) {
     return std::nullopt;
   }
   if (type < static_cast<uint8_t>(EventType::kJoin) || type > static_cast<uint8_t>(EventType::kSent)) {

@@ -274,5 +274,64 @@ TEST(StateCodecTest, FailKeepsTheFirstError) {
   EXPECT_EQ(r.error().find("second"), std::string::npos);
 }
 
+// A record with one field of every type FieldWriter/FieldReader take.
+struct Every {
+  uint8_t u8 = 0;
+  bool flag = false;
+  int32_t i32 = 0;
+  uint32_t u32 = 0;
+  int64_t i64 = 0;
+  uint64_t u64 = 0;
+  float f = 0;
+  double d = 0;
+  std::string text;
+};
+
+template <typename Io, typename E>
+bool EveryFields(Io& io, E& e) {
+  return io(e.u8) && io(e.flag) && io(e.i32) && io(e.u32) && io(e.i64) && io(e.u64) && io(e.f) &&
+         io(e.d) && io(e.text);
+}
+
+TEST(StateCodecTest, OneFieldListWritesThePutBytesAndReadsThemBack) {
+  const Every in{7, true, -3, 4000000000u, -(int64_t{1} << 40), ~uint64_t{0}, -0.0f, 1e300, "run"};
+  StateWriter listed;
+  FieldWriter writer(listed);
+  ASSERT_TRUE(EveryFields(writer, in));
+  // The bytes of the Put calls, field by field, typed by each field.
+  StateWriter by_hand;
+  by_hand.PutU8(in.u8);
+  by_hand.PutBool(in.flag);
+  by_hand.PutI32(in.i32);
+  by_hand.PutU32(in.u32);
+  by_hand.PutI64(in.i64);
+  by_hand.PutU64(in.u64);
+  by_hand.PutFloat(in.f);
+  by_hand.PutDouble(in.d);
+  by_hand.PutString(in.text);
+  const std::string bytes = listed.Take();
+  EXPECT_EQ(bytes, by_hand.Take());
+
+  StateReader reader(bytes);
+  FieldReader fields(reader);
+  Every out;
+  ASSERT_TRUE(EveryFields(fields, out));
+  EXPECT_TRUE(reader.ExpectEnd());
+  EXPECT_EQ(out.u8, in.u8);
+  EXPECT_EQ(out.flag, in.flag);
+  EXPECT_EQ(out.i32, in.i32);
+  EXPECT_EQ(out.u32, in.u32);
+  EXPECT_EQ(out.i64, in.i64);
+  EXPECT_EQ(out.u64, in.u64);
+  EXPECT_TRUE(std::signbit(out.f));
+  EXPECT_EQ(out.d, in.d);
+  EXPECT_EQ(out.text, in.text);
+
+  // A truncated record fails at its first missing field.
+  StateReader truncated(std::string_view(bytes).substr(0, bytes.size() - 1));
+  FieldReader short_fields(truncated);
+  EXPECT_FALSE(EveryFields(short_fields, out));
+}
+
 }  // namespace
 }  // namespace foreshock::codec

@@ -8,6 +8,7 @@
 
 #include <memory>
 
+#include "codec/state_codec.h"
 #include "server/alerting/alert_hub.h"
 #include "server/common/clock.h"
 #include "server/pipeline/run_tracker.h"
@@ -444,6 +445,44 @@ TEST_F(LifecycleTest, ALaterHelloCannotRaiseTheDeclaredWorldSize) {
   EXPECT_EQ(lifecycle_->WorldSizeConflict("one", 1, 22, 1), std::nullopt);
   EXPECT_EQ(lifecycle_->WorldSizeConflict("one", 7, 22, 0), std::nullopt);
   EXPECT_TRUE(lifecycle_->WorldSizeConflict("one", 65535, 666, 65536).has_value());
+}
+
+// Events written before the tenant (v2) and the world size (v3) were stored
+// are read back with those fields unset: an old daemon's event log restores.
+TEST_F(LifecycleTest, EventsOfEveryEarlierVersionRestore) {
+  auto event = [](uint8_t version, uint8_t type, uint64_t seq, int32_t attempt, int32_t rank,
+                  int64_t step, const std::string& tenant, int32_t world_size) {
+    codec::StateWriter w;
+    w.PutU8(version);
+    w.PutU8(type);
+    w.PutU64(seq);
+    w.PutString("old");
+    w.PutI32(attempt);
+    w.PutI32(rank);
+    w.PutU64(11 + rank);  // sender
+    w.PutI64(step);
+    w.PutI64(1000 + static_cast<int64_t>(seq));  // wall_ms
+    if (version >= 2) w.PutString(tenant);
+    if (version >= 3) w.PutI32(world_size);
+    return w.Take();
+  };
+  constexpr uint8_t kJoin = 1, kAttempt = 3, kEnd = 5, kTenant = 7;
+  const std::string_view kind = RunLifecycle::kEventKind;
+  ASSERT_TRUE(store_.AppendEvent(kind, event(1, kJoin, 1, 1, 0, 0, "", 0)).ok());
+  ASSERT_TRUE(store_.AppendEvent(kind, event(2, kTenant, 2, 1, 0, 0, "tenant-a", 0)).ok());
+  ASSERT_TRUE(store_.AppendEvent(kind, event(3, kJoin, 3, 1, 1, 0, "", 2)).ok());
+  ASSERT_TRUE(store_.AppendEvent(kind, event(3, kEnd, 4, 1, 0, 700, "", 0)).ok());
+  // A version from the future is skipped, not misread: no attempt 2.
+  ASSERT_TRUE(store_.AppendEvent(kind, event(9, kAttempt, 5, 2, 0, 0, "", 0)).ok());
+  Restart("");
+  std::optional<RunLifecycle::Status> status = lifecycle_->GetStatus("old");
+  ASSERT_TRUE(status.has_value());
+  EXPECT_EQ(status->attempt, 1);
+  EXPECT_TRUE(status->ended);
+  EXPECT_EQ(status->ended_step, 700);
+  EXPECT_EQ(status->ended_ms, 1004);
+  EXPECT_EQ(status->world_size, 2);  // a v1 join cannot say it (-1): the v3 join declares it
+  EXPECT_EQ(lifecycle_->TenantOf("old"), "tenant-a");
 }
 
 }  // namespace
