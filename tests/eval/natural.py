@@ -11,10 +11,12 @@ as its cause: the LR is too high for this architecture.
 
 Outcome of a run (classify):
   diverged  demo/train.py's rule (docs/DESIGN.md §6.3) fired; onset = that step
-  degraded  not diverged, and its 20-step mean loss exceeds its twin's by
-            DAMAGE_MARGIN at some step after warm-up; onset = the first such step
   healthy   its last-100-step mean loss is within HEALTHY_MARGIN of the best
-            cell's at the same architecture (the best LR); an alert is a false alarm
+            cell's at the same architecture (the best LR); an alert is a false
+            alarm (outcome rule 2; rule 1 judged degraded first)
+  degraded  not diverged nor healthy, and its 20-step mean loss exceeds its
+            twin's by DAMAGE_MARGIN at some step after warm-up; onset = the
+            first such step
   unclear   none of these (neither damaged nor as good as the best LR): not scored
 
   # the loss-vs-LR curve, unmonitored (no daemon): what diverges where
@@ -123,15 +125,26 @@ def final_loss(losses, last=100):
     return sum(tail) / len(tail) if len(tail) == len(losses[-last:]) else math.inf
 
 
-def classify(row, twin, best_final):
+# Outcome rules. 1: seeds 1-5 and natural draw 1. 2 (preregistered for
+# natural draw 2 on): a run that ends within HEALTHY_MARGIN of its cell's best
+# loss is healthy even if it trailed its twin by DAMAGE_MARGIN for a while: a
+# transient gap at the best LR is not damage (seed 4's two misses at 3e-3 and
+# natural draw 1's g0 at 3e-3 ended as well as any run of their cell).
+OUTCOME_RULE = 2
+
+
+def classify(row, twin, best_final, rule=OUTCOME_RULE):
     """diverged / degraded / healthy / unclear, with the onset step (see the module doc)."""
     if row["divergence_step"] is not None:
         return "diverged", row["divergence_step"]
+    healthy = final_loss(row["losses"]) <= (1 + HEALTHY_MARGIN) * best_final
+    if rule >= 2 and healthy:
+        return "healthy", None
     if twin is not None and twin is not row:
         onset = damage_onset(row["losses"], twin["losses"], row.get("warmup", WARMUP))
         if onset is not None:
             return "degraded", onset
-    if final_loss(row["losses"]) <= (1 + HEALTHY_MARGIN) * best_final:
+    if healthy:
         return "healthy", None
     return "unclear", None
 
@@ -330,10 +343,10 @@ def replay_mechanism(ctl, recordings, signals="mechanism"):
     return {r["run_id"]: r for r in json.loads(out.stdout)["runs"]}
 
 
-def score(rows, replay):
+def score(rows, replay, rule=OUTCOME_RULE):
     """Per run: outcome, onset, first alert (step, name, cause), warned, lead, false alarm."""
     scored = []
-    for r in outcomes(rows):
+    for r in outcomes(rows, rule):
         fired = sorted(replay.get(r["run_id"], {}).get("alerts", []), key=lambda a: a["step"])
         first = fired[0] if fired else None
         row = dict(run_id=r["run_id"], cell=r["cell"], lr=r["lr"], seed=r["seed"],
@@ -439,7 +452,7 @@ def cmd_score(args):
     rows = json.load(open(os.path.join(args.out, "runs.json")))
     replay = replay_mechanism(args.foreshockctl, os.path.join(args.out, "recordings"),
                               args.signals)
-    scored = score(rows, replay)
+    scored = score(rows, replay, args.outcome_rule)
     name = "scored.json" if args.signals == "mechanism" else f"scored-{args.signals}.json"
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(scored, f, indent=1)
@@ -453,7 +466,7 @@ def cmd_score(args):
               f"{v['twins_alarmed']}/{v['twins']}")
 
 
-def outcomes(rows):
+def outcomes(rows, rule=OUTCOME_RULE):
     """Each row with its outcome and onset (rows: one per cell, lr, seed)."""
     by_key = {(r["cell"], r["lr"], r["seed"]): r for r in rows if "error" not in r}
     best = {}
@@ -463,7 +476,7 @@ def outcomes(rows):
     out = []
     for (cell, lr, seed), r in sorted(by_key.items()):
         twin = by_key.get((cell + "+qkln", lr, seed)) if not cell.endswith("+qkln") else None
-        outcome, onset = classify(r, twin, best[cell])
+        outcome, onset = classify(r, twin, best[cell], rule)
         out.append(dict(r, outcome=outcome, onset=onset))
     return out
 
@@ -510,6 +523,10 @@ def main():
     c = sub.add_parser("score", help="replay a record's recordings, mechanism signals alone")
     c.add_argument("out")
     c.add_argument("--foreshockctl", default=os.path.join(ROOT, "build", "ctl", "foreshockctl"))
+    c.add_argument("--outcome-rule", type=int, choices=[1, 2], default=OUTCOME_RULE,
+                   help="1: seeds 1-5 and natural draw 1 as scored; 2 (default): a run that "
+                        "ends within the healthy margin of its cell's best loss is healthy, "
+                        "whatever a transient gap to its twin")
     c.add_argument("--signals", choices=["mechanism", "no_lr"], default="mechanism",
                    help="the backtest row: mechanism (the benchmark's) or no_lr (the mechanism "
                         "signals and the attention output check; reads no LR either)")

@@ -133,3 +133,17 @@ def test_damage_onset_counts_from_the_run_s_own_warm_up():
     early["warmup"] = 50
     # 2 + (s - 59) / 20 > 2.2 from s = 64, once 5 of the 20 losses are 3.0.
     assert natural.classify(early, twin, 2.0) == ("degraded", 64)
+
+
+def test_rule_2_a_transient_gap_at_the_best_loss_is_not_damage():
+    """Outcome rule 2: a run that trails its twin by 10% for a while but ends
+    within the healthy margin of its cell's best loss is healthy; rule 1
+    (seeds 1-5, natural draw 1) called it degraded."""
+    twin = row([2.0] * 600)
+    transient = row([2.0] * 200 + [2.5] * 100 + [2.0] * 300)
+    assert natural.classify(transient, twin, 2.0, rule=1) == ("degraded", 208)
+    assert natural.classify(transient, twin, 2.0, rule=2) == ("healthy", None)
+    # A run that stays behind is degraded under both rules.
+    behind = row([2.0] * 300 + [2.5] * 300)
+    for rule in (1, 2):
+        assert natural.classify(behind, twin, 2.0, rule=rule) == ("degraded", 308)
