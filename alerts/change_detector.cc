@@ -363,9 +363,24 @@ namespace {
 constexpr uint8_t kChangeDetectorStateVersion = 2;
 constexpr uint8_t kChangeDetectorFirstVersion = 1;  // no history steps
 
+// The runs of plain fields in the state, each listed once for SaveState and
+// RestoreState (codec::FieldWriter / FieldReader): a core's between its flags
+// and its consecutive-normal count, an assessment's between its disposition
+// and its state.
+template <typename Io, typename C>
+bool CoreCounters(Io& io, C& c) {
+  return io(c.samples_seen) && io(c.last_step) && io(c.cusum);
+}
+template <typename Io, typename A>
+bool AssessmentFields(Io& io, A& a) {
+  return io(a.step) && io(a.value) && io(a.baseline) && io(a.scale) && io(a.z) && io(a.cusum) &&
+         io(a.relative_change) && io(a.change_flag) && io(a.guard_flag);
+}
+
 }  // namespace
 
 void ChangeDetector::SaveState(codec::StateWriter& writer) const {
+  codec::FieldWriter io(writer);
   auto put_core = [&](const Core& c) {
     writer.PutVector(c.history);
     writer.PutU64(c.history_steps.size());
@@ -375,9 +390,7 @@ void ChangeDetector::SaveState(codec::StateWriter& writer) const {
       writer.PutI64(flag.step);
       writer.PutBool(flag.anomalous);
     }
-    writer.PutI64(c.samples_seen);
-    writer.PutI64(c.last_step);
-    writer.PutDouble(c.cusum);
+    CoreCounters(io, c);
     writer.PutI32(c.consecutive_normal);
     writer.PutU8(static_cast<uint8_t>(c.state));
     writer.PutI64(c.onset_step);
@@ -387,15 +400,7 @@ void ChangeDetector::SaveState(codec::StateWriter& writer) const {
   put_core(before_last_step_);
   const ChangeAssessment& a = last_;
   writer.PutU8(static_cast<uint8_t>(a.disposition));
-  writer.PutI64(a.step);
-  writer.PutDouble(a.value);
-  writer.PutDouble(a.baseline);
-  writer.PutDouble(a.scale);
-  writer.PutDouble(a.z);
-  writer.PutDouble(a.cusum);
-  writer.PutDouble(a.relative_change);
-  writer.PutBool(a.change_flag);
-  writer.PutBool(a.guard_flag);
+  AssessmentFields(io, a);
   writer.PutU8(static_cast<uint8_t>(a.state));
   writer.PutI64(a.onset_step);
   writer.PutI32(a.anomalous_in_window);
@@ -409,6 +414,7 @@ bool ChangeDetector::RestoreState(codec::StateReader& reader) {
           : CountsForInterval(options_, 0);
   const size_t history_capacity = static_cast<size_t>(largest.window + largest.gap);
   const size_t flags_capacity = static_cast<size_t>(largest.persist_n);
+  codec::FieldReader io(reader);
   auto get_state = [&](SeriesState& state) {
     uint8_t byte = 0;
     if (!reader.GetU8(byte)) return false;
@@ -441,8 +447,7 @@ bool ChangeDetector::RestoreState(codec::StateReader& reader) {
       c.flags.push_back(flag);
     }
     int32_t consecutive_normal = 0;
-    if (!reader.GetI64(c.samples_seen) || !reader.GetI64(c.last_step) ||
-        !reader.GetDouble(c.cusum) || !reader.GetI32(consecutive_normal) || !get_state(c.state) ||
+    if (!CoreCounters(io, c) || !reader.GetI32(consecutive_normal) || !get_state(c.state) ||
         !reader.GetI64(c.onset_step)) {
       return false;
     }
@@ -464,10 +469,7 @@ bool ChangeDetector::RestoreState(codec::StateReader& reader) {
                          " not supported");
     }
     if (!get_core(core) || !get_core(before) || !reader.GetU8(disposition) ||
-        !reader.GetI64(a.step) || !reader.GetDouble(a.value) || !reader.GetDouble(a.baseline) ||
-        !reader.GetDouble(a.scale) || !reader.GetDouble(a.z) || !reader.GetDouble(a.cusum) ||
-        !reader.GetDouble(a.relative_change) || !reader.GetBool(a.change_flag) ||
-        !reader.GetBool(a.guard_flag) || !get_state(a.state) || !reader.GetI64(a.onset_step) ||
+        !AssessmentFields(io, a) || !get_state(a.state) || !reader.GetI64(a.onset_step) ||
         !reader.GetI32(anomalous_in_window)) {
       return false;
     }

@@ -337,7 +337,8 @@ class StateReader {
 // and encodes with FieldWriter (E const, every call true) or decodes with
 // FieldReader (false at the first field that does not read). Each call is
 // typed by its field (uint8_t, bool, int32_t, uint32_t, int64_t, uint64_t,
-// float, double, std::string), so encode and decode cannot drift apart; the
+// float, double, std::string, a vector of numbers), so encode and decode
+// cannot drift apart; the
 // bytes are those of the matching Put/Get calls.
 class FieldWriter {
  public:
@@ -351,6 +352,10 @@ class FieldWriter {
   bool operator()(float v) { return w_.PutFloat(v), true; }
   bool operator()(double v) { return w_.PutDouble(v), true; }
   bool operator()(const std::string& v) { return w_.PutString(v), true; }
+  template <typename T, typename Allocator>
+  bool operator()(const std::vector<T, Allocator>& v) {
+    return w_.PutVector(v), true;
+  }
 
  private:
   StateWriter& w_;
@@ -368,6 +373,10 @@ class FieldReader {
   bool operator()(float& v) { return r_.GetFloat(v); }
   bool operator()(double& v) { return r_.GetDouble(v); }
   bool operator()(std::string& v) { return r_.GetString(v); }
+  template <typename T, typename Allocator>
+  bool operator()(std::vector<T, Allocator>& v) {
+    return r_.GetVector(v);
+  }
 
  private:
   StateReader& r_;

@@ -125,6 +125,13 @@ class RouterDetector final : public Detector {
   //   checkpoints start it from the saved window's mean), Vector<i64> the
   //   window's sample steps (version 3; older checkpoints' samples have no
   //   step and leave the window as new samples come, down to its minimum).
+  // The previous decisions' fields, listed once for SaveState and ReadStates.
+  template <typename Io, typename D>
+  static bool DecisionFields(Io& io, D& d) {
+    return io(d.tokens) && io(d.experts) && io(d.top_k) && io(d.topk) && io(d.probs) &&
+           io(d.entropy);
+  }
+
   void SaveState(codec::StateWriter& writer) const override {
     writer.PutU32(kStateVersion);
     writer.PutU64(states_.size());
@@ -133,13 +140,8 @@ class RouterDetector final : public Detector {
       writer.PutString(run);
       writer.PutI32(layer);
       writer.PutString(probe_id);
-      const RouterDecisions& d = state.previous;
-      writer.PutI32(d.tokens);
-      writer.PutI32(d.experts);
-      writer.PutI32(d.top_k);
-      writer.PutVector(d.topk);
-      writer.PutVector(d.probs);
-      writer.PutVector(d.entropy);
+      codec::FieldWriter io(writer);
+      DecisionFields(io, state.previous);
       writer.PutU64(state.loads.size());
       for (const std::vector<double>& load : state.loads) writer.PutVector(load);
       writer.PutVector(state.peak);
@@ -211,10 +213,9 @@ class RouterDetector final : public Detector {
       State state;
       RouterDecisions& d = state.previous;
       uint64_t loads = 0;
+      codec::FieldReader io(reader);
       if (!reader.GetString(run) || !reader.GetI32(layer) || !reader.GetString(probe_id) ||
-          !reader.GetI32(d.tokens) || !reader.GetI32(d.experts) || !reader.GetI32(d.top_k) ||
-          !reader.GetVector(d.topk) || !reader.GetVector(d.probs) || !reader.GetVector(d.entropy) ||
-          !reader.GetCount(loads, 8)) {
+          !DecisionFields(io, d) || !reader.GetCount(loads, 8)) {
         return false;
       }
       if (d.tokens < 0 || d.experts < 0 || d.top_k < 0 ||

@@ -285,16 +285,18 @@ struct Every {
   float f = 0;
   double d = 0;
   std::string text;
+  std::vector<float> values;
 };
 
 template <typename Io, typename E>
 bool EveryFields(Io& io, E& e) {
   return io(e.u8) && io(e.flag) && io(e.i32) && io(e.u32) && io(e.i64) && io(e.u64) && io(e.f) &&
-         io(e.d) && io(e.text);
+         io(e.d) && io(e.text) && io(e.values);
 }
 
 TEST(StateCodecTest, OneFieldListWritesThePutBytesAndReadsThemBack) {
-  const Every in{7, true, -3, 4000000000u, -(int64_t{1} << 40), ~uint64_t{0}, -0.0f, 1e300, "run"};
+  const Every in{7,   true,  -3,    4000000000u, -(int64_t{1} << 40), ~uint64_t{0}, -0.0f,
+                 1e300, "run", {1.5f, -2.0f}};
   StateWriter listed;
   FieldWriter writer(listed);
   ASSERT_TRUE(EveryFields(writer, in));
@@ -309,6 +311,7 @@ TEST(StateCodecTest, OneFieldListWritesThePutBytesAndReadsThemBack) {
   by_hand.PutFloat(in.f);
   by_hand.PutDouble(in.d);
   by_hand.PutString(in.text);
+  by_hand.PutVector(in.values);
   const std::string bytes = listed.Take();
   EXPECT_EQ(bytes, by_hand.Take());
 
@@ -326,6 +329,7 @@ TEST(StateCodecTest, OneFieldListWritesThePutBytesAndReadsThemBack) {
   EXPECT_TRUE(std::signbit(out.f));
   EXPECT_EQ(out.d, in.d);
   EXPECT_EQ(out.text, in.text);
+  EXPECT_EQ(out.values, in.values);
 
   // A truncated record fails at its first missing field.
   StateReader truncated(std::string_view(bytes).substr(0, bytes.size() - 1));
