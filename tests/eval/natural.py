@@ -343,6 +343,17 @@ def replay_mechanism(ctl, recordings, signals="mechanism"):
     return {r["run_id"]: r for r in json.loads(out.stdout)["runs"]}
 
 
+def lead_fraction(run, alert_step):
+    """The lead of an alert at `alert_step` on a damaged run, as a fraction of
+    the span from the end of its warm-up (or from step 100, for an onset inside
+    it) to its onset; an alert before that span leads by all of it: 1.0."""
+    warmup = run.get("warmup", WARMUP)
+    start = warmup if run["onset"] > warmup else 100
+    if run["onset"] <= start:
+        return 1.0
+    return min(1.0, (run["onset"] - alert_step) / (run["onset"] - start))
+
+
 def score(rows, replay, rule=OUTCOME_RULE):
     """Per run: outcome, onset, first alert (step, name, cause), warned, lead, false alarm."""
     scored = []
@@ -359,13 +370,8 @@ def score(rows, replay, rule=OUTCOME_RULE):
         if r["outcome"] in ("diverged", "degraded"):
             row["warned"] = first is not None and first["step"] < r["onset"]
             if row["warned"]:
-                # From the end of warm-up, or from step 100 for an onset inside it.
-                warmup = r.get("warmup", WARMUP)
-                start = warmup if r["onset"] > warmup else 100
                 row["lead_steps"] = r["onset"] - first["step"]
-                # An alert before the end of warm-up leads by the whole span: 100%.
-                row["lead_fraction"] = (min(1.0, row["lead_steps"] / (r["onset"] - start))
-                                        if r["onset"] > start else 1.0)
+                row["lead_fraction"] = lead_fraction(r, first["step"])
                 row["cause_lr"] = first["probable_cause"] == "learning_rate_too_high"
         elif r["outcome"] == "healthy":
             row["false_alarm"] = first is not None
@@ -400,10 +406,7 @@ def score_references(scored, replay):
                 faults += 1
                 if first is not None and first < r["onset"]:
                     warned += 1
-                    warmup = r.get("warmup", WARMUP)
-                    start = warmup if r["onset"] > warmup else 100
-                    leads.append(min(1.0, (r["onset"] - first) / (r["onset"] - start))
-                                 if r["onset"] > start else 1.0)
+                    leads.append(lead_fraction(r, first))
             elif r["outcome"] == "healthy":
                 healthy += 1
                 healthy_alarmed += first is not None
