@@ -209,7 +209,7 @@ ChangeAssessment ChangeDetector::Score(int64_t step, double value) {
           large_enough && (directed_z >= options_.z_threshold || c.cusum >= options_.cusum_h);
     }
   }
-  if (options_.bound) a.guard_flag = sign_ * (value - *options_.bound) > 0;
+  a.guard_flag = PastBound(step, value, x);
   const bool anomalous = a.anomalous();
 
   if (c.state == SeriesState::kAnomalous) {
@@ -250,6 +250,29 @@ ChangeAssessment ChangeDetector::Score(int64_t step, double value) {
   a.state = c.state;
   a.onset_step = c.onset_step;
   return a;
+}
+
+bool ChangeDetector::PastBound(int64_t step, double value, double x) const {
+  if (!options_.bound || !(sign_ * (value - *options_.bound) > 0)) return false;
+  if (options_.bound_growth <= 1.0) return true;
+  if (options_.bound_without_growth && value > *options_.bound_without_growth) return true;
+  // The growth reference: the newest history sample at least
+  // bound_growth_steps older, else the oldest (history_steps is oldest first;
+  // INT64_MIN marks a step a version-1 checkpoint did not keep).
+  const std::vector<int64_t>& steps = core_.history_steps;
+  std::optional<size_t> reference;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    if (steps[i] == std::numeric_limits<int64_t>::min() || steps[i] >= step) continue;
+    if (!reference || steps[i] <= step - options_.bound_growth_steps) reference = i;
+  }
+  // No earlier sample: the series' first value past the bound rose from a
+  // random init's O(1) logits within the series' start (warmup_steps), far
+  // faster than any growth asked here.
+  if (!reference) return true;
+  const double span = static_cast<double>(std::min<int64_t>(step - steps[*reference],
+                                                            options_.bound_growth_steps));
+  const double needed = std::log(options_.bound_growth) * span / options_.bound_growth_steps;
+  return x - core_.history[*reference] >= needed;
 }
 
 void ChangeDetector::ResetEpisode() {

@@ -91,6 +91,18 @@ struct ChangeDetectorOptions {
   int clear_after = 10;
   // Absolute guard: anomalous while value > bound (kRise) or < bound (kDrop).
   std::optional<double> bound;
+  // Growth the guard also asks for (issue 33; kRise with log_scale only):
+  // past `bound` a sample is anomalous only if the value grew by at least
+  // the factor bound_growth over the last bound_growth_steps training steps
+  // (against the newest history sample that old; with a younger history,
+  // against its oldest sample, the factor scaled to the steps between them;
+  // with none, anomalous). Past bound_without_growth no growth is asked.
+  // A level that sits past the bound and holds (an attention head that has
+  // specialised) is the model's state; one still growing by factors is the
+  // runaway the bound is for. bound_growth <= 1: no growth asked.
+  double bound_growth = 0;
+  int bound_growth_steps = 100;
+  std::optional<double> bound_without_growth;
   // Cadence (issue 33): the counts above (warmup, window, gap, min_baseline,
   // persist_m, persist_n, clear_after) were calibrated on series sampled once
   // every `reference_interval_steps` training steps. A series sampled at
@@ -238,6 +250,8 @@ class ChangeDetector {
   // The median step distance between the series' recent samples (and `step`,
   // the one being scored, unless the history is frozen); 0 when unknown.
   double MeasuredInterval(int64_t step) const;
+  // Whether `value` at `step` is past the absolute guard, growth included.
+  bool PastBound(int64_t step, double value, double x) const;
 
   ChangeDetectorOptions options_;
   SampleCounts counts_;  // options_' counts at the measured interval

@@ -40,7 +40,7 @@ struct BoolField {
   bool ChangeDetectorOptions::*member;
 };
 
-constexpr std::array<IntField, 9> kIntFields = {{
+constexpr std::array<IntField, 10> kIntFields = {{
     {"warmup", &ChangeDetectorOptions::warmup, 0, kMaxCount},
     {"reference_interval_steps", &ChangeDetectorOptions::reference_interval_steps, 0, 1'000'000},
     {"warmup_steps", &ChangeDetectorOptions::warmup_steps, 0, 1'000'000'000},
@@ -50,8 +50,9 @@ constexpr std::array<IntField, 9> kIntFields = {{
     {"persist_m", &ChangeDetectorOptions::persist_m, 1, kMaxWindow},
     {"persist_n", &ChangeDetectorOptions::persist_n, 1, kMaxWindow},
     {"clear_after", &ChangeDetectorOptions::clear_after, 1, kMaxCount},
+    {"bound_growth_steps", &ChangeDetectorOptions::bound_growth_steps, 1, 1'000'000'000},
 }};
-constexpr std::array<DoubleField, 7> kDoubleFields = {{
+constexpr std::array<DoubleField, 8> kDoubleFields = {{
     {"z_threshold", &ChangeDetectorOptions::z_threshold, 0, true},
     {"small_sample_inflation", &ChangeDetectorOptions::small_sample_inflation, 0, false},
     {"gate_inflation", &ChangeDetectorOptions::gate_inflation, 0, false},
@@ -59,6 +60,7 @@ constexpr std::array<DoubleField, 7> kDoubleFields = {{
     {"cusum_h", &ChangeDetectorOptions::cusum_h, 0, true},
     {"min_relative_change", &ChangeDetectorOptions::min_relative_change, 0, false},
     {"min_absolute_change", &ChangeDetectorOptions::min_absolute_change, 0, false},
+    {"bound_growth", &ChangeDetectorOptions::bound_growth, 0, false},
 }};
 constexpr std::array<BoolField, 3> kBoolFields = {{
     {"change_detection", &ChangeDetectorOptions::change_detection},
@@ -67,8 +69,9 @@ constexpr std::array<BoolField, 3> kBoolFields = {{
 }};
 
 // Keys of a signal entry that are not detector fields.
-constexpr std::array<std::string_view, 7> kSignalOnlyKeys = {
-    "alert", "direction", "enabled", "severity", "bound", "per_head", "head_z_correction"};
+constexpr std::array<std::string_view, 8> kSignalOnlyKeys = {
+    "alert",    "direction", "enabled",           "severity", "bound", "bound_without_growth",
+    "per_head", "head_z_correction"};
 
 std::string IntRangeError(const IntField& field, int value) {
   if (value < field.min || value > field.max) {
@@ -131,6 +134,14 @@ std::string SignalError(const SignalConfig& s) {
                          o.min_baseline);
   }
   if (o.bound && !std::isfinite(*o.bound)) return "bound: must be a finite number or null";
+  if (o.bound_without_growth && !std::isfinite(*o.bound_without_growth)) {
+    return "bound_without_growth: must be a finite number or null";
+  }
+  if (o.bound_growth > 1.0) {
+    // The growth is read from the history, which holds logs only with log_scale.
+    if (!o.log_scale) return "bound_growth: needs log_scale: true";
+    if (o.direction != Direction::kRise) return "bound_growth: needs direction rise";
+  }
   if (!std::isfinite(s.head_z_correction) || s.head_z_correction < 0) {
     return internal::Cat("head_z_correction: must be a finite number >= 0, got ",
                          s.head_z_correction);
@@ -316,11 +327,13 @@ void ApplySignalKey(const YamlReader& reader, std::string_view path, const std::
       reader.Fail(node, key_path, internal::Cat("must be a finite number >= 0, got ", value));
     }
     signal.head_z_correction = value;
-  } else if (key == "bound") {
+  } else if (key == "bound" || key == "bound_without_growth") {
+    std::optional<double>& bound =
+        key == "bound" ? signal.detector.bound : signal.detector.bound_without_growth;
     if (node.IsNull()) {
-      signal.detector.bound.reset();
+      bound.reset();
     } else {
-      signal.detector.bound = reader.Double(node, key_path);
+      bound = reader.Double(node, key_path);
     }
   } else if (key == "direction" && !in_defaults) {
     const std::string value = reader.Scalar(node, key_path);

@@ -23,6 +23,9 @@
 //         trend: true
 //         z_threshold / cusum_k / cusum_h / min_relative_change / min_absolute_change: numbers
 //         bound: null                           # a number enables the absolute guard
+//         bound_growth: 0                       # past the bound, also grown by this factor ...
+//         bound_growth_steps: 100               # ... over these training steps (log_scale, rise)
+//         bound_without_growth: null            # past this, no growth asked
 //         per_head: false                       # judge each head on its own baseline
 //         head_z_correction: 1.0                # per-head thresholds + this * ln(heads)
 //     nonfinite:

@@ -599,17 +599,44 @@ TEST(AlertEngineTest, ExpertDeathsAloneAreHeldUntilAnotherKindFires) {
 }
 
 TEST(AlertEngineTest, AttentionMaxLogitBoundFiresWithoutABaselineChange) {
-  EngineDriver driver;
-  // A model whose logits sit high and steady: no change, but beyond the bound.
+  // A model whose logits sit steady past ten times the bound: no change, no
+  // growth, but beyond bound_without_growth.
   const int warmup = Warmup("attention_max_logit");
   const int64_t start = StartStep("attention_max_logit");
-  driver.Series("r1", "attention_max_logit", 0, 0, static_cast<int>(start / 10) + warmup, 120.0);
+  EngineDriver driver;
+  driver.Series("r1", "attention_max_logit", 0, 0, static_cast<int>(start / 10) + warmup, 1200.0);
   EXPECT_TRUE(driver.transitions.empty());
-  driver.Series("r1", "attention_max_logit", 0, start + 10 * warmup, 3, 120.0);
+  driver.Series("r1", "attention_max_logit", 0, start + 10 * warmup, 3, 1200.0);
   const auto transitions = driver.Transitions(kAttentionLogitGrowth, "0");
   ASSERT_EQ(transitions.size(), 2u);
   EXPECT_EQ(transitions[1].to, AlertState::kFiring);
   EXPECT_EQ(transitions[1].step, start + 10 * (warmup + 2));
+}
+
+// Issue 33: a head that specialised holds a max logit past 100 and stops
+// growing; an LR too high for the architecture keeps growing it by factors.
+// Natural draw 2's healthy copy-task run crept past 100 at step 450 (from
+// 91 at 400 to 111 at 600) and the plain bound fired on it.
+TEST(AlertEngineTest, AttentionLogitBoundIgnoresAHeadThatHoldsPastIt) {
+  EngineDriver steady;
+  // Rises from 5 to 90 by step 300, then creeps 90 -> 130 over 500 steps.
+  for (int64_t step = 30; step <= 800; step += 10) {
+    const double value = step <= 300 ? 5.0 * std::pow(18.0, (step - 30) / 270.0)
+                                     : 90.0 + 40.0 * (step - 300) / 500.0;
+    steady.Point("r1", step, "attention_max_logit", 0, value);
+  }
+  EXPECT_TRUE(steady.Transitions(kAttentionLogitGrowth, "0").empty());
+  // The same start, then doubling every 100 steps from 300: fires.
+  EngineDriver runaway;
+  for (int64_t step = 30; step <= 800; step += 10) {
+    const double value = step <= 300 ? 5.0 * std::pow(18.0, (step - 30) / 270.0)
+                                     : 90.0 * std::pow(2.0, (step - 300) / 100.0);
+    runaway.Point("r1", step, "attention_max_logit", 0, value);
+  }
+  const auto fired = runaway.StateChanges(kAttentionLogitGrowth, "0");
+  ASSERT_FALSE(fired.empty());
+  EXPECT_EQ(fired.back().to, AlertState::kFiring);
+  EXPECT_EQ(fired.front().step, 320);  // the first probe past 100, 2.7x its value at 220
 }
 
 // Issue 33: an LR too high for a model without QK-layernorm drives the max
@@ -1349,7 +1376,9 @@ TEST(AlertEngineTest, LogitGrowthInBf16WithAnUnbiasedOutputNamesTheLearningRate)
     for (int layer : {0, 1}) {
       driver.Point("r1", step, "attention_output_bias", layer, step < 750 ? 0.02 : 0.6);
     }
-    driver.Point("r1", step, "attention_max_logit", 0, i < 20 ? 40 : 150);
+    // Still growing (1.6x per 100 steps): a head that holds past the bound
+    // would resolve (bound_growth).
+    driver.Point("r1", step, "attention_max_logit", 0, i < 20 ? 40 : 150 * std::pow(1.05, i - 20));
     if (step == 720) {
       ASSERT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kLearningRateTooHigh);
     }

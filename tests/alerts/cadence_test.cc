@@ -171,10 +171,13 @@ TEST(CadenceTest, AStateSavedAtADenseCadenceRestores) {
 }
 
 // The max-logit bound needs no baseline, and its start is a training step:
-// a series above the bound from the first probe is judged from step 30 and
-// confirmed within about the same steps at every cadence. Its start was the
+// a series above the bound from the first probe, and growing (3x per 100
+// steps, as an LR too high for the architecture grows it), is judged from
+// step 30 and confirmed within about the same steps at every cadence. Its start was the
 // run's 4th probe (step 30 at every 10, 150 at every 50, firing at 200 when
 // the natural benchmark's runs at every 50 were damaged from step 136).
+double Runaway(int64_t step) { return 150.0 * std::pow(3.0, static_cast<double>(step) / 100.0); }
+
 TEST(CadenceTest, TheMaxLogitBoundStartsAtTheSameStepAtEveryCadence) {
   const ChangeDetectorOptions bound =
       DefaultAlertConfig().signals.at("attention_max_logit").detector;
@@ -183,7 +186,7 @@ TEST(CadenceTest, TheMaxLogitBoundStartsAtTheSameStepAtEveryCadence) {
     ChangeDetector detector(bound);
     int64_t first_judged = -1, fired = -1;
     for (int64_t step = 0; step <= 400 && fired < 0; step += every) {
-      const ChangeAssessment a = detector.Update(step, step == 0 ? 0.1 : 500.0);
+      const ChangeAssessment a = detector.Update(step, step == 0 ? 0.1 : Runaway(step));
       if (a.guard_flag && first_judged < 0) first_judged = step;
       if (a.state == SeriesState::kAnomalous) fired = step;
     }
@@ -199,7 +202,7 @@ TEST(CadenceTest, TheMaxLogitBoundStartsAtTheSameStepAtEveryCadence) {
   ChangeDetector detector(in_probes);
   int64_t fired = -1;
   for (int64_t step = 0; step <= 400 && fired < 0; step += 50) {
-    if (detector.Update(step, step == 0 ? 0.1 : 500.0).state == SeriesState::kAnomalous) {
+    if (detector.Update(step, step == 0 ? 0.1 : Runaway(step)).state == SeriesState::kAnomalous) {
       fired = step;
     }
   }

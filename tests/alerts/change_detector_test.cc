@@ -475,6 +475,93 @@ TEST(ChangeDetectorTest, DropGuardFiresBelowTheBound) {
   EXPECT_TRUE(trace.samples[102].guard_flag);
 }
 
+// Issue 33: past the bound, a rise guard with bound_growth marks a sample
+// only while the value still grows by that factor over bound_growth_steps
+// training steps: a level that holds past the bound (a head that
+// specialised) is not a runaway.
+ChangeDetectorOptions GrowthGuard() {
+  ChangeDetectorOptions options = Options(Direction::kRise);
+  options.change_detection = false;
+  options.log_scale = true;
+  options.warmup = 0;
+  options.bound = 100.0;
+  options.bound_growth = 1.5;
+  options.bound_growth_steps = 100;
+  return options;
+}
+
+TEST(ChangeDetectorTest, GrowthGuardIgnoresALevelThatHoldsPastTheBound) {
+  ChangeDetector detector(GrowthGuard());
+  // 20 -> 130 over 100 steps, then 130 to 140 for 500 steps.
+  std::vector<double> series;
+  for (int i = 0; i <= 10; ++i) series.push_back(20.0 * std::pow(6.5, i / 10.0));
+  for (int i = 0; i < 50; ++i) series.push_back(130.0 + 10.0 * i / 50.0);
+  const Trace trace = Feed(detector, series);
+  // Past the bound from sample 9 (about 108): grown by more than half over the
+  // 100 steps before it, so samples 9 and 10 are marked; from 100 steps after
+  // the rise ends the growth is under the factor, and persistence (3 of 5) is
+  // never reached.
+  EXPECT_TRUE(trace.samples[9].guard_flag);
+  EXPECT_TRUE(trace.samples[10].guard_flag);
+  for (size_t i = 21; i < trace.samples.size(); ++i) {
+    EXPECT_FALSE(trace.samples[i].guard_flag) << i;
+  }
+  EXPECT_EQ(trace.episodes, 1);  // the rise itself, 20 -> 130 in 100 steps, is a runaway
+  ChangeDetectorOptions plain = GrowthGuard();
+  plain.bound_growth = 0;  // the plain bound marks every sample past it
+  ChangeDetector plain_detector(plain);
+  const Trace plain_trace = Feed(plain_detector, series);
+  for (size_t i = 9; i < plain_trace.samples.size(); ++i) {
+    EXPECT_TRUE(plain_trace.samples[i].guard_flag) << i;
+  }
+}
+
+TEST(ChangeDetectorTest, GrowthGuardSeparatesASlowCreepFromARunaway) {
+  // Both cross 100 at step 300 with a long history: the creep grows by 1.3x
+  // per 100 steps, the runaway by 2x.
+  for (const double per_100_steps : {1.3, 2.0}) {
+    ChangeDetector detector(GrowthGuard());
+    std::vector<double> series;
+    for (int i = 0; i < 80; ++i) {
+      series.push_back(100.0 * std::pow(per_100_steps, (i * kStepsPerSample - 300) / 100.0));
+    }
+    const Trace trace = Feed(detector, series);
+    EXPECT_EQ(trace.episodes, per_100_steps > 1.5 ? 1 : 0) << per_100_steps;
+    if (per_100_steps > 1.5) EXPECT_EQ(trace.first_anomalous, 33);  // 3 of 5 from step 310
+  }
+}
+
+TEST(ChangeDetectorTest, GrowthGuardJudgesGrowthInStepsAtAnyCadence) {
+  // The same 1.3x-per-100-steps creep past the bound at a probe every 5 and
+  // every 50 steps never fires; a 3x one does at both.
+  for (const int every : {5, 50}) {
+    for (const double per_100_steps : {1.3, 3.0}) {
+      ChangeDetector detector(GrowthGuard());
+      int episodes = 0;
+      for (int64_t step = 0; step <= 1500; step += every) {
+        const SeriesState before = detector.state();
+        const double value = 100.0 * std::pow(per_100_steps, (step - 300) / 100.0);
+        const ChangeAssessment a = detector.Update(step, std::min(value, 1e6));
+        episodes += a.state == SeriesState::kAnomalous && before != SeriesState::kAnomalous;
+      }
+      EXPECT_EQ(episodes, per_100_steps > 1.5 ? 1 : 0) << every << " " << per_100_steps;
+    }
+  }
+}
+
+TEST(ChangeDetectorTest, GrowthGuardMarksAFirstSampleAndAnyValuePastTheNoGrowthBound) {
+  ChangeDetectorOptions options = GrowthGuard();
+  options.bound_without_growth = 1000.0;
+  ChangeDetector detector(options);
+  // The first sample is already past the bound: there is nothing to compare
+  // with, and it rose from a random init within the series' start.
+  EXPECT_TRUE(detector.Update(50, 400.0).guard_flag);
+  EXPECT_FALSE(detector.Update(100, 420.0).guard_flag);  // held: no growth
+  EXPECT_TRUE(detector.Update(150, 900.0).guard_flag);   // grown 2.25x since step 50
+  EXPECT_TRUE(detector.Update(300, 1250.0).guard_flag);  // 1.39x since 150, but past 1000
+  EXPECT_FALSE(detector.Update(350, 90.0).guard_flag);   // under the bound
+}
+
 TEST(ChangeDetectorTest, SameStepFromAnotherSourceCountsOnceAndTheWorstValueWins) {
   ChangeDetector detector(Options(Direction::kDrop));
   Feed(detector, Noisy(100, 1.0, 0.01, 12));

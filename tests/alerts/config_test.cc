@@ -52,6 +52,12 @@ void ExpectSameDetector(const ChangeDetectorOptions& a, const ChangeDetectorOpti
   if (a.bound && b.bound) {
     EXPECT_DOUBLE_EQ(*a.bound, *b.bound) << where;
   }
+  EXPECT_DOUBLE_EQ(a.bound_growth, b.bound_growth) << where;
+  EXPECT_EQ(a.bound_growth_steps, b.bound_growth_steps) << where;
+  EXPECT_EQ(a.bound_without_growth.has_value(), b.bound_without_growth.has_value()) << where;
+  if (a.bound_without_growth && b.bound_without_growth) {
+    EXPECT_DOUBLE_EQ(*a.bound_without_growth, *b.bound_without_growth) << where;
+  }
 }
 
 void ExpectSameConfig(const AlertConfig& a, const AlertConfig& b) {
@@ -227,6 +233,12 @@ TEST(AlertConfigTest, BadValuesAreErrorsThatSayWhatIsExpected) {
                 "alerts.signals.loss.small_sample_inflation: must be a finite number >= 0"},
            Case{"alerts:\n  signals:\n    loss:\n      bound: [1, 2]\n",
                 "alerts.signals.loss.bound: expected a single value"},
+           Case{"alerts:\n  signals:\n    loss:\n      bound: 5\n      bound_growth: 2\n",
+                "alerts.signals.loss: bound_growth: needs log_scale: true"},
+           Case{"alerts:\n  signals:\n    attention_max_logit:\n      bound_growth_steps: 0\n",
+                "alerts.signals.attention_max_logit.bound_growth_steps: must be an integer in [1,"},
+           Case{"alerts:\n  signals:\n    attention_max_logit:\n      bound_without_growth: x\n",
+                "alerts.signals.attention_max_logit.bound_without_growth: expected a number"},
            Case{"alerts:\n  signals:\n    loss:\n      alert: ForeshockNonFinite\n",
                 "unknown alert name 'ForeshockNonFinite'"},
            Case{"alerts:\n  signals:\n    loss:\n      change_detection: false\n",
