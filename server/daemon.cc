@@ -119,7 +119,7 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
   delivery_ = std::make_unique<DeliveryTracker>(*store_);
   ingest_->SetDeliveryTracker(delivery_.get());
   ingest_->SetStore(store_.get());
-  lifecycle_ = std::make_unique<RunLifecycle>(store_.get(), alerts_.get(), pool_.get(), runs_.get());
+  lifecycle_ = std::make_unique<RunLifecycle>(store_.get(), alerts_.get(), runs_.get());
   ingest_->SetLifecycle(lifecycle_.get());
   backend_->SetLifecycle(lifecycle_.get());
   memory_ = std::make_unique<MemoryGuard>(options_.max_memory_bytes);
@@ -129,9 +129,10 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
   });
   ingest_->SetMemoryGuard(memory_.get());
   state_budget_ = std::make_unique<StateBudget>(options_.max_state_bytes_per_run);
-  pool_->OnRunStateDropped([budget = state_budget_.get()](const std::string& run) {
-    budget->ForgetRun(run);
-  });
+  // What keeps state per run, told by the lifecycle when a run restarts or
+  // ends: the detectors first, then the budget that counts their state.
+  lifecycle_->AddStateOwner(pool_.get());
+  lifecycle_->AddStateOwner(state_budget_.get());
   ingest_->SetStateBudget(state_budget_.get());
   http_ = std::make_unique<HttpServer>(registry_, [this] {
     metrics_->queue_bytes.Add({}).Set(static_cast<double>(gate_->in_flight_bytes()));

@@ -10,7 +10,8 @@
 // or head, or a larger shape. A probe that replaces state of the same size
 // or less is always admitted, and other runs are not affected. Counts only
 // grow until the run's state is freed (see Admit). The ledger
-// forgets a run when the detectors do (WorkerPool::OnRunStateDropped), and
+// forgets a run when the detectors do (both are state owners of the run
+// lifecycle, server/pipeline/run_state_owner.h, the pool first), and
 // is rebuilt from the detectors' own report after a restore.
 #pragma once
 
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include "detectors/retained_state.h"
+#include "server/pipeline/run_state_owner.h"
 
 namespace foreshock::server {
 
@@ -39,7 +41,7 @@ inline constexpr int64_t kCurvatureValueBytes = int64_t{8} << 10;
 // nullopt for anything but a curvature sample with per-layer values.
 std::optional<detectors::RetainedFootprint> CurvatureFootprint(const detectors::Sample& sample);
 
-class StateBudget {
+class StateBudget : public RunStateOwner {
  public:
   // `limit_bytes` per run; 0: counted (for the gauge), never refused.
   explicit StateBudget(int64_t limit_bytes) : limit_bytes_(limit_bytes) {}
@@ -50,6 +52,10 @@ class StateBudget {
   std::optional<std::string> Admit(const std::string& run,
                                    const detectors::RetainedFootprint& footprint);
   void ForgetRun(const std::string& run);
+  // RunStateOwner: the detectors dropped the run's state (registered after
+  // the worker pool), so its count goes too.
+  void OnRunRestarted(const std::string& run) override { ForgetRun(run); }
+  void OnRunEnded(const std::string& run) override { ForgetRun(run); }
   // Replaces every count with what `visit_all` reports (after a restore).
   void Rebuild(const std::function<void(const detectors::RetainedVisitor&)>& visit_all);
 

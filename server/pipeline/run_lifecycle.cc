@@ -24,9 +24,16 @@ constexpr uint32_t kStateVersion = 3;
 constexpr uint8_t kEventVersion = 3;
 }  // namespace
 
-RunLifecycle::RunLifecycle(SeriesStore* store, RunAlertEffects* alerts, WorkerPool* pool,
-                           RunTracker* runs)
-    : store_(store), alerts_(alerts), pool_(pool), tracker_(runs) {}
+RunLifecycle::RunLifecycle(SeriesStore* store, RunAlertEffects* alerts, RunTracker* runs)
+    : store_(store), alerts_(alerts), tracker_(runs) {}
+
+void RunLifecycle::RestartedForOwners(const std::string& run) const {
+  for (RunStateOwner* owner : owners_) owner->OnRunRestarted(run);
+}
+
+void RunLifecycle::EndedForOwners(const std::string& run) const {
+  for (RunStateOwner* owner : owners_) owner->OnRunEnded(run);
+}
 
 // ---------------------------------------------------------------------------
 // Events: U8 version, U8 type, U64 seq, String run, I32 attempt, I32 rank,
@@ -268,7 +275,7 @@ void RunLifecycle::BeforeRecords(const std::string& run_id, int32_t rank, uint64
   spdlog::info("run {}: attempt {} resumes at step {}; earlier attempts' points from that step "
                "on are superseded",
                run_id, run.attempt, min_step);
-  if (pool_ != nullptr) pool_->ForgetRun(run_id);
+  RestartedForOwners(run_id);
   if (alerts_ != nullptr) alerts_->RewindRun(run_id, min_step, MarkOf(run));
   if (tracker_ != nullptr && tracker_->LastStep(run_id) >= min_step) {
     tracker_->ResetLastStep(run_id, min_step - 1);
@@ -314,7 +321,7 @@ void RunLifecycle::OnGoodbye(const std::string& run_id, int32_t rank, uint64_t s
     // Every sample of the attempt is processed (each goodbye counts after
     // its sender's batches): its detector state has no further use (a new
     // attempt starts afresh), so it is freed now, not held for a day.
-    if (pool_ != nullptr) pool_->ReleaseRunState(run_id);
+    EndedForOwners(run_id);
   }
   MaybeCheckpointLocked();
 }
@@ -502,14 +509,14 @@ void RunLifecycle::Restore() {
     if (alerts_ != nullptr) {
       alerts::LifecycleMark have = alerts_->GetLifecycleMark(name);
       if (want.attempt > have.attempt) {
-        if (pool_ != nullptr) pool_->ForgetRun(name);
+        RestartedForOwners(name);
         have = alerts::LifecycleMark{want.attempt, -1, false};
         alerts_->CloseRunEpisodes(name, alerts::kRunResumed, have);
         ++reapplied;
       }
       if (want.attempt == have.attempt && want.rewound_to >= 0 &&
           have.rewound_to != want.rewound_to) {
-        if (pool_ != nullptr) pool_->ForgetRun(name);
+        RestartedForOwners(name);
         have.rewound_to = want.rewound_to;
         alerts_->RewindRun(name, want.rewound_to, have);
         ++reapplied;
@@ -521,7 +528,7 @@ void RunLifecycle::Restore() {
       }
     }
     // A checkpoint taken before the end still holds the run's detector state.
-    if (run.ended && pool_ != nullptr) pool_->ReleaseRunState(name);
+    if (run.ended) EndedForOwners(name);
     if (tracker_ != nullptr && !run.boundaries.empty()) {
       // The tracker restored the highest step stored, superseded or not.
       const int64_t visible = VisibleLastStep(name, run.boundaries);

@@ -16,7 +16,7 @@
 //
 // Thread-safe. Lock order: an ingest stream's lock, then this one, then the
 // alert hub's, the worker pool's detector locks, the run tracker's and the
-// store's; none of those calls back in here.
+// store's, and the state owners'; none of those calls back in here.
 #pragma once
 
 #include <cstdint>
@@ -30,12 +30,12 @@
 
 #include "alerts/alert_engine.h"
 #include "server/pipeline/run_alert_effects.h"
+#include "server/pipeline/run_state_owner.h"
 #include "server/pipeline/series_store.h"
 
 namespace foreshock::server {
 
 class RunTracker;
-class WorkerPool;
 
 class RunLifecycle {
  public:
@@ -44,7 +44,11 @@ class RunLifecycle {
   static constexpr int kCheckpointEvery = 256;
 
   // Every collaborator may be null (then that effect is skipped: tests).
-  RunLifecycle(SeriesStore* store, RunAlertEffects* alerts, WorkerPool* pool, RunTracker* runs);
+  // `runs` gives the run's last step (its end, a rewind) and is rewound with it.
+  RunLifecycle(SeriesStore* store, RunAlertEffects* alerts, RunTracker* runs);
+  // Registers a component that keeps per-run state (run_state_owner.h), told
+  // in registration order. Before ingest starts and before Restore.
+  void AddStateOwner(RunStateOwner* owner) { owners_.push_back(owner); }
 
   // Ingest: an accepted Hello, before its HelloAck.
   // `world_size` (Hello label world_size, 0 when absent): with it, the run
@@ -164,10 +168,14 @@ class RunLifecycle {
   // The highest step of `run` in its latest attempt (superseded points left out).
   int64_t VisibleLastStep(const std::string& run, const std::vector<Boundary>& boundaries) const;
 
+  // Tells every registered owner (OnRunRestarted / OnRunEnded).
+  void RestartedForOwners(const std::string& run) const;
+  void EndedForOwners(const std::string& run) const;
+
   SeriesStore* const store_;
   RunAlertEffects* const alerts_;
-  WorkerPool* const pool_;
   RunTracker* const tracker_;
+  std::vector<RunStateOwner*> owners_;
 
   mutable std::mutex mu_;
   std::map<std::string, Run, std::less<>> runs_;

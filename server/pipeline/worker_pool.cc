@@ -95,7 +95,6 @@ void WorkerPool::ForgetRun(const std::string& run) {
     for (auto& [info, detector] : worker->detectors) detector->ForgetRun(run);
     worker->rank_scalars.ForgetRun(run);  // steps still open belong to the abandoned attempt
   }
-  if (on_state_dropped_) on_state_dropped_(run);
 }
 
 void WorkerPool::RecoverRankScalars(const std::string& run, int32_t world_size,
@@ -116,7 +115,6 @@ void WorkerPool::ReleaseRunState(const std::string& run) {
     std::lock_guard<std::mutex> lock(worker->detectors_mu);
     for (auto& [info, detector] : worker->detectors) detector->ForgetRun(run);
   }
-  if (on_state_dropped_) on_state_dropped_(run);
 }
 
 void WorkerPool::VisitRetained(const detectors::RetainedVisitor& visit) const {

@@ -21,6 +21,7 @@
 
 #include "detectors/detector.h"
 #include "server/pipeline/rank_scalars.h"
+#include "server/pipeline/run_state_owner.h"
 
 namespace foreshock::server {
 
@@ -117,7 +118,7 @@ struct WorkItem {
   std::shared_ptr<BatchCompletion> completion;  // may be null
 };
 
-class WorkerPool {
+class WorkerPool : public RunStateOwner {
  public:
   // `on_done(bytes)` is called after each item is processed.
   WorkerPool(int workers, const detectors::DetectorOptions& options, ObservationSink& sink,
@@ -144,11 +145,9 @@ class WorkerPool {
   void RecoverRankScalars(const std::string& run, int32_t world_size, int64_t merged_through,
                           const std::vector<int32_t>& ranks,
                           const std::vector<detectors::Sample>& reports);
-  // Called with the run after ForgetRun and ReleaseRunState (the per-run
-  // state budget forgets it too). Set before the first Dispatch.
-  void OnRunStateDropped(std::function<void(const std::string&)> hook) {
-    on_state_dropped_ = std::move(hook);
-  }
+  // RunStateOwner: a restart is ForgetRun, an end ReleaseRunState.
+  void OnRunRestarted(const std::string& run) override { ForgetRun(run); }
+  void OnRunEnded(const std::string& run) override { ReleaseRunState(run); }
   // Every worker's detectors' retained probe state (Detector::VisitRetained),
   // one worker at a time under its detector lock.
   void VisitRetained(const detectors::RetainedVisitor& visit) const;
@@ -223,7 +222,6 @@ class WorkerPool {
   const detectors::DetectorOptions options_;
   ObservationSink& sink_;
   std::function<void(size_t)> on_done_;
-  std::function<void(const std::string&)> on_state_dropped_;
   std::vector<std::unique_ptr<Worker>> workers_;
 };
 

@@ -11,6 +11,7 @@
 #include "codec/state_codec.h"
 #include "server/alerting/alert_hub.h"
 #include "server/common/clock.h"
+#include "server/ingest/state_budget.h"
 #include "server/pipeline/run_tracker.h"
 #include "server/pipeline/worker_pool.h"
 #include "tests/server/metric_reader.h"
@@ -40,7 +41,8 @@ class LifecycleTest : public ::testing::Test {
     }
     tracker_ = std::make_unique<RunTracker>(*metrics_);
     pool_ = std::make_unique<WorkerPool>(1, detectors::DetectorOptions{}, *hub_, [](size_t) {});
-    lifecycle_ = std::make_unique<RunLifecycle>(&store_, hub_.get(), pool_.get(), tracker_.get());
+    lifecycle_ = std::make_unique<RunLifecycle>(&store_, hub_.get(), tracker_.get());
+    lifecycle_->AddStateOwner(pool_.get());
   }
   void Restart(const std::string& alert_checkpoint) {
     Build(alert_checkpoint);
@@ -206,6 +208,56 @@ TEST_F(LifecycleTest, TheFirstRecordsOfANewAttemptSetItsBoundaryOnce) {
   EXPECT_EQ(tracker_->LastStep("r"), 29);  // where the resumed attempt stands
   EXPECT_EQ(MetricValue(*registry_, "foreshock_last_step", {{"run", "r"}}), 29);
   EXPECT_EQ(hub_->GetLifecycleMark("r"), (alerts::LifecycleMark{2, 30, false}));
+}
+
+// What keeps per-run state is told once, in registration order, when a run
+// restarts from a checkpoint (at the new attempt's first records) and when
+// it ends; the per-run state budget forgets the run's count each time.
+class RecordingOwner : public RunStateOwner {
+ public:
+  explicit RecordingOwner(std::vector<std::string>& log, std::string name)
+      : log_(log), name_(std::move(name)) {}
+  void OnRunRestarted(const std::string& run) override { log_.push_back(name_ + " restart " + run); }
+  void OnRunEnded(const std::string& run) override { log_.push_back(name_ + " end " + run); }
+
+ private:
+  std::vector<std::string>& log_;
+  std::string name_;
+};
+
+TEST_F(LifecycleTest, StateOwnersAreToldOfARestartAndAnEndInOrder) {
+  std::vector<std::string> log;
+  RecordingOwner first(log, "first"), second(log, "second");
+  StateBudget budget(0);
+  lifecycle_->AddStateOwner(&first);
+  lifecycle_->AddStateOwner(&budget);
+  lifecycle_->AddStateOwner(&second);
+  detectors::RetainedFootprint footprint;
+  footprint.kind = detectors::SampleKind::kRouter;
+  footprint.heads = {{-1, 4096}};
+  auto admit = [&] { ASSERT_FALSE(budget.Admit("r", footprint).has_value()); };
+
+  lifecycle_->OnHello("r", 0, 11);
+  lifecycle_->BeforeRecords("r", 0, 11, 0, 9);
+  admit();
+  EXPECT_GT(budget.RunBytes("r"), 0);
+  EXPECT_TRUE(log.empty());
+  lifecycle_->OnStreamClosed("r", 0, 11);
+  lifecycle_->OnHello("r", 0, 22);  // a new process: a new attempt
+  EXPECT_TRUE(log.empty());         // told at its first records, not at its Hello
+  lifecycle_->BeforeRecords("r", 0, 22, 5, 9);
+  EXPECT_EQ(log, (std::vector<std::string>{"first restart r", "second restart r"}));
+  EXPECT_EQ(budget.RunBytes("r"), 0);
+  lifecycle_->BeforeRecords("r", 0, 22, 10, 19);  // later batches: nothing
+  EXPECT_EQ(log.size(), 2u);
+
+  admit();
+  lifecycle_->OnGoodbye("r", 0, 22);
+  EXPECT_EQ(log, (std::vector<std::string>{"first restart r", "second restart r", "first end r",
+                                           "second end r"}));
+  EXPECT_EQ(budget.RunBytes("r"), 0);
+  lifecycle_->OnGoodbye("r", 0, 22);  // a resent goodbye: nothing more
+  EXPECT_EQ(log.size(), 4u);
 }
 
 TEST_F(LifecycleTest, ASecondLiveSenderOfARankIsNoRestartEvenGoingBack) {
@@ -381,7 +433,7 @@ TEST_F(LifecycleTest, TheRunsTenantIsItsFirstAndSurvivesARestart) {
   InMemorySeriesStore bare(64);
   ASSERT_TRUE(bare.WriteCheckpoint(RunLifecycle::kCheckpointName,
                                    *store_.ReadCheckpoint(RunLifecycle::kCheckpointName)));
-  RunLifecycle restored(&bare, nullptr, nullptr, nullptr);
+  RunLifecycle restored(&bare, nullptr, nullptr);
   restored.Restore();
   EXPECT_EQ(restored.TenantOf("from-checkpoint"), "job 'a'");
   EXPECT_EQ(restored.TenantOf("from-events"), "token token@2");
