@@ -15,8 +15,8 @@
 #include "detectors/detector.h"
 #include "foreshock/v1/ingest.pb.h"
 #include "record/recording.h"
-#include "server/ingest/validation.h"
-#include "server/pipeline/rank_scalars.h"
+#include "wire/validation.h"
+#include "wire/rank_scalars.h"
 
 namespace foreshock::ctl {
 namespace {
@@ -53,7 +53,7 @@ struct Stream {
   record::RecordingReader reader;
   record::Frame frame;  // the next frame, valid while `has_frame`
   bool has_frame = false;
-  std::optional<server::StreamContext> context;
+  std::optional<wire::StreamContext> context;
   uint64_t sender_id = 0;
   void Advance(std::string* error) {
     const record::ReadStatus status = reader.Next(&frame);
@@ -78,7 +78,7 @@ class RunReplay final : public detectors::Emitter {
       RunDetectors(sample);
       return;
     }
-    server::RankScalars::Result merged = rank_scalars_.Offer(sample);
+    wire::RankScalars::Result merged = rank_scalars_.Offer(sample);
     for (const detectors::Sample& run_level : merged.ready) {
       const auto& s = std::get<detectors::ScalarsSample>(run_level.payload);
       if (s.has_loss) losses_.emplace_back(run_level.step, s.loss);
@@ -147,7 +147,7 @@ class RunReplay final : public detectors::Emitter {
   alerts::AlertEngine engine_;
   std::vector<std::pair<const detectors::DetectorInfo*, std::unique_ptr<detectors::Detector>>>
       detectors_;
-  server::RankScalars rank_scalars_;
+  wire::RankScalars rank_scalars_;
   const detectors::Sample* current_ = nullptr;
   std::vector<std::pair<int64_t, double>> losses_, grad_norms_;
   std::map<std::string, std::vector<int64_t>> baseline_alarms_;
@@ -335,7 +335,7 @@ BacktestResult RunBacktest(const std::vector<std::string>& files, const Backtest
     by_run[run_id].push_back(path);
   }
 
-  const server::IngestLimits limits;
+  const wire::RecordLimits limits;
   for (auto& [run_id, paths] : by_run) {
     BacktestRun& run = result.runs.emplace_back();
     run.run_id = run_id;
@@ -370,11 +370,11 @@ BacktestResult RunBacktest(const std::vector<std::string>& files, const Backtest
       if (request.ParseFromString(stream.frame.payload)) {
         if (request.has_hello()) {
           const v1::Hello& hello = request.hello();
-          server::StreamContext context;
+          wire::StreamContext context;
           context.run_id = hello.run_id();
           context.job = hello.job();
           context.rank = hello.rank();
-          context.world_size = server::WorldSizeOf(hello);
+          context.world_size = wire::WorldSizeOf(hello);
           context.model = hello.model();
           stream.context = std::move(context);
           stream.sender_id = hello.first_seq() != 0 ? hello.sender_id() : 0;
@@ -392,7 +392,7 @@ BacktestResult RunBacktest(const std::vector<std::string>& files, const Backtest
             for (int r = 0; r < batch.records_size(); ++r) {
               detectors::Sample sample;
               ++run.records;
-              if (auto rejection = server::ValidateRecord(*batch.mutable_records(r), *stream.context,
+              if (auto rejection = wire::ValidateRecord(*batch.mutable_records(r), *stream.context,
                                                           limits, sample)) {
                 ++run.rejected;
                 ++run.rejection_reasons[rejection->code];

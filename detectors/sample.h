@@ -1,5 +1,5 @@
 // Plain, validated samples as detectors see them. No protobuf, no gRPC: the
-// server translates the wire contract into these types after validation.
+// wire/validation.h translates the wire contract into these types.
 #pragma once
 
 #include <cstdint>
@@ -96,7 +96,7 @@ struct Sample {
   std::string run;  // run_id from the stream's Hello
   int32_t rank = 0;
   // Ranks that report scalars for the run, as the stream's Hello says (label
-  // world_size); 0: not said. Used to merge ranks' scalars (server/pipeline/rank_scalars.h).
+  // world_size); 0: not said. Used to merge ranks' scalars (wire/rank_scalars.h).
   int32_t world_size = 0;
   int64_t step = 0;
   std::variant<ScalarsSample, QKSample, RouterSample, CurvatureSample> payload;

@@ -23,7 +23,7 @@
 #include "server/query/query_backend.h"
 #include "server/ingest/ingest_service.h"
 #include "server/common/metrics.h"
-#include "server/pipeline/rank_scalars.h"
+#include "wire/rank_scalars.h"
 #include "server/pipeline/run_lifecycle.h"
 #include "server/pipeline/run_tracker.h"
 #include "server/pipeline/series_limit.h"
@@ -298,7 +298,7 @@ void Daemon::RecoverOpenRankScalars() {
     std::set<int32_t> ranks;
     for (const store::SeriesInfo& series : own) {
       const int32_t rank = series.key.head;
-      if (series.last_step > merged_through - RankScalars::kDefaultWindow) ranks.insert(rank);
+      if (series.last_step > merged_through - wire::RankScalars::kDefaultWindow) ranks.insert(rank);
       std::vector<Point> points = store_->Range(series.key, merged_through + 1, kMax);
       RunLifecycle::LatestAttempt(points, boundaries);
       for (const Point& p : points) {

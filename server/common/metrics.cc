@@ -88,7 +88,7 @@ bool DaemonMetrics::ExportObservation(const std::string& run,
   switch (it->second.spec->scope) {
     case detectors::SignalScope::kRun:
       // Run-level values in the head slot are one rank's step scalars
-      // (server/pipeline/rank_scalars.h).
+      // (wire/rank_scalars.h).
       if (per_head) labels.emplace("rank", std::to_string(observation.head));
       break;
     case detectors::SignalScope::kRunBlock:

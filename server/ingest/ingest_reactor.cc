@@ -260,7 +260,7 @@ void IngestReactor::HandleHello() {
     FailStream(reason::kDuplicateHello, "a stream sends exactly one Hello, first");
     return;
   }
-  if (auto rejection = ValidateHello(request_.hello(), service_.limits_)) {
+  if (auto rejection = wire::ValidateHello(request_.hello(), service_.limits_)) {
     FailStream(rejection->code, rejection->detail);
     return;
   }
@@ -303,7 +303,7 @@ void IngestReactor::HandleHello() {
   context_->run_id = hello.run_id();
   context_->job = hello.job();
   context_->rank = hello.rank();
-  context_->world_size = WorldSizeOf(hello);
+  context_->world_size = wire::WorldSizeOf(hello);
   context_->model = hello.model();
   lifecycle_sender_ = hello.first_seq() > 0 ? hello.sender_id() : 0;
   // The world size the run's attempt declared: no other client raises it
@@ -501,7 +501,7 @@ size_t IngestReactor::ValidateRecords(v1::Batch& batch, v1::Ack& ack, bool refus
       continue;
     }
     WorkItem item;
-    auto rejection = ValidateRecord(*batch.mutable_records(i), *context_, service_.limits_,
+    auto rejection = wire::ValidateRecord(*batch.mutable_records(i), *context_, service_.limits_,
                                     item.sample);
     if (!rejection) rejection = CheckStep(item.sample.step);
     if (!rejection) rejection = CheckProbeId(item.sample);
@@ -530,7 +530,7 @@ size_t IngestReactor::ValidateRecords(v1::Batch& batch, v1::Ack& ack, bool refus
   AdmitState(ack);
   for (WorkItem& item : items_) {
     metrics.records_accepted(item.sample.kind()).Increment();
-    item.bytes = SampleBytes(item.sample);
+    item.bytes = wire::SampleBytes(item.sample);
     bytes += item.bytes;
   }
   return bytes;
@@ -566,7 +566,7 @@ bool IngestReactor::RefusedAtMemoryBound(const v1::Record& record) {
                              record.curvature().layer_rayleigh_size() > 0);
 }
 
-std::optional<Rejection> IngestReactor::CheckStep(int64_t step) {
+std::optional<wire::Rejection> IngestReactor::CheckStep(int64_t step) {
   if (!rank_established_) {
     if (auto ahead = service_.AdmitLateJoinerStep(context_->run_id, context_->rank, step,
                                                   rank_established_)) {
@@ -580,7 +580,7 @@ std::optional<Rejection> IngestReactor::CheckStep(int64_t step) {
   if (!too_far()) return std::nullopt;
   run_max_step_ = std::max(run_max_step_, service_.RunMaxStep(context_->run_id));
   if (!too_far()) return std::nullopt;
-  return Rejection{reason::kStepOutOfRange,
+  return wire::Rejection{reason::kStepOutOfRange,
                    absl::StrCat("step ", step, " is more than ", jump,
                                 " beyond the highest step accepted for run '",
                                 context_->run_id, "' (", std::max<int64_t>(run_max_step_, 0),
@@ -588,13 +588,13 @@ std::optional<Rejection> IngestReactor::CheckStep(int64_t step) {
                                 "the training step")};
 }
 
-std::optional<Rejection> IngestReactor::CheckProbeId(const detectors::Sample& sample) {
+std::optional<wire::Rejection> IngestReactor::CheckProbeId(const detectors::Sample& sample) {
   const std::string* probe_id = nullptr;
   if (const auto* qk = std::get_if<detectors::QKSample>(&sample.payload)) probe_id = &qk->probe_id;
   if (const auto* r = std::get_if<detectors::RouterSample>(&sample.payload)) probe_id = &r->probe_id;
   if (probe_id == nullptr || admitted_probe_ids_.count(*probe_id)) return std::nullopt;
   if (!service_.AdmitProbeId(context_->run_id, *probe_id)) {
-    return Rejection{reason::kTooManyProbeIds,
+    return wire::Rejection{reason::kTooManyProbeIds,
                      absl::StrCat("run '", context_->run_id, "' already uses ",
                                   service_.limits_.max_probe_ids_per_run,
                                   " probe_ids (--max_probe_ids_per_run); a probe_id names a "

@@ -107,11 +107,11 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // become the run's last and make every real later step look stale. The
   // stream's own view of the run's highest step is a lower bound; the
   // service is asked only when a step looks too far ahead of it.
-  std::optional<Rejection> CheckStep(int64_t step);
+  std::optional<wire::Rejection> CheckStep(int64_t step);
 
   // --max_probe_ids_per_run; this stream remembers the probe_ids it got
   // admitted, so the service's lock is taken once per new one.
-  std::optional<Rejection> CheckProbeId(const detectors::Sample& sample);
+  std::optional<wire::Rejection> CheckProbeId(const detectors::Sample& sample);
 
   // Called from the worker thread that freed room for this parked stream.
   void Resume();
@@ -181,7 +181,7 @@ class IngestReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   std::optional<int64_t> oversized_records_;
   bool recording_ = false;    // the recorder has a file for this stream
   bool drop_logged_ = false;  // a dropped recording frame was logged
-  std::optional<StreamContext> context_;
+  std::optional<wire::StreamContext> context_;
   bool lifecycle_registered_ = false;  // the Hello went to the service's RunLifecycle
   // Its stream close is still to be reported to the lifecycle (by OnDone, or
   // by the stream that takes its rank over).

@@ -119,7 +119,7 @@ class IngestService final
   // detail. `tenant`: the token, or without --token_file the Hello's job.
   // Admitted, `counted_in` is the tenant whose share the run counts in (its
   // first Hello's).
-  std::optional<Rejection> AdmitRun(const std::string& run_id, const std::string& tenant,
+  std::optional<wire::Rejection> AdmitRun(const std::string& run_id, const std::string& tenant,
                                     std::string& counted_in);
   void ReleaseRun(const std::string& run_id);  // its stream ended
   // Runs that stopped counting: no stream open, and no sample stored for
@@ -164,9 +164,9 @@ class IngestService final
   // toward the rank's history otherwise; `established` becomes true once it
   // has one. The run's first ranks are never held to it: no rank has a
   // history yet when they start (nor right after a daemon restart).
-  std::optional<Rejection> AdmitLateJoinerStep(const std::string& run_id, int32_t rank,
+  std::optional<wire::Rejection> AdmitLateJoinerStep(const std::string& run_id, int32_t rank,
                                                int64_t step, bool& established);
-  static constexpr int kLateJoinSteps = 8;  // RankScalars::kLateJoinSteps, the same rule
+  static constexpr int kLateJoinSteps = 8;  // wire::RankScalars::kLateJoinSteps, the same rule
   static constexpr int64_t kLateJoinLeadSteps = 1000;
   // A run with no open stream for this long stops counting toward --max_runs,
   // so that a long-lived sidecar keeps admitting new runs as old ones finish.

@@ -18,7 +18,7 @@ std::string IngestService::RunTenantOfJob(const std::string& job) {
   return absl::StrCat("job '", job, "'");
 }
 
-std::optional<Rejection> IngestService::AdmitRun(const std::string& run_id,
+std::optional<wire::Rejection> IngestService::AdmitRun(const std::string& run_id,
                                                  const std::string& tenant,
                                                  std::string& counted_in) {
   std::lock_guard<std::mutex> lock(runs_mu_);
@@ -42,7 +42,7 @@ std::optional<Rejection> IngestService::AdmitRun(const std::string& run_id,
   // The tenant's share first: a tenant at its share is told so, whatever the total.
   if (tenant_run_limit_ > 0) {
     if (const int64_t held = tenant_runs(); held >= tenant_run_limit_) {
-      return Rejection{reason::kTooManyRunsForTenant,
+      return wire::Rejection{reason::kTooManyRunsForTenant,
                        absl::StrCat(tenant, " already has ", held, " runs (--max_runs_per_tenant=",
                                     tenant_run_limit_, "); run '", run_id,
                                     "' is refused. A run stops counting once it has no stream "
@@ -54,7 +54,7 @@ std::optional<Rejection> IngestService::AdmitRun(const std::string& run_id,
     }
   }
   if (limits_.max_runs > 0 && static_cast<int64_t>(runs_.size()) >= limits_.max_runs) {
-    return Rejection{reason::kTooManyRuns,
+    return wire::Rejection{reason::kTooManyRuns,
                      absl::StrCat("the daemon already serves ", limits_.max_runs,
                                   " runs (--max_runs); run '", run_id, "' is refused")};
   }
@@ -167,7 +167,7 @@ void IngestService::NoteStep(const std::string& run_id, int64_t step, bool estab
   if (established) slot.established_max_step = std::max(slot.established_max_step, step);
 }
 
-std::optional<Rejection> IngestService::AdmitLateJoinerStep(const std::string& run_id,
+std::optional<wire::Rejection> IngestService::AdmitLateJoinerStep(const std::string& run_id,
                                                             int32_t rank, int64_t step,
                                                             bool& established) {
   std::lock_guard<std::mutex> lock(runs_mu_);
@@ -175,7 +175,7 @@ std::optional<Rejection> IngestService::AdmitLateJoinerStep(const std::string& r
   RunSlot::RankHistory& own = slot.rank_history[rank];
   if (own.steps < kLateJoinSteps && slot.established_max_step >= 0 &&
       step > slot.established_max_step + kLateJoinLeadSteps) {
-    return Rejection{reason::kStepAheadOfRun,
+    return wire::Rejection{reason::kStepAheadOfRun,
                      absl::StrCat("step ", step, " of rank ", rank, " is more than ",
                                   kLateJoinLeadSteps, " beyond run '", run_id, "' (at step ",
                                   slot.established_max_step, ") while the rank has ", own.steps,

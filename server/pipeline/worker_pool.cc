@@ -102,7 +102,7 @@ void WorkerPool::RecoverRankScalars(const std::string& run, int32_t world_size,
                                     const std::vector<detectors::Sample>& reports) {
   Worker& worker = *workers_[ShardOfSeries(run, detectors::kNoLayer, workers_.size())];
   std::lock_guard<std::mutex> lock(worker.detectors_mu);
-  RankScalars::Result merged =
+  wire::RankScalars::Result merged =
       worker.rank_scalars.Recover(run, world_size, merged_through, ranks, reports);
   for (const detectors::Sample& sample : merged.ready) {
     RunDetectors(worker, sample);
@@ -160,7 +160,7 @@ namespace {
 
 constexpr std::string_view kPoolStateMagic = "FSDP";
 constexpr uint32_t kPoolStateVersion = 1;
-// The worker's RankScalars, saved beside its detectors under a name no
+// The worker's wire::RankScalars, saved beside its detectors under a name no
 // detector has (a daemon that does not know it ignores it).
 constexpr std::string_view kRankScalarsEntry = "server.rank_scalars";
 
@@ -315,7 +315,7 @@ void WorkerPool::Process(Worker& worker, const detectors::Sample& sample) {
   // rank_scalars.h), possibly for older steps this sample completed; the
   // rank's own finite values are kept in the head slot (head = rank), which
   // no alert reads.
-  RankScalars::Result merged = worker.rank_scalars.Offer(sample);
+  wire::RankScalars::Result merged = worker.rank_scalars.Offer(sample);
   if (merged.per_rank && sample.rank >= 0) {
     const auto& s = std::get<detectors::ScalarsSample>(sample.payload);
     auto own = [&](bool present, std::string_view signal, double value) {

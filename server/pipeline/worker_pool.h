@@ -20,7 +20,7 @@
 #include "store/series_store.h"
 
 #include "detectors/detector.h"
-#include "server/pipeline/rank_scalars.h"
+#include "wire/rank_scalars.h"
 #include "server/pipeline/run_state_owner.h"
 
 namespace foreshock::server {
@@ -140,7 +140,7 @@ class WorkerPool : public RunStateOwner {
   // every sample of the run is processed.
   void ReleaseRunState(const std::string& run);
   // At startup, after RestoreDetectorState and before the first Dispatch:
-  // RankScalars::Recover on the run's worker; the steps it completes go
+  // wire::RankScalars::Recover on the run's worker; the steps it completes go
   // through the detectors and the sink as any merged step.
   void RecoverRankScalars(const std::string& run, int32_t world_size, int64_t merged_through,
                           const std::vector<int32_t>& ranks,
@@ -174,7 +174,7 @@ class WorkerPool : public RunStateOwner {
   // Format (codec, codec/state_codec.h), version 1:
   //   Header "FSDP" v1 | U32 workers | per worker: U32 detectors |
   //   per detector: String registered name, Bytes Detector::SaveState blob;
-  //   last, String "server.rank_scalars", Bytes RankScalars::SaveState blob
+  //   last, String "server.rank_scalars", Bytes wire::RankScalars::SaveState blob
   //   (the open steps of multi-rank runs; absent in older checkpoints).
   std::string SaveDetectorState() const;
   // The same bytes into `writer`; with a streaming writer (a checkpoint
@@ -212,7 +212,7 @@ class WorkerPool : public RunStateOwner {
     DetectorList detectors;
     // Several ranks' scalars of a run -> the run's series, before the
     // detectors (all of a run's scalars reach one worker). Under detectors_mu.
-    RankScalars rank_scalars;
+    wire::RankScalars rank_scalars;
     std::thread thread;
   };
   void Run(Worker& worker);

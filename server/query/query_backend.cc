@@ -16,7 +16,7 @@ namespace v1 = foreshock::v1;
 
 namespace {
 // Step scalars of the run or of one rank: a rank's replay revises the
-// run-level value of a recent step (server/pipeline/rank_scalars.h), and a
+// run-level value of a recent step (wire/rank_scalars.h), and a
 // rank reports one value per step, so such a series shows one point per
 // step, the latest stored. (Other series may hold several points per step.)
 bool OnePointPerStep(const SeriesKey& key) {

@@ -49,7 +49,7 @@ have a previous sample (one rotation of the head window).
 
 The daemon's figures (ack, drain, CPU) are taken from the probes whose head
 window starts at head 0 (every probe when all heads are sent). foreshockd
-(server/ingest/validation.cc) turns a QKSample.heads of [0, 1, ..., n-1] into
+(wire/validation.cc) turns a QKSample.heads of [0, 1, ..., n-1] into
 "no head names", i.e. a full sample, and the QK detector then forgets every
 head >= n, so today the other probes of a rotation find no previous sample for
 their heads and compute attention statistics only; the window-0 probes cost

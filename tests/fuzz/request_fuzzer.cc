@@ -12,17 +12,17 @@
 #include <google/protobuf/stubs/logging.h>
 
 #include "foreshock/v1/ingest.pb.h"
-#include "server/ingest/validation.h"
+#include "wire/validation.h"
 
 namespace {
 
 namespace v1 = foreshock::v1;
-using foreshock::server::IngestLimits;
-using foreshock::server::StreamContext;
+using foreshock::wire::RecordLimits;
+using foreshock::wire::StreamContext;
 
-const IngestLimits& Limits() {
-  static const IngestLimits limits = [] {
-    IngestLimits l;
+const RecordLimits& Limits() {
+  static const RecordLimits limits = [] {
+    RecordLimits l;
     l.max_tensor_elements = 1 << 20;  // below the shape limits, so that it triggers
     return l;
   }();
@@ -69,15 +69,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;  // malformed_request
   switch (request.kind_case()) {
     case v1::StreamRequest::kHello:
-      (void)foreshock::server::ValidateHello(request.hello(), Limits());
+      (void)foreshock::wire::ValidateHello(request.hello(), Limits());
       break;
     case v1::StreamRequest::kBatch:
       for (int i = 0; i < request.batch().records_size(); ++i) {
         for (const StreamContext* context : {&OpenContext(), &DeclaredContext()}) {
           v1::Record record = request.batch().records(i);
           foreshock::detectors::Sample sample;
-          if (!foreshock::server::ValidateRecord(record, *context, Limits(), sample)) {
-            (void)foreshock::server::SampleBytes(sample);
+          if (!foreshock::wire::ValidateRecord(record, *context, Limits(), sample)) {
+            (void)foreshock::wire::SampleBytes(sample);
           }
         }
       }

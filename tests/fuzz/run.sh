@@ -51,9 +51,9 @@ build() {
     srcs=("$HERE/store_recovery_fuzzer.cc" "$ROOT"/store/*.cc)
     deps=("$ROOT"/store/*.h)
   else
-    srcs=("$HERE/request_fuzzer.cc" "$ROOT/server/ingest/validation.cc"
+    srcs=("$HERE/request_fuzzer.cc" "$ROOT/wire/validation.cc"
           "$BUILD/gen/foreshock/v1/ingest.pb.cc")
-    deps=("$ROOT/server/ingest/validation.h" "$ROOT/detectors/sample.h")
+    deps=("$ROOT/wire/validation.h" "$ROOT/detectors/sample.h")
   fi
   local newest=0 src
   for src in "${srcs[@]}" "${deps[@]}" "$0"; do

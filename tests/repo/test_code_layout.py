@@ -11,7 +11,10 @@ hand, on the source tree only.
   folder may include its own files and those of the folders before it; the
   top-level files, daemon.cc and foreshockd.cc, wire everything together and
   nothing includes them but each other);
-- the state codec lives in codec/ alone and includes nothing of the project.
+- the state codec lives in codec/ alone and includes nothing of the project;
+- what the wire contract means (wire/) is one library the daemon and
+  foreshockctl both link: it includes nothing from server/, alerts/, store/
+  or ctl/, and ctl/ includes nothing from server/.
 
 Exempt: ui/index.html, the web UI, is one self-contained page by design
 (docs/DESIGN.md §2.11): the daemon serves its bytes as they are, and
@@ -143,7 +146,32 @@ def test_the_codec_is_one_neutral_module():
     assert copies == ["codec/state_codec.h"], f"a second checkpoint sink interface: {copies}"
 
 
+_PROJECT_INCLUDE = re.compile(r'\s*#\s*include\s+"([a-z_]+)/')
+
+
+def includes_from(path, text, folders):
+    """The includes of `path` that name a file in one of `folders`."""
+    return [f"{path}:{n}: {line.strip()}" for n, line in enumerate(text.split("\n"), 1)
+            if (m := _PROJECT_INCLUDE.match(line)) and m.group(1) in folders]
+
+
+def test_the_wire_contract_is_one_library_for_the_daemon_and_foreshockctl():
+    wire = [p for p in sources() if p.startswith("wire/") and p.endswith((".h", ".cc"))]
+    assert "wire/validation.h" in wire and "wire/rank_scalars.h" in wire, wire
+    bad = [hit for p in wire for hit in includes_from(p, read(p), {"server", "alerts", "store", "ctl"})]
+    bad += [hit for p in sources() if p.startswith("ctl/") and p.endswith((".h", ".cc"))
+            for hit in includes_from(p, read(p), {"server"})]
+    assert not bad, "\n".join(bad)
+
+
 # The checks themselves, on made-up input.
+
+def test_an_include_from_a_named_folder_is_caught():
+    text = '#include "wire/validation.h"\n#include "server/ingest/validation.h"\n#include <map>\n'
+    assert includes_from("ctl/backtest.cc", text, {"server"}) == [
+        'ctl/backtest.cc:2: #include "server/ingest/validation.h"']
+    assert includes_from("ctl/backtest.cc", text, {"store"}) == []
+
 
 def test_an_upward_server_include_is_caught():
     text = '#include "server/common/metrics.h"\n#include "server/alerting/alert_hub.h"\n'

@@ -53,11 +53,11 @@ std::set<std::string> Table() {
   return out;
 }
 
-// Every code in `namespace reason { ... }` of server/ingest/validation.h, and
+// Every code in `namespace reason { ... }` of wire/validation.h, and
 // every code constant of ingest_service.cc that it counts as a rejection.
 std::set<std::string> DeclaredCodes() {
   std::set<std::string> out;
-  const std::string validation = ReadSource("server/ingest/validation.h");
+  const std::string validation = ReadSource("wire/validation.h");
   const size_t begin = validation.find("namespace reason {");
   const size_t end = validation.find("}  // namespace reason");
   EXPECT_NE(begin, std::string::npos);

@@ -58,7 +58,7 @@
 #include "detectors/sample.h"
 #include "codec/state_codec.h"
 
-namespace foreshock::server {
+namespace foreshock::wire {
 
 class RankScalars {
  public:
@@ -152,4 +152,4 @@ class RankScalars {
   std::map<std::string, Run, std::less<>> runs_;
 };
 
-}  // namespace foreshock::server
+}  // namespace foreshock::wire

@@ -1,8 +1,8 @@
-#include "server/pipeline/rank_scalars.h"
+#include "wire/rank_scalars.h"
 
 #include <algorithm>
 
-namespace foreshock::server {
+namespace foreshock::wire {
 namespace {
 
 using detectors::Sample;
@@ -326,4 +326,4 @@ bool RankScalars::RestoreState(codec::StateReader& reader,
   return true;
 }
 
-}  // namespace foreshock::server
+}  // namespace foreshock::wire

@@ -1,4 +1,4 @@
-#include "server/ingest/validation.h"
+#include "wire/validation.h"
 
 #include <gtest/gtest.h>
 
@@ -8,7 +8,7 @@
 
 #include <string>
 
-namespace foreshock::server {
+namespace foreshock::wire {
 namespace {
 
 namespace v1 = foreshock::v1;
@@ -56,7 +56,7 @@ class ValidationTest : public ::testing::Test {
   }
 
   StreamContext context_;
-  IngestLimits limits_;
+  RecordLimits limits_;
 };
 
 TEST_F(ValidationTest, AcceptsWellFormedQKAndMovesBytes) {
@@ -360,7 +360,7 @@ TEST_F(ValidationTest, RouterChecks) {
 }
 
 TEST(ValidateHelloTest, ChecksIdsAndModelShape) {
-  IngestLimits limits;
+  RecordLimits limits;
   v1::Hello hello;
   EXPECT_EQ(ValidateHello(hello, limits)->code, reason::kBadHello);
   hello.set_run_id("r");
@@ -377,7 +377,7 @@ TEST(ValidateHelloTest, ChecksIdsAndModelShape) {
 }
 
 TEST(ValidateHelloTest, MoeLayersAreLayersOfTheModel) {
-  IngestLimits limits;
+  RecordLimits limits;
   limits.max_layers = 8;
   v1::Hello hello;
   hello.set_run_id("r");
@@ -417,4 +417,4 @@ TEST_F(ValidationTest, CurvatureHasAtMostOneValuePerLayer) {
 }
 
 }  // namespace
-}  // namespace foreshock::server
+}  // namespace foreshock::wire
