@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -148,6 +149,10 @@ struct DetectorInfo {
   SampleKind kind;  // the sample kind this detector consumes
   std::span<const SignalSpec> signals;
   std::function<std::unique_ptr<Detector>(const DetectorOptions&)> create;
+  // What processing a sample leaves behind in this detector (retained_state.h),
+  // for one that keeps per-series probe state (T::RetainedBy, registered with
+  // it); empty for the others.
+  std::function<std::optional<RetainedFootprint>(const Sample&, const DetectorOptions&)> retained_by;
 };
 
 // Every detector linked into the binary, in registration order.
@@ -164,6 +169,17 @@ class DetectorRegistry {
 };
 
 namespace internal {
+// T::RetainedBy when T declares one.
+template <typename T>
+std::function<std::optional<RetainedFootprint>(const Sample&, const DetectorOptions&)>
+RetainedByOf() {
+  if constexpr (requires(const Sample& s, const DetectorOptions& o) { T::RetainedBy(s, o); }) {
+    return &T::RetainedBy;
+  } else {
+    return {};
+  }
+}
+
 struct DetectorRegistration {
   explicit DetectorRegistration(DetectorInfo info) {
     DetectorRegistry::Instance().Register(std::move(info));
@@ -176,6 +192,10 @@ struct DetectorRegistration {
 //   static constexpr SampleKind kKind;
 //   static std::span<const SignalSpec> Signals();
 //   explicit T(const DetectorOptions&);
+// and, when it keeps per-series probe state that the daemon's per-run state
+// budget must count before a worker has the sample (retained_state.h):
+//   static std::optional<RetainedFootprint> RetainedBy(const Sample&,
+//                                                      const DetectorOptions&);
 #define FORESHOCK_REGISTER_DETECTOR(T)                                              \
   static const ::foreshock::detectors::internal::DetectorRegistration               \
       foreshock_detector_registration_##T{::foreshock::detectors::DetectorInfo{     \
@@ -183,6 +203,7 @@ struct DetectorRegistration {
           [](const ::foreshock::detectors::DetectorOptions& options)                \
               -> std::unique_ptr<::foreshock::detectors::Detector> {                \
             return std::make_unique<T>(options);                                    \
-          }}}
+          },                                                                        \
+          ::foreshock::detectors::internal::RetainedByOf<T>()}}
 
 }  // namespace foreshock::detectors

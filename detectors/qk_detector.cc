@@ -178,6 +178,8 @@ class QKDetector final : public Detector {
   static std::span<const SignalSpec> Signals() { return kQKSignals; }
 
   explicit QKDetector(const DetectorOptions& options) : options_(options) {}
+  static std::optional<RetainedFootprint> RetainedBy(const Sample& sample,
+                                                     const DetectorOptions& options);
 
   void Process(const Sample& sample, Emitter& emitter) override;
 
@@ -581,7 +583,46 @@ bool QKDetector::RestoreState(codec::StateReader& reader, const SeriesFilter& ke
   return true;
 }
 
+
+// What a QK sample leaves: each of its heads' previous Q and K share
+// (kRetainedOverheadBytes included); nullopt for a sample it would drop.
+std::optional<RetainedFootprint> QKDetector::RetainedBy(const Sample& sample,
+                                                        const DetectorOptions& options) {
+  const auto* qk = std::get_if<QKSample>(&sample.payload);
+  if (qk == nullptr) return std::nullopt;
+  const auto& q = qk->q.shape;
+  const auto& k = qk->k.shape;
+  if (q.size() != 3 || k.size() != 3) return std::nullopt;
+  const int64_t rows = q[0];
+  if (!qk->heads.empty() && static_cast<int64_t>(qk->heads.size()) != rows) return std::nullopt;
+  // Query heads per K head in this sample: they share one copy of it.
+  std::map<int64_t, int64_t> sharers;
+  for (int64_t row = 0; row < rows; ++row) {
+    ++sharers[qk->kv_head_of.empty() ? row : qk->kv_head_of[static_cast<size_t>(row)]];
+  }
+  RetainedFootprint footprint{SampleKind::kQK, qk->layer, qk->probe_id, qk->heads.empty(), {}};
+  footprint.heads.reserve(static_cast<size_t>(rows));
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t kv = qk->kv_head_of.empty() ? row : qk->kv_head_of[static_cast<size_t>(row)];
+    const int head = qk->heads.empty() ? static_cast<int>(row) : qk->heads[static_cast<size_t>(row)];
+    footprint.heads.emplace_back(
+        head, QKHeadRetainedBytes(q[1], q[2], qk->q.dtype, qk->k.dtype, sharers[kv],
+                                  options.qk_track_top_vector));
+  }
+  return footprint;
+}
+
 }  // namespace
+
+// The QK detector's retained state per head (retained_state.h).
+int64_t QKHeadRetainedBytes(int64_t tokens, int64_t head_dim, DType q_dtype, DType k_dtype,
+                            int64_t k_sharers, bool top_vector) {
+  const int64_t elements = tokens * head_dim;
+  const int64_t k_bytes = elements * static_cast<int64_t>(DTypeSize(k_dtype));
+  const int64_t sharers = std::max<int64_t>(1, k_sharers);
+  return elements * static_cast<int64_t>(DTypeSize(q_dtype)) + (k_bytes + sharers - 1) / sharers +
+         (top_vector ? tokens * static_cast<int64_t>(sizeof(double)) : 0) + kRetainedOverheadBytes;
+}
 
 FORESHOCK_REGISTER_DETECTOR(QKDetector);
 

@@ -29,6 +29,10 @@ struct DetectorOptions;
 // must not look free.
 inline constexpr int64_t kRetainedOverheadBytes = 256;
 
+// The byte counts of the two detectors that keep probe state, defined with
+// them (qk_detector.cc, router_detector.cc), which report their state by them
+// (VisitRetained) and predict it (their RetainedBy, registered with them).
+//
 // One QK head's retained state: its previous Q [tokens, dim] and its share
 // of the K copy it attended with (one copy per K head and sample, shared by
 // `k_sharers` query heads of that sample), the previous top direction
@@ -52,8 +56,10 @@ struct RetainedFootprint {
   std::vector<std::pair<int, int64_t>> heads;  // (head, bytes); router: one, head -1
 };
 
-// What processing `sample` retains; nullopt for kinds without per-series
-// probe state (scalars, curvature) and for samples the detector would drop.
+// What processing `sample` retains, as the registered detector of its kind
+// that keeps probe state says (DetectorInfo::retained_by); nullopt for kinds
+// without per-series probe state (scalars, curvature) and for samples the
+// detector would drop.
 std::optional<RetainedFootprint> RetainedBy(const Sample& sample, const DetectorOptions& options);
 
 // Reported by Detector::VisitRetained: one head (or router series, head -1)

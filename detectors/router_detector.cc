@@ -58,6 +58,8 @@ class RouterDetector final : public Detector {
   static constexpr SampleKind kKind = SampleKind::kRouter;
   static std::span<const SignalSpec> Signals() { return kRouterSignals; }
 
+  static std::optional<RetainedFootprint> RetainedBy(const Sample& sample,
+                                                     const DetectorOptions& options);
   explicit RouterDetector(const DetectorOptions& options) : options_(options) {}
 
   void Process(const Sample& sample, Emitter& emitter) override {
@@ -272,7 +274,34 @@ class RouterDetector final : public Detector {
   std::vector<float> logits_;  // decode buffer, reused
 };
 
+
+// What a router sample leaves: its decisions and the dead-expert window at
+// its largest (router_dead_window_max).
+std::optional<RetainedFootprint> RouterDetector::RetainedBy(const Sample& sample,
+                                                            const DetectorOptions& options) {
+  const auto* router = std::get_if<RouterSample>(&sample.payload);
+  if (router == nullptr) return std::nullopt;
+  const auto& shape = router->logits.shape;
+  if (shape.size() != 2) return std::nullopt;
+  return RetainedFootprint{
+      SampleKind::kRouter, router->layer, router->probe_id, true,
+      {{-1, RouterRetainedBytes(shape[0], shape[1], router->top_k,
+                               std::max(options.router_dead_window,
+                                        options.router_dead_window_max))}}};
+}
+
 }  // namespace
+
+// The router detector's retained state per series (retained_state.h).
+int64_t RouterRetainedBytes(int64_t tokens, int64_t experts, int64_t top_k,
+                            int dead_window_samples) {
+  const int64_t window = std::max(1, dead_window_samples);
+  return tokens * top_k * static_cast<int64_t>(sizeof(int32_t)) +
+         tokens * experts * static_cast<int64_t>(sizeof(float)) +
+         tokens * static_cast<int64_t>(sizeof(double)) +
+         (window + 1) * experts * static_cast<int64_t>(sizeof(double)) +
+         window * static_cast<int64_t>(sizeof(int64_t)) + kRetainedOverheadBytes;
+}
 
 FORESHOCK_REGISTER_DETECTOR(RouterDetector);
 

@@ -4,6 +4,7 @@
 // so that the per-run state budget neither drifts nor lets state in unseen.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <random>
 #include <string>
@@ -101,6 +102,18 @@ TEST(RetainedStateTest, ScalarsAndCurvatureRetainNothingPerProbe) {
   Sample curvature;
   curvature.payload = CurvatureSample{};
   EXPECT_FALSE(RetainedBy(curvature, {}).has_value());
+}
+
+// The footprint is declared with the detector's registration (T::RetainedBy):
+// the two detectors that keep probe state have one, the others none, and
+// RetainedBy answers with the one of the sample's kind.
+TEST(RetainedStateTest, TheDetectorsThatKeepProbeStateRegisterTheirFootprint) {
+  std::vector<std::string> with;
+  for (const DetectorInfo& info : DetectorRegistry::Instance().detectors()) {
+    if (info.retained_by) with.emplace_back(info.name);
+  }
+  std::sort(with.begin(), with.end());
+  EXPECT_EQ(with, (std::vector<std::string>{"qk", "router"}));
 }
 
 TEST(RetainedStateTest, QKPredictionMatchesWhatTheDetectorHolds) {
