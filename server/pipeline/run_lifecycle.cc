@@ -12,7 +12,6 @@
 #include "codec/state_codec.h"
 #include "server/common/clock.h"
 #include "server/pipeline/run_tracker.h"
-#include "server/pipeline/worker_pool.h"
 
 namespace foreshock::server {
 
