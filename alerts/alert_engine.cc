@@ -602,6 +602,27 @@ std::vector<AlertTransition> AlertEngine::ForgetRun(std::string_view run) {
   return out;
 }
 
+std::vector<AlertTransition> AlertEngine::ReleaseBaselines(std::string_view run_name) {
+  std::vector<AlertTransition> out;
+  const auto it = runs_.find(run_name);
+  if (it == runs_.end()) return out;
+  RunState& run = *it->second;
+  out = CloseOpenAlerts(run, kRunIdle);
+  for (auto& [key, record] : run.alerts) record.series.clear();
+  run.series.clear();
+  run.learning_rate.clear();
+  run.attention_bits.clear();
+  return out;
+}
+
+size_t AlertEngine::BaselineSeries() const {
+  size_t count = 0;
+  for (const auto& [name, run] : runs_) {
+    for (const auto& [key, by_layer] : run->series) count += by_layer.size();
+  }
+  return count;
+}
+
 // ---------------------------------------------------------------------------
 // Run lifecycle.
 

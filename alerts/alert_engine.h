@@ -77,6 +77,9 @@ inline constexpr std::string_view kAttentionComputeBitsSignal = "attention_compu
 // foreshock.v1.Alert.resolved_reason).
 inline constexpr std::string_view kRunEnded = "run_ended";
 inline constexpr std::string_view kRunResumed = "run_resumed";
+// The run sent nothing, with no stream open, for the daemon's forgetting
+// period (server/pipeline/run_lifecycle.h, ForgetIdleRuns).
+inline constexpr std::string_view kRunIdle = "run_idle";
 
 // What of the server's run lifecycle (server/pipeline/run_lifecycle.h) the
 // engine's state already reflects. The engine only stores it, with its
@@ -203,6 +206,15 @@ class AlertEngine {
   // Returns the transitions that close its open alerts (firing -> resolved,
   // pending -> inactive, at the run's latest step) so they can be delivered.
   std::vector<AlertTransition> ForgetRun(std::string_view run);
+  // The run is forgotten (the daemon's idle rule): its open alerts close
+  // (kRunIdle) and the baselines that judge its later samples go (every
+  // series, the learning-rate history), while its alert records, earlier
+  // episodes, probable cause and lifecycle mark stay listed and
+  // checkpointed. A later sample of the run starts a fresh series, which
+  // warms up before it judges. Returns the closing transitions.
+  std::vector<AlertTransition> ReleaseBaselines(std::string_view run);
+  // Series (one per signal, layer and head) that keep a baseline, over all runs.
+  size_t BaselineSeries() const;
 
   // Run lifecycle (docs/DESIGN.md §5.3). CloseEpisodes ends every open
   // episode of `run` because the run ended or restarted (`reason`: kRunEnded

@@ -26,6 +26,7 @@
 #include "wire/rank_scalars.h"
 #include "server/pipeline/run_lifecycle.h"
 #include "server/pipeline/run_tracker.h"
+#include "server/common/clock.h"
 #include "server/pipeline/series_limit.h"
 #include "server/pipeline/series_store.h"
 #include "server/pipeline/worker_pool.h"
@@ -52,6 +53,7 @@ StreamRecorderOptions RecordingOptions(const DaemonOptions& options) {
 
 Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
   options_.limits.max_message_bytes = options_.max_message_bytes;
+  options_.limits.forget_runs_idle = options_.forget_runs_idle;  // one rule for both
   if (!options_.listen_plan) {
     auto plan = PlanListeners(options_.listen, options_.metrics_listen,
                               {.tls = options_.tls.enabled(),
@@ -70,6 +72,7 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
   registry_ = std::make_shared<prometheus::Registry>();
   metrics_ = std::make_unique<DaemonMetrics>(*registry_, options_.per_head_metrics,
                                              options_.max_metrics_series);
+  metrics_->runs_forgotten_total.Add({});  // 0 from the start
   if (!options_.store_options.data_dir.empty()) {
     auto durable = store::DurableSeriesStore::Open(options_.store_options);
     if (durable.ok()) {
@@ -129,10 +132,15 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {
   });
   ingest_->SetMemoryGuard(memory_.get());
   state_budget_ = std::make_unique<StateBudget>(options_.max_state_bytes_per_run);
-  // What keeps state per run, told by the lifecycle when a run restarts or
-  // ends: the detectors first, then the budget that counts their state.
+  // What keeps state per run, told by the lifecycle when a run restarts,
+  // ends or is forgotten: the detectors first, then the budget that counts
+  // their state.
   lifecycle_->AddStateOwner(pool_.get());
   lifecycle_->AddStateOwner(state_budget_.get());
+  // And, when a run is forgotten, what counts it or exports it.
+  lifecycle_->AddStateOwner(series_limit_.get());
+  lifecycle_->AddStateOwner(runs_.get());
+  lifecycle_->AddStateOwner(ingest_.get());
   ingest_->SetStateBudget(state_budget_.get());
   http_ = std::make_unique<HttpServer>(registry_, [this] {
     metrics_->queue_bytes.Add({}).Set(static_cast<double>(gate_->in_flight_bytes()));
@@ -366,6 +374,24 @@ void Daemon::CheckpointLoop() {
   }
 }
 
+void Daemon::ForgetLoop() {
+  const auto tick = std::clamp<std::chrono::milliseconds>(options_.forget_runs_idle / 4,
+                                                          std::chrono::milliseconds(100),
+                                                          std::chrono::minutes(1));
+  std::unique_lock<std::mutex> lock(checkpoint_mu_);
+  while (!stop_checkpoints_) {
+    checkpoint_cv_.wait_for(lock, tick);
+    if (stop_checkpoints_) break;
+    lock.unlock();
+    const std::vector<std::string> forgotten =
+        lifecycle_->ForgetIdleRuns(NowUnixMillis(), options_.forget_runs_idle.count());
+    if (!forgotten.empty()) {
+      metrics_->runs_forgotten_total.Add({}).Increment(static_cast<double>(forgotten.size()));
+    }
+    lock.lock();
+  }
+}
+
 Daemon::~Daemon() { Shutdown(std::chrono::milliseconds(0)); }
 
 absl::Status Daemon::Start() {
@@ -474,6 +500,7 @@ absl::Status Daemon::Start() {
   if (durable_ && options_.checkpoint_interval.count() > 0) {
     checkpoint_thread_ = std::thread([this] { CheckpointLoop(); });
   }
+  forget_thread_ = std::thread([this] { ForgetLoop(); });
   return absl::OkStatus();
 }
 
@@ -489,14 +516,13 @@ void Daemon::Shutdown(std::chrono::milliseconds grace) {
   if (grpc_server_) grpc_server_->Wait();
   http_->Stop();
   memory_->Stop();
-  if (checkpoint_thread_.joinable()) {
-    {
-      std::lock_guard<std::mutex> lock(checkpoint_mu_);
-      stop_checkpoints_ = true;
-    }
-    checkpoint_cv_.notify_all();
-    checkpoint_thread_.join();
+  {
+    std::lock_guard<std::mutex> lock(checkpoint_mu_);
+    stop_checkpoints_ = true;
   }
+  checkpoint_cv_.notify_all();
+  if (checkpoint_thread_.joinable()) checkpoint_thread_.join();
+  if (forget_thread_.joinable()) forget_thread_.join();
   // Everything accepted is processed: the final state goes with the data.
   if (durable_) {
     Checkpoint();

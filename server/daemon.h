@@ -115,6 +115,9 @@ struct DaemonOptions {
   // How often detector and alert-engine state is checkpointed into the store
   // (also at a clean shutdown); a restarted daemon continues from it.
   std::chrono::milliseconds checkpoint_interval{30000};
+  // A run with no stream open for this long is forgotten (--forget_runs_idle_s,
+  // RunLifecycle::ForgetIdleRuns); also limits.forget_runs_idle. Above 0.
+  std::chrono::milliseconds forget_runs_idle{std::chrono::hours(24)};
   // TLS for both ports (server/security/auth.h). Empty cert: plaintext.
   TlsFiles tls;
   // Bearer-token authorization (--token_file). Null: every client is trusted.
@@ -186,8 +189,12 @@ class Daemon {
   void ExportStateGauges();  // foreshock_run_state_bytes, at each scrape
   void ExportDataDirBytes();  // foreshock_data_dir_bytes, at a scrape, every 5 s at most
   void CheckpointLoop();
+  // Forgets idle runs (RunLifecycle::ForgetIdleRuns) a few times per
+  // forget_runs_idle, at least once a minute.
+  void ForgetLoop();
   std::thread checkpoint_thread_;
-  std::mutex checkpoint_mu_;
+  std::thread forget_thread_;
+  std::mutex checkpoint_mu_;  // with checkpoint_cv_, also wakes ForgetLoop to stop
   std::condition_variable checkpoint_cv_;
   bool stop_checkpoints_ = false;
 };

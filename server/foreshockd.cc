@@ -101,9 +101,9 @@ ABSL_FLAG(int64_t, max_runs, 1000,
           "--data_dir. A Hello for a new run beyond it ends its stream with "
           "RESOURCE_EXHAUSTED (reason too_many_runs, counted, retry-after-ms); Hellos for "
           "runs that still count are always admitted. A run with no open stream stops "
-          "counting after --empty_run_release_s if it never stored a sample, else after 24 "
-          "hours, so a long-lived daemon keeps admitting new runs as old ones finish. Shared "
-          "per tenant: see --max_runs_per_tenant. 0: no limit.");
+          "counting after --empty_run_release_s if it never stored a sample, else once it is "
+          "forgotten (--forget_runs_idle_s), so a long-lived daemon keeps admitting new runs "
+          "as old ones finish. Shared per tenant: see --max_runs_per_tenant. 0: no limit.");
 ABSL_FLAG(int64_t, max_runs_per_tenant, -1,
           "Runs one tenant may have counting toward --max_runs at once, so that no tenant can "
           "make another's new run fail. With --token_file a tenant is a token; without it, the "
@@ -115,8 +115,19 @@ ABSL_FLAG(int64_t, max_runs_per_tenant, -1,
 ABSL_FLAG(int64_t, empty_run_release_s, 120,
           "A run that has stored no sample and has no stream open stops counting toward "
           "--max_runs and its tenant's share after this many seconds, so that Hellos that "
-          "send nothing cannot hold run slots. Runs with samples stop counting after 24 hours "
-          "without a stream.");
+          "send nothing cannot hold run slots. Runs with samples stop counting once they are "
+          "forgotten (--forget_runs_idle_s).");
+ABSL_FLAG(int64_t, forget_runs_idle_s, 86400,
+          "A run with no stream open and nothing sent (no Hello, record or goodbye) for this "
+          "many seconds, ended or not, is forgotten: its detector state, alert baselines, "
+          "series count and /metrics series (signals, run_info, last_step, "
+          "nonfinite_values_total, alert_active) are dropped, it stops counting toward "
+          "--max_runs, and alerts still open resolve with resolved_reason run_idle. Its stored "
+          "points, alert records (ListAlerts, the UI) and ListRuns entry stay; a later stream "
+          "of it continues as a new attempt or a reconnect and learns its baselines afresh. "
+          "Counted in foreshock_runs_forgotten_total. Runs recovered from --data_dir count "
+          "from their end, or from the restart. Must be at least 1 (a daemon that never "
+          "forgets grows with every run it sees): use a large value to keep runs longer.");
 ABSL_FLAG(int64_t, max_ranks_per_run, 65536,
           "Ranks one run may have. A Hello whose world_size label is above it is refused "
           "(INVALID_ARGUMENT world_size_over_limit), and a Hello's rank must be in "
@@ -454,6 +465,14 @@ bool ApplyStoreFlags(foreshock::server::DaemonOptions& options) {
       std::max(0.0, absl::GetFlag(FLAGS_retention_max_gb)) * double(uint64_t{1} << 30));
   options.checkpoint_interval =
       std::chrono::seconds(std::max<int64_t>(0, absl::GetFlag(FLAGS_checkpoint_interval_s)));
+  const int64_t forget_s = absl::GetFlag(FLAGS_forget_runs_idle_s);
+  if (forget_s < 1 || forget_s > int64_t{100} * 365 * 86400) {
+    spdlog::critical("--forget_runs_idle_s={}: must be between 1 and 100 years of seconds "
+                     "(a daemon that never forgets a run grows with every run it sees)",
+                     forget_s);
+    return false;
+  }
+  options.forget_runs_idle = std::chrono::seconds(forget_s);
   return true;
 }
 

@@ -216,6 +216,7 @@ void AlertHub::ExportCounters() {
       static_cast<double>(now.episodes_dropped - exported_.episodes_dropped));
   exported_.episodes_dropped = now.episodes_dropped;
   metrics_.alert_episodes_kept.Add({}).Set(static_cast<double>(engine_.kept_episodes()));
+  metrics_.alert_baseline_series.Add({}).Set(static_cast<double>(engine_.BaselineSeries()));
 }
 
 void AlertHub::SetKeptEpisodeLimit(size_t total) {
@@ -253,6 +254,20 @@ void AlertHub::RewindRun(const std::string& run, int64_t from_step,
   std::lock_guard<std::mutex> lock(mu_);
   DeliverLocked(engine_.RewindRun(run, from_step));
   engine_.SetLifecycleMark(run, mark);
+}
+
+void AlertHub::ForgetRun(const std::string& run) {
+  std::lock_guard<std::mutex> lock(mu_);
+  DeliverLocked(engine_.ReleaseBaselines(run));
+  // Every episode is closed: the run's foreshock_alert_active series (all 0)
+  // leave /metrics; its alerts stay listed.
+  for (const alerts::Alert& alert : engine_.AllAlerts(run)) {
+    const prometheus::Labels labels{{"alertname", alert.alertname}, {"run", alert.run},
+                                    {"layer", alert.layer}, {"severity", alert.severity}};
+    if (metrics_.alert_active.Has(labels)) {
+      metrics_.alert_active.Remove(&metrics_.alert_active.Add(labels));
+    }
+  }
 }
 
 alerts::LifecycleMark AlertHub::GetLifecycleMark(const std::string& run) const {

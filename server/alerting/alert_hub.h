@@ -60,6 +60,7 @@ class AlertHub final : public ObservationSink, public RunAlertEffects {
                         const alerts::LifecycleMark& mark) override;
   void RewindRun(const std::string& run, int64_t from_step,
                  const alerts::LifecycleMark& mark) override;
+  void ForgetRun(const std::string& run) override;
   alerts::LifecycleMark GetLifecycleMark(const std::string& run) const override;
 
   // Every transition, as its AlertEvent, also goes to `log` (the durable

@@ -140,6 +140,41 @@ void DaemonMetrics::AddRun(const std::string& run) {
   }
 }
 
+void DaemonMetrics::RemoveRun(const std::string& run) {
+  for (size_t i = 0; i < kSampleKinds; ++i) {
+    prometheus::Labels labels{
+        {"run", run}, {"kind", detectors::SampleKindName(static_cast<detectors::SampleKind>(i))}};
+    if (nonfinite_values_total.Has(labels)) {
+      nonfinite_values_total.Remove(&nonfinite_values_total.Add(labels));
+    }
+  }
+  int64_t removed = 0;
+  for (const auto& [name, signal] : signals_) {
+    // A family lists its series only through Collect: one pass per signal,
+    // once per forgotten run.
+    std::vector<prometheus::Labels> of_run;
+    for (const prometheus::MetricFamily& family : signal.family->Collect()) {
+      for (const prometheus::ClientMetric& metric : family.metric) {
+        prometheus::Labels labels;
+        for (const prometheus::ClientMetric::Label& label : metric.label) {
+          labels.emplace(label.name, label.value);
+        }
+        if (const auto it = labels.find("run"); it != labels.end() && it->second == run) {
+          of_run.push_back(std::move(labels));
+        }
+      }
+    }
+    for (const prometheus::Labels& labels : of_run) {
+      if (!signal.family->Has(labels)) continue;
+      signal.family->Remove(&signal.family->Add(labels));
+      ++removed;
+    }
+  }
+  if (removed > 0) {
+    signal_series_gauge_->Set(static_cast<double>(signal_series_.fetch_sub(removed) - removed));
+  }
+}
+
 prometheus::Histogram* DaemonMetrics::detector_time(std::string_view detector) const {
   auto it = detectors_.find(detector);
   return it == detectors_.end() ? nullptr : it->second.time;

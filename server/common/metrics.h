@@ -74,7 +74,11 @@ namespace foreshock::server {
     "Query requests (GetSeries over gRPC, /api/v1/points) refused for memory, by reason: "   \
     "too_large (the answer would be over --max_query_mb, or over --max_query_total_mb; the " \
     "message says how to page or downsample it) or busy (the queries in progress hold "     \
-    "--max_query_total_mb; retry).")
+    "--max_query_total_mb; retry).")                                                         \
+  X(runs_forgotten_total, "runs_forgotten_total",                                           \
+    "Runs forgotten: no stream open and nothing sent for --forget_runs_idle_s. Their "      \
+    "baselines, detector state and /metrics series were dropped; stored points and alert "  \
+    "records stay.")
 
 #define FORESHOCK_DAEMON_GAUGES(X)                                                              \
   X(ingest_active_streams, "ingest_active_streams", "Ingest streams open now.")                 \
@@ -118,7 +122,10 @@ namespace foreshock::server {
     "Alerts waiting for delivery to Alertmanager or kept for re-sending while they fire.")       \
   X(alert_episodes_kept, "alert_episodes_kept",                                                 \
     "Closed alert episodes kept for the record of what fired, over all runs (about 1 KiB "      \
-    "each; at most --max_alert_episodes).")
+    "each; at most --max_alert_episodes).")                                                    \
+  X(alert_baseline_series, "alert_baseline_series",                                             \
+    "Series (signal, layer, head) the alert engine keeps a baseline for, over all runs; a "     \
+    "forgotten run's go (--forget_runs_idle_s).")
 
 #define FORESHOCK_DAEMON_HISTOGRAMS(X)                                    \
   X(detector_seconds, "detector_seconds",                                 \
@@ -176,6 +183,11 @@ class DaemonMetrics {
   // The series of a run that exist from its first Hello, at 0:
   // foreshock_nonfinite_values_total{run, kind} for every sample kind.
   void AddRun(const std::string& run);
+  // A forgotten run leaves /metrics: its nonfinite_values_total series and
+  // every signal series it exported (their room under --max_metrics_series
+  // is free again). Called with no stream of the run open; a value exported
+  // meanwhile comes back as a new series.
+  void RemoveRun(const std::string& run);
 
   // Per-detector series, resolved once (every sample bumps them). Null for a
   // detector that is not in the registry.

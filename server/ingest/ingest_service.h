@@ -30,6 +30,7 @@
 #include "server/common/metrics.h"
 #include "server/ingest/stream_recorder.h"
 #include "server/ingest/validation.h"
+#include "server/pipeline/run_state_owner.h"
 #include "server/pipeline/worker_pool.h"
 
 namespace foreshock::server {
@@ -41,7 +42,8 @@ class RunLifecycle;
 using HelloObserver = std::function<void(const foreshock::v1::Hello&)>;
 
 class IngestService final
-    : public foreshock::v1::Ingest::WithRawCallbackMethod_Stream<foreshock::v1::Ingest::Service> {
+    : public foreshock::v1::Ingest::WithRawCallbackMethod_Stream<foreshock::v1::Ingest::Service>,
+      public RunStateOwner {
  public:
   // With a non-empty `record_dir`, every stream is recorded there
   // (server/ingest/stream_recorder.h).
@@ -95,6 +97,13 @@ class IngestService final
   // server starts. Null: none (a goodbye is acked like an empty batch).
   void SetLifecycle(RunLifecycle* lifecycle) { lifecycle_ = lifecycle; }
 
+  // RunStateOwner: a forgotten run with no stream open stops counting toward
+  // --max_runs and its tenant's share; its probe ids, highest step and
+  // ranks' histories go with it.
+  void OnRunRestarted(const std::string&) override {}
+  void OnRunEnded(const std::string&) override {}
+  void OnRunForgotten(const std::string& run_id) override;
+
  private:
   friend class IngestReactor;
   // The tenant whose share of --max_runs a run counts in, without --token_file.
@@ -122,8 +131,10 @@ class IngestService final
   std::optional<wire::Rejection> AdmitRun(const std::string& run_id, const std::string& tenant,
                                     std::string& counted_in);
   void ReleaseRun(const std::string& run_id);  // its stream ended
+  // When a run stops counting, for the refusals' detail.
+  std::string ReleaseRule() const;
   // Runs that stopped counting: no stream open, and no sample stored for
-  // --empty_run_release_s, or idle for kIdleRunRelease. Under runs_mu_.
+  // --empty_run_release_s, or idle for --forget_runs_idle_s. Under runs_mu_.
   void PruneRunsLocked(std::chrono::steady_clock::time_point now);
   // Rank ownership (docs/DESIGN.md §3.4): `stream` asks to hold (run, rank)
   // as `sender` (Hello.sender_id with first_seq, else 0) under `grant` (the
@@ -168,9 +179,6 @@ class IngestService final
                                                int64_t step, bool& established);
   static constexpr int kLateJoinSteps = 8;  // wire::RankScalars::kLateJoinSteps, the same rule
   static constexpr int64_t kLateJoinLeadSteps = 1000;
-  // A run with no open stream for this long stops counting toward --max_runs,
-  // so that a long-lived sidecar keeps admitting new runs as old ones finish.
-  static constexpr std::chrono::hours kIdleRunRelease{24};
   // --max_streams_per_tenant: takes one of `tenant`'s stream slots (false:
   // it holds them all), and gives it back when the stream ends.
   bool AcquireTenant(const std::string& tenant);

@@ -18,6 +18,16 @@ std::string IngestService::RunTenantOfJob(const std::string& job) {
   return absl::StrCat("job '", job, "'");
 }
 
+std::string IngestService::ReleaseRule() const {
+  using std::chrono::duration_cast;
+  using std::chrono::seconds;
+  return absl::StrCat("A run stops counting once it has no stream open for ",
+                      duration_cast<seconds>(limits_.empty_run_release).count(),
+                      " s without a sample stored, or for ",
+                      duration_cast<seconds>(limits_.forget_runs_idle).count(),
+                      " s (--forget_runs_idle_s)");
+}
+
 std::optional<wire::Rejection> IngestService::AdmitRun(const std::string& run_id,
                                                  const std::string& tenant,
                                                  std::string& counted_in) {
@@ -45,18 +55,14 @@ std::optional<wire::Rejection> IngestService::AdmitRun(const std::string& run_id
       return wire::Rejection{reason::kTooManyRunsForTenant,
                        absl::StrCat(tenant, " already has ", held, " runs (--max_runs_per_tenant=",
                                     tenant_run_limit_, "); run '", run_id,
-                                    "' is refused. A run stops counting once it has no stream "
-                                    "open for ",
-                                    std::chrono::duration_cast<std::chrono::seconds>(
-                                        limits_.empty_run_release)
-                                        .count(),
-                                    " s without a sample stored, or for 24 h")};
+                                    "' is refused. ", ReleaseRule())};
     }
   }
   if (limits_.max_runs > 0 && static_cast<int64_t>(runs_.size()) >= limits_.max_runs) {
     return wire::Rejection{reason::kTooManyRuns,
                      absl::StrCat("the daemon already serves ", limits_.max_runs,
-                                  " runs (--max_runs); run '", run_id, "' is refused")};
+                                  " runs (--max_runs); run '", run_id,
+                                  "' is refused. ", ReleaseRule())};
   }
   RunSlot slot;
   slot.open_streams = 1;
@@ -80,8 +86,16 @@ void IngestService::PruneRunsLocked(std::chrono::steady_clock::time_point now) {
     const RunSlot& run = entry.second;
     if (run.open_streams > 0) return false;
     const auto idle = now - run.last_seen;
-    return (run.max_step < 0 && idle >= limits_.empty_run_release) || idle > kIdleRunRelease;
+    return (run.max_step < 0 && idle >= limits_.empty_run_release) ||
+           idle >= limits_.forget_runs_idle;
   });
+}
+
+void IngestService::OnRunForgotten(const std::string& run_id) {
+  std::lock_guard<std::mutex> lock(runs_mu_);
+  if (auto it = runs_.find(run_id); it != runs_.end() && it->second.open_streams == 0) {
+    runs_.erase(it);
+  }
 }
 
 std::optional<std::string> IngestService::ClaimRank(IngestReactor* stream,

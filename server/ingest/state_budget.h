@@ -56,6 +56,7 @@ class StateBudget : public RunStateOwner {
   // the worker pool), so its count goes too.
   void OnRunRestarted(const std::string& run) override { ForgetRun(run); }
   void OnRunEnded(const std::string& run) override { ForgetRun(run); }
+  void OnRunForgotten(const std::string& run) override { ForgetRun(run); }
   // Replaces every count with what `visit_all` reports (after a restore).
   void Rebuild(const std::function<void(const detectors::RetainedVisitor&)>& visit_all);
 

@@ -65,8 +65,13 @@ struct IngestLimits : wire::RecordLimits {
   int64_t max_runs_per_tenant = -1;
   // A run that has stored no sample and has no stream open stops counting
   // toward max_runs (and its tenant's share) after this long
-  // (--empty_run_release_s); a run with samples, after kIdleRunRelease.
+  // (--empty_run_release_s); a run with samples, once it is forgotten.
   std::chrono::milliseconds empty_run_release{120000};
+  // A run with no stream open for this long is forgotten (--forget_runs_idle_s,
+  // server/pipeline/run_lifecycle.h ForgetIdleRuns): it stops counting toward
+  // max_runs. The lifecycle tells admission (OnRunForgotten); admission also
+  // applies it to runs the lifecycle does not know.
+  std::chrono::milliseconds forget_runs_idle{std::chrono::hours(24)};
   // A rank belongs to the stream that holds it (docs/DESIGN.md §3.4): a
   // Hello for it from another sender is refused (ALREADY_EXISTS rank_in_use)
   // while the holder's stream is open and active within this long

@@ -23,6 +23,10 @@ class RunAlertEffects {
   // The run's alert state forgets steps >= from_step (a resumed attempt).
   virtual void RewindRun(const std::string& run, int64_t from_step,
                          const alerts::LifecycleMark& mark) = 0;
+  // The run was forgotten (run_state_owner.h, OnRunForgotten): its open
+  // episodes close with alerts::kRunIdle and its baselines go; its alert
+  // records stay listed.
+  virtual void ForgetRun(const std::string& run) = 0;
   // The last mark recorded for `run` (what a restored checkpoint already holds).
   virtual alerts::LifecycleMark GetLifecycleMark(const std::string& run) const = 0;
 };

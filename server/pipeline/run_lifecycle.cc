@@ -34,6 +34,15 @@ void RunLifecycle::EndedForOwners(const std::string& run) const {
   for (RunStateOwner* owner : owners_) owner->OnRunEnded(run);
 }
 
+void RunLifecycle::ForgottenForOwners(const std::string& run) const {
+  for (RunStateOwner* owner : owners_) owner->OnRunForgotten(run);
+}
+
+void RunLifecycle::Touch(Run& run) {
+  run.active_ms = NowUnixMillis();
+  run.forgotten = false;
+}
+
 // ---------------------------------------------------------------------------
 // Events: U8 version, U8 type, U64 seq, String run, I32 attempt, I32 rank,
 // U64 sender, I64 step, I64 wall_ms, from v2 String tenant, from v3 I32
@@ -204,6 +213,7 @@ void RunLifecycle::OnHello(const std::string& run_id, int32_t rank, uint64_t sen
                            int32_t world_size, const std::string& tenant) {
   std::lock_guard<std::mutex> lock(mu_);
   Run& run = runs_[run_id];
+  Touch(run);
   if (run.tenant.empty() && !tenant.empty()) {
     Event event{EventType::kTenant, 0, run_id, run.attempt, rank, sender, 0, NowUnixMillis()};
     event.tenant = tenant;
@@ -253,6 +263,7 @@ void RunLifecycle::OnStreamClosed(const std::string& run_id, int32_t rank, uint6
   std::lock_guard<std::mutex> lock(mu_);
   auto run = runs_.find(run_id);
   if (run == runs_.end()) return;
+  run->second.active_ms = NowUnixMillis();
   auto it = run->second.senders.find({rank, sender});
   if (it != run->second.senders.end() && it->second.open > 0) --it->second.open;
 }
@@ -263,6 +274,7 @@ void RunLifecycle::BeforeRecords(const std::string& run_id, int32_t rank, uint64
   auto it = runs_.find(run_id);
   if (it == runs_.end()) return;
   Run& run = it->second;
+  Touch(run);
   if (auto sender_it = run.senders.find({rank, sender});
       sender_it == run.senders.end() || !sender_it->second.sent) {
     RecordLocked(Event{EventType::kSent, 0, run_id, run.attempt, rank, sender, 0, NowUnixMillis()});
@@ -289,6 +301,7 @@ void RunLifecycle::BeforeRecords(const std::string& run_id, int32_t rank, uint64
 void RunLifecycle::OnGoodbye(const std::string& run_id, int32_t rank, uint64_t sender) {
   std::lock_guard<std::mutex> lock(mu_);
   Run& run = runs_[run_id];
+  Touch(run);
   const std::pair<int32_t, uint64_t> key{rank, sender};
   auto it = run.senders.find(key);
   if (it != run.senders.end() && it->second.goodbye) return;  // a resend
@@ -323,6 +336,35 @@ void RunLifecycle::OnGoodbye(const std::string& run_id, int32_t rank, uint64_t s
     EndedForOwners(run_id);
   }
   MaybeCheckpointLocked();
+}
+
+// ---------------------------------------------------------------------------
+// Forgetting.
+
+std::vector<std::string> RunLifecycle::ForgetIdleRuns(int64_t now_ms, int64_t idle_ms) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> forgotten;
+  for (auto& [name, run] : runs_) {
+    if (run.forgotten || now_ms - run.active_ms < idle_ms) continue;
+    const bool streaming = std::any_of(run.senders.begin(), run.senders.end(),
+                                       [](const auto& entry) { return entry.second.open > 0; });
+    if (streaming) continue;
+    run.forgotten = true;
+    spdlog::info("run {} is forgotten: {} and no stream for {} s; its baselines and detector "
+                 "state are dropped (stored points and alert records stay){}",
+                 name, run.ended ? "ended" : "not ended", (now_ms - run.active_ms) / 1000,
+                 run.ended ? "" : ", open alerts resolve (run_idle)");
+    if (alerts_ != nullptr) alerts_->ForgetRun(name);
+    ForgottenForOwners(name);
+    forgotten.push_back(name);
+  }
+  return forgotten;
+}
+
+bool RunLifecycle::IsForgotten(const std::string& run_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto it = runs_.find(run_id);
+  return it != runs_.end() && it->second.forgotten;
 }
 
 // ---------------------------------------------------------------------------
@@ -503,7 +545,10 @@ void RunLifecycle::Restore() {
   // Bring the restored alert engine, detectors and run tracker up to date:
   // their checkpoints may predate changes the events carry.
   size_t reapplied = 0;
-  for (const auto& [name, run] : runs_) {
+  const int64_t restored_ms = NowUnixMillis();
+  for (auto& [name, run] : runs_) {
+    // Idle time counts from the end, or (not stored) from now.
+    run.active_ms = run.ended ? run.ended_ms : restored_ms;
     const alerts::LifecycleMark want = MarkOf(run);
     if (alerts_ != nullptr) {
       alerts::LifecycleMark have = alerts_->GetLifecycleMark(name);

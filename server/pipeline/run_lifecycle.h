@@ -76,6 +76,18 @@ class RunLifecycle {
   // stream were processed, before its Ack. Idempotent (resends).
   void OnGoodbye(const std::string& run, int32_t rank, uint64_t sender);
 
+  // The one rule for forgetting a run: no stream of it open, and nothing
+  // from it (a Hello, records, a goodbye, a stream's end) for `idle_ms` of
+  // wall time (a run restored from a checkpoint counts from its end, or
+  // from the restore). Each such run not forgotten yet is forgotten now:
+  // its open alert episodes close (run_idle), its baselines go, and every
+  // state owner is told (OnRunForgotten). Its lifecycle stays, small, so a
+  // later stream under the same run id is still told apart as a reconnect,
+  // a rank's resume or a new attempt. Returns the runs forgotten.
+  std::vector<std::string> ForgetIdleRuns(int64_t now_ms, int64_t idle_ms);
+  // Forgotten by ForgetIdleRuns, and nothing of it came since.
+  bool IsForgotten(const std::string& run) const;
+
   struct Boundary {
     int32_t attempt = 0;
     int64_t from_step = 0;  // the attempt's first step
@@ -126,7 +138,14 @@ class RunLifecycle {
     int64_t ended_step = -1;
     std::vector<Boundary> boundaries;  // oldest first
     std::string tenant;                // see OnHello; "": none known
+    // Not stored: the wall time of its latest Hello, records, goodbye or
+    // stream end (after a restore, its end or the restore), and whether
+    // ForgetIdleRuns forgot it since.
+    int64_t active_ms = 0;
+    bool forgotten = false;
   };
+  // Something of `run` came now: it is active, and no longer forgotten.
+  static void Touch(Run& run);
   enum class EventType : uint8_t {
     kJoin = 1,
     kGoodbye = 2,
@@ -168,9 +187,10 @@ class RunLifecycle {
   // The highest step of `run` in its latest attempt (superseded points left out).
   int64_t VisibleLastStep(const std::string& run, const std::vector<Boundary>& boundaries) const;
 
-  // Tells every registered owner (OnRunRestarted / OnRunEnded).
+  // Tells every registered owner (OnRunRestarted / OnRunEnded / OnRunForgotten).
   void RestartedForOwners(const std::string& run) const;
   void EndedForOwners(const std::string& run) const;
+  void ForgottenForOwners(const std::string& run) const;
 
   SeriesStore* const store_;
   RunAlertEffects* const alerts_;

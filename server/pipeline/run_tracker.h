@@ -1,5 +1,7 @@
 // What the daemon knows about each run: its Hello (job, model shape) and the
 // highest step processed. Feeds foreshock_run_info and foreshock_last_step.
+// A forgotten run keeps its summary (ListRuns) and leaves /metrics: its
+// run_info, last_step, nonfinite_values_total and signal series go.
 #pragma once
 
 #include <cstdint>
@@ -10,10 +12,11 @@
 
 #include "foreshock/v1/ingest.pb.h"
 #include "server/common/metrics.h"
+#include "server/pipeline/run_state_owner.h"
 
 namespace foreshock::server {
 
-class RunTracker {
+class RunTracker : public RunStateOwner {
  public:
   explicit RunTracker(DaemonMetrics& metrics) : metrics_(metrics) {}
 
@@ -24,6 +27,11 @@ class RunTracker {
   // attempt stands, even though a superseded attempt had gone further.
   void ResetLastStep(const std::string& run, int64_t step);
   int64_t LastStep(const std::string& run) const;  // -1: none or unknown run
+
+  // RunStateOwner: only forgetting changes what is exported.
+  void OnRunRestarted(const std::string&) override {}
+  void OnRunEnded(const std::string&) override {}
+  void OnRunForgotten(const std::string& run) override;
 
   struct RunSummary {
     std::string run;

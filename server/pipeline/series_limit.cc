@@ -38,4 +38,14 @@ void SeriesLimitSink::OnObservation(const detectors::Sample& sample,
   inner_.OnObservation(sample, observation);
 }
 
+void SeriesLimitSink::OnRunForgotten(const std::string& run) {
+  std::lock_guard<std::mutex> lock(mu_);
+  runs_.erase(run);
+}
+
+size_t SeriesLimitSink::RunsCounted() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return runs_.size();
+}
+
 }  // namespace foreshock::server

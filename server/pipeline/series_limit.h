@@ -17,7 +17,7 @@
 
 namespace foreshock::server {
 
-class SeriesLimitSink final : public ObservationSink {
+class SeriesLimitSink final : public ObservationSink, public RunStateOwner {
  public:
   // `max_series_per_run` <= 0: no limit (everything is forwarded).
   SeriesLimitSink(ObservationSink& inner, int64_t max_series_per_run, DaemonMetrics& metrics);
@@ -41,6 +41,12 @@ class SeriesLimitSink final : public ObservationSink {
                        const char* what) override {
     inner_.OnDetectorError(detector, sample, what);
   }
+  // RunStateOwner: a forgotten run's series are no longer counted (a run
+  // that comes back counts its series afresh).
+  void OnRunRestarted(const std::string&) override {}
+  void OnRunEnded(const std::string&) override {}
+  void OnRunForgotten(const std::string& run) override;
+  size_t RunsCounted();
 
  private:
   struct RunSeries {

@@ -145,9 +145,12 @@ class WorkerPool : public RunStateOwner {
   void RecoverRankScalars(const std::string& run, int32_t world_size, int64_t merged_through,
                           const std::vector<int32_t>& ranks,
                           const std::vector<detectors::Sample>& reports);
-  // RunStateOwner: a restart is ForgetRun, an end ReleaseRunState.
+  // RunStateOwner: a restart is ForgetRun, an end ReleaseRunState, and a
+  // forgotten run ForgetRun (a rank's open steps of a run gone silent never
+  // complete).
   void OnRunRestarted(const std::string& run) override { ForgetRun(run); }
   void OnRunEnded(const std::string& run) override { ReleaseRunState(run); }
+  void OnRunForgotten(const std::string& run) override { ForgetRun(run); }
   // Every worker's detectors' retained probe state (Detector::VisitRetained),
   // one worker at a time under its detector lock.
   void VisitRetained(const detectors::RetainedVisitor& visit) const;

@@ -866,6 +866,47 @@ TEST(AlertEngineTest, RunsAreIndependentAndCanBeForgotten) {
   EXPECT_EQ(driver.engine.ActiveAlerts()[0].run, "b");
 }
 
+// A forgotten run (the daemon's idle rule): its open alerts resolve
+// (run_idle), its series and their baselines go, its alert records stay
+// listed and checkpointed, and a later sample of it learns a new baseline
+// before anything is judged.
+TEST(AlertEngineTest, ReleasingARunsBaselinesKeepsItsRecordAndLearnsAfresh) {
+  EngineDriver driver(WithoutHolds());
+  driver.Fault("a", "qk_increment_entropy", 0, 1000, 0.8, 0.4);
+  driver.Fault("b", "qk_increment_entropy", 1, 1000, 0.8, 0.4);
+  ASSERT_EQ(driver.engine.ActiveAlerts().size(), 2u);
+  ASSERT_EQ(driver.engine.BaselineSeries(), 2u);
+
+  const std::vector<AlertTransition> closed = driver.engine.ReleaseBaselines("a");
+  ASSERT_EQ(closed.size(), 1u);
+  EXPECT_EQ(closed[0].to, AlertState::kResolved);
+  EXPECT_EQ(closed[0].alert.resolved_reason, "run_idle");
+  EXPECT_EQ(driver.engine.BaselineSeries(), 1u);  // b's is untouched
+  ASSERT_EQ(driver.engine.ActiveAlerts().size(), 1u);
+  EXPECT_EQ(driver.engine.ActiveAlerts()[0].run, "b");
+  const std::vector<Alert> listed = driver.engine.AllAlerts("a");
+  ASSERT_EQ(listed.size(), 1u);
+  EXPECT_EQ(listed[0].state, AlertState::kResolved);
+  EXPECT_EQ(listed[0].resolved_reason, "run_idle");
+  EXPECT_EQ(driver.engine.RunProbableCause("a"), ProbableCause::kLowPrecisionAttention);
+  EXPECT_TRUE(driver.engine.ReleaseBaselines("a").empty());
+  EXPECT_TRUE(driver.engine.ReleaseBaselines("never-seen").empty());
+
+  // The checkpoint keeps the record without the baseline.
+  AlertEngine restored(WithoutHolds());
+  std::string error;
+  ASSERT_TRUE(restored.RestoreState(driver.engine.SaveState(), &error)) << error;
+  EXPECT_EQ(restored.BaselineSeries(), 1u);
+  ASSERT_EQ(restored.AllAlerts("a").size(), 1u);
+  EXPECT_EQ(restored.AllAlerts("a")[0].resolved_reason, "run_idle");
+
+  // The run comes back at the faulty level: that is its new baseline, not a
+  // change from the forgotten one.
+  driver.Series("a", "qk_increment_entropy", 0, 1200, 30, 0.4);
+  EXPECT_EQ(driver.engine.BaselineSeries(), 2u);
+  for (const Alert& alert : driver.engine.ActiveAlerts()) EXPECT_NE(alert.run, "a");
+}
+
 TEST(AlertEngineTest, DisabledAndUnknownSignalsNeverAlert) {
   AlertConfig config = WithAttentionAlerts();
   config.signals.at("qk_increment_entropy").enabled = false;

@@ -139,6 +139,15 @@ def test_malformed_alertmanager_url_is_refused_without_echoing_it(start, url, re
     assert "HUNTER2-am-pass" not in text and "amuser" not in text
 
 
+@pytest.mark.parametrize("value", ["0", "-5", "4000000000"])
+def test_a_forgetting_period_out_of_range_is_refused(start, value):
+    # 0 would forget every run between two batches; a daemon that never
+    # forgets grows with every run it sees.
+    text = _refused(start, "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
+                    f"--forget_runs_idle_s={value}")
+    assert f"--forget_runs_idle_s={value}: must be between 1 and 100 years" in text
+
+
 def test_token_file_readable_by_others_is_refused_unless_allowed(start, tmp_path):
     tokens = _token_file(tmp_path, 0o644)
     text = _refused(start, "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",

@@ -620,3 +620,46 @@ def test_the_merge_of_ranks_is_recovered_after_kill_9_as_acknowledged(start_fore
     assert [v for _, v in points] == [2.0] * 16, points
     for monitor in monitors:
         monitor.close(timeout=10)
+
+
+# -- forgetting (--forget_runs_idle_s) ------------------------------------------
+
+def test_many_runs_that_stopped_streaming_are_forgotten_and_memory_follows(start_foreshockd):
+    """A long-lived sidecar sees run after run. Each run here streams enough
+    losses for the alert engine to keep baselines, then stops: half end with
+    monitor.close(), half vanish (close without the goodbye) with an alert
+    firing. After --forget_runs_idle_s every one is forgotten: the engine
+    keeps no baseline, /metrics holds none of their series and their run
+    slots are free, while ListAlerts and ListRuns still hold them."""
+    daemon = start_foreshockd("--forget_runs_idle_s=1", "--max_runs=12",
+                              "--max_runs_per_tenant=0")
+    runs = [f"forget-{i}" for i in range(12)]
+    for i, run in enumerate(runs):
+        monitor = Monitor(daemon.endpoint, run_id=run, job="forgetting")
+        for step in range(40):
+            monitor.step(step, loss=float("nan") if step == 39 and i % 2 else 2.0 - 0.01 * step)
+        monitor.close(timeout=10, end=i % 2 == 0)
+
+    def metric(samples, name, **labels):
+        return sum(v for n, l, v in samples
+                   if n == name and all(l.get(k) == x for k, x in labels.items()))
+
+    samples, ok = daemon.wait_for(
+        lambda s: metric(s, "foreshock_runs_forgotten_total") == len(runs), timeout_s=60)
+    assert ok, daemon.log_tail()
+    assert metric(samples, "foreshock_alert_baseline_series") == 0
+    assert metric(samples, "foreshock_metrics_signal_series") == 0
+    assert not [(n, l) for n, l, _ in samples if l.get("run", "").startswith("forget-")]
+    for i, run in enumerate(runs):
+        assert run_info(daemon, run) is not None  # still listed
+        alerts = list_alerts(daemon, run)
+        if i % 2:
+            assert [(a.alertname, a.state, a.resolved_reason) for a in alerts] == [
+                ("ForeshockNonFinite", "resolved", "run_idle")], alerts
+        assert len(series(daemon, run, "loss")) in (39, 40)  # the stored points stay
+    # Every slot of --max_runs is free again: a new run is admitted.
+    fresh = Monitor(daemon.endpoint, run_id="after-forgetting", job="forgetting")
+    fresh.step(0, loss=1.0)
+    fresh.close(timeout=10)
+    assert fresh.stats()["goodbye_acked"], fresh.stats()
+    assert "is forgotten" in daemon.log_tail(200000)

@@ -197,6 +197,51 @@ TEST(RunTrackerTest, ARunsNonFiniteCountersStartAtZeroForEveryKind) {
   }
 }
 
+// A forgotten run leaves /metrics: its run_info, last_step, nonfinite and
+// signal series go, and their room under --max_metrics_series is another
+// run's; other runs' series stay. A Hello of it afterwards brings it back.
+TEST(RunTrackerTest, AForgottenRunLeavesMetricsAndFreesItsSignalSeries) {
+  prometheus::Registry registry;
+  DaemonMetrics metrics(registry, false, /*max_signal_series=*/4);
+  RunTracker runs(metrics);
+  for (const char* run : {"old", "other"}) {
+    foreshock::v1::Hello hello;
+    hello.set_run_id(run);
+    hello.set_job("job");
+    runs.OnHello(hello);
+    runs.OnStep(run, 40);
+  }
+  auto observe = [&](const std::string& run, int layer) {
+    return metrics.ExportObservation(run, {"qk_increment_entropy", layer, detectors::kAllHeads, 1.0});
+  };
+  for (int layer = 0; layer < 3; ++layer) ASSERT_TRUE(observe("old", layer));
+  ASSERT_TRUE(metrics.ExportObservation("old", {"loss", detectors::kNoLayer, detectors::kAllHeads, 2.0}));
+  ASSERT_FALSE(observe("new", 0)) << "the bound is full";
+  EXPECT_EQ(MetricValue(registry, "foreshock_metrics_signal_series", {}), 4.0);
+
+  runs.OnRunForgotten("old");
+  EXPECT_FALSE(Has(registry, "foreshock_qk_increment_entropy", {{"run", "old"}, {"layer", "0"}}));
+  EXPECT_FALSE(Has(registry, "foreshock_loss", {{"run", "old"}}));
+  EXPECT_FALSE(Has(registry, "foreshock_last_step", {{"run", "old"}}));
+  EXPECT_FALSE(Has(registry, "foreshock_nonfinite_values_total", {{"run", "old"}, {"kind", "qk"}}));
+  EXPECT_EQ(MetricValue(registry, "foreshock_metrics_signal_series", {}), 0.0);
+  EXPECT_EQ(MetricValue(registry, "foreshock_last_step", {{"run", "other"}}), 40.0);
+  EXPECT_EQ(MetricValue(registry, "foreshock_nonfinite_values_total", {{"run", "other"}, {"kind", "qk"}}), 0.0);
+  EXPECT_TRUE(observe("new", 0)) << "the forgotten run's room is free";
+  EXPECT_EQ(runs.LastStep("old"), 40);  // its summary stays (ListRuns)
+  ASSERT_EQ(runs.Runs().size(), 2u);
+  runs.OnRunForgotten("never-seen");  // nothing to do
+
+  foreshock::v1::Hello again;
+  again.set_run_id("old");
+  again.set_job("job");
+  runs.OnHello(again);
+  runs.OnStep("old", 41);
+  EXPECT_EQ(MetricValue(registry, "foreshock_last_step", {{"run", "old"}}), 41.0);
+  EXPECT_EQ(MetricValue(registry, "foreshock_run_info", {{"run", "old"}, {"job_name", "job"}, {"n_layers", "0"}, {"n_heads", "0"}, {"head_dim", "0"}, {"n_experts", "0"}}), 1.0);
+  EXPECT_EQ(MetricValue(registry, "foreshock_nonfinite_values_total", {{"run", "old"}, {"kind", "qk"}}), 0.0);
+}
+
 TEST(AlertHubTest, TransitionsOfEveryConfiguredAlertExistAtZero) {
   prometheus::Registry registry;
   DaemonMetrics metrics(registry, false);

@@ -432,6 +432,60 @@ TEST_F(RankOwnershipTest, WithTokensOneTokenCannotFillTheRunsOfAnother) {
   EXPECT_EQ(other.Send(Losses(0, 0)), 1);
 }
 
+// Forgetting (--forget_runs_idle_s): runs with samples, ended or not, stop
+// counting toward --max_runs once idle past the period, and leave /metrics;
+// their alerts (resolved run_idle if still open), stored points and ListRuns
+// entry stay. A forgotten run that streams again is admitted and judged
+// afresh.
+TEST_F(RankOwnershipTest, IdleRunsWithSamplesAreForgottenAndStopCounting) {
+  DaemonOptions options;
+  options.limits.max_runs = 2;
+  options.limits.max_runs_per_tenant = 0;  // the total alone
+  options.forget_runs_idle = milliseconds(1500);
+  Start(options);
+  auto stream_and_close = [&](const std::string& run, bool goodbye) {
+    RawStream stream(*stub_);
+    if (!stream.Hello(MakeHello(run, 0, 7))) return stream.Wait();
+    EXPECT_EQ(stream.Send(Losses(0, 30, /*nan_step=*/30), goodbye), 31);
+    stream.rw->WritesDone();
+    return stream.Wait();
+  };
+  ASSERT_TRUE(stream_and_close("crashed", /*goodbye=*/false).ok());
+  ASSERT_TRUE(stream_and_close("finished", /*goodbye=*/true).ok());
+  ASSERT_TRUE(WaitFor([&] { return AllFiring("crashed"); }));
+  const grpc::Status full = stream_and_close("third", false);
+  EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << full.error_message();
+  EXPECT_NE(full.error_message().find("--forget_runs_idle_s"), std::string::npos)
+      << full.error_message();
+
+  ASSERT_TRUE(WaitFor([&] {
+    return CounterValue(daemon_->registry(), "foreshock_runs_forgotten_total", {}) >= 2;
+  }));
+  EXPECT_EQ(CounterValue(daemon_->registry(), "foreshock_runs_forgotten_total", {}), 2);
+  const std::vector<v1::Alert> crashed = Alerts("crashed");
+  ASSERT_EQ(crashed.size(), 1u);  // still listed
+  EXPECT_EQ(crashed[0].alertname(), "ForeshockNonFinite");
+  EXPECT_EQ(crashed[0].state(), "resolved");
+  EXPECT_EQ(crashed[0].resolved_reason(), "run_idle");
+  ASSERT_EQ(Alerts("finished").size(), 1u);
+  EXPECT_EQ(Alerts("finished")[0].resolved_reason(), "run_ended");
+  EXPECT_TRUE(Run("crashed").ended() == false && Run("crashed").run() == "crashed");
+  EXPECT_EQ(Points("crashed", "loss"), 30u);  // the NaN step is counted, not stored
+  EXPECT_TRUE(std::isnan(MetricValue(daemon_->registry(), "foreshock_loss", {{"run", "crashed"}})));
+  EXPECT_TRUE(std::isnan(MetricValue(daemon_->registry(), "foreshock_last_step", {{"run", "finished"}})));
+
+  // Their slots are free; and a forgotten run may come back.
+  EXPECT_TRUE(stream_and_close("third", false).ok());
+  RawStream back(*stub_);
+  ASSERT_TRUE(back.Hello(MakeHello("crashed", 0, 8)));  // the job's new process
+  EXPECT_EQ(back.Send(Losses(31, 35)), 5);
+  back.rw->WritesDone();
+  EXPECT_TRUE(back.Wait().ok());
+  EXPECT_TRUE(WaitFor([&] {
+    return MetricValue(daemon_->registry(), "foreshock_last_step", {{"run", "crashed"}}) == 35;
+  }));
+}
+
 TEST_F(RankOwnershipTest, RunsThatNeverStoredASampleStopCountingAlsoAfterARestart) {
   const std::filesystem::path dir =
       std::filesystem::temp_directory_path() /

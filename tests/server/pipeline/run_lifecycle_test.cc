@@ -6,7 +6,10 @@
 #include <gtest/gtest.h>
 #include <prometheus/registry.h>
 
+#include <algorithm>
+#include <cmath>
 #include <memory>
+#include <thread>
 
 #include "codec/state_codec.h"
 #include "server/alerting/alert_hub.h"
@@ -219,6 +222,9 @@ class RecordingOwner : public RunStateOwner {
       : log_(log), name_(std::move(name)) {}
   void OnRunRestarted(const std::string& run) override { log_.push_back(name_ + " restart " + run); }
   void OnRunEnded(const std::string& run) override { log_.push_back(name_ + " end " + run); }
+  void OnRunForgotten(const std::string& run) override {
+    log_.push_back(name_ + " forgotten " + run);
+  }
 
  private:
   std::vector<std::string>& log_;
@@ -258,6 +264,76 @@ TEST_F(LifecycleTest, StateOwnersAreToldOfARestartAndAnEndInOrder) {
   EXPECT_EQ(budget.RunBytes("r"), 0);
   lifecycle_->OnGoodbye("r", 0, 22);  // a resent goodbye: nothing more
   EXPECT_EQ(log.size(), 4u);
+}
+
+// The one rule for forgetting a run: no stream open and nothing of it for
+// the idle period, ended or not. Its open alerts resolve (run_idle), every
+// state owner is told once, its alert records stay listed, and whatever of
+// it comes later makes it live again.
+TEST_F(LifecycleTest, ARunIdlePastThePeriodIsForgottenOnceAndItsOwnersAreTold) {
+  std::vector<std::string> log;
+  RecordingOwner owner(log, "owner");
+  lifecycle_->AddStateOwner(&owner);
+  constexpr int64_t kIdleMs = 60'000;
+  lifecycle_->OnHello("idle", 0, 11);
+  lifecycle_->BeforeRecords("idle", 0, 11, 0, 40);
+  Fire("idle", 40);
+  ASSERT_EQ(Active("idle"), 1);
+  lifecycle_->OnHello("live", 0, 21);  // a stream that stays open
+  lifecycle_->BeforeRecords("live", 0, 21, 0, 40);
+  lifecycle_->OnStreamClosed("idle", 0, 11);  // the job died: no goodbye
+  const int64_t now = NowUnixMillis();
+
+  EXPECT_TRUE(lifecycle_->ForgetIdleRuns(now, kIdleMs).empty());  // not idle long enough
+  EXPECT_TRUE(log.empty());
+  EXPECT_EQ(lifecycle_->ForgetIdleRuns(now + kIdleMs + 1000, kIdleMs),
+            (std::vector<std::string>{"idle"}));
+  EXPECT_EQ(log, (std::vector<std::string>{"owner forgotten idle"}));
+  EXPECT_TRUE(lifecycle_->IsForgotten("idle"));
+  EXPECT_FALSE(lifecycle_->IsForgotten("live"));  // its stream is open, however long
+  const auto alerts = Alerts("idle");
+  ASSERT_EQ(alerts.size(), 1u);  // still listed
+  EXPECT_EQ(alerts[0].state(), "resolved");
+  EXPECT_EQ(alerts[0].resolved_reason(), "run_idle");
+  EXPECT_TRUE(std::isnan(Active("idle")));  // its alert_active series left /metrics
+  EXPECT_FALSE(lifecycle_->GetStatus("idle")->ended);  // forgetting is not an end
+
+  // Once: a later sweep leaves it alone.
+  EXPECT_TRUE(lifecycle_->ForgetIdleRuns(now + 10 * kIdleMs, kIdleMs).empty());
+  EXPECT_EQ(log.size(), 1u);
+  // It comes back: a reconnect of the same sender, live again, forgotten
+  // again only after another idle period.
+  lifecycle_->OnHello("idle", 0, 11);
+  EXPECT_FALSE(lifecycle_->IsForgotten("idle"));
+  EXPECT_EQ(lifecycle_->GetStatus("idle")->attempt, 1);
+  lifecycle_->OnStreamClosed("idle", 0, 11);
+  EXPECT_TRUE(lifecycle_->ForgetIdleRuns(NowUnixMillis(), kIdleMs).empty());
+  EXPECT_EQ(lifecycle_->ForgetIdleRuns(NowUnixMillis() + kIdleMs, kIdleMs),
+            (std::vector<std::string>{"idle"}));
+  EXPECT_EQ(log.size(), 2u);
+}
+
+// After a restart an ended run's idle time counts from its end (stored), a
+// run that had not ended from the restore.
+TEST_F(LifecycleTest, ARestoredRunCountsItsIdleTimeFromItsEndOrFromTheRestore) {
+  lifecycle_->OnHello("ended", 0, 11);
+  lifecycle_->BeforeRecords("ended", 0, 11, 0, 9);
+  lifecycle_->OnGoodbye("ended", 0, 11);
+  lifecycle_->OnStreamClosed("ended", 0, 11);
+  lifecycle_->OnHello("open", 0, 21);
+  lifecycle_->BeforeRecords("open", 0, 21, 0, 9);
+  const int64_t ended_ms = lifecycle_->GetStatus("ended")->ended_ms;
+  ASSERT_TRUE(lifecycle_->Checkpoint());
+  // The restore comes strictly after the end.
+  while (NowUnixMillis() <= ended_ms + 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  Restart(hub_->SaveState());
+  const int64_t restored = NowUnixMillis();
+  constexpr int64_t kIdleMs = 3'600'000;
+  // An hour after the end, but less after the restore: only the ended run.
+  EXPECT_EQ(lifecycle_->ForgetIdleRuns(std::max(ended_ms + kIdleMs, restored), kIdleMs),
+            (std::vector<std::string>{"ended"}));
+  EXPECT_EQ(lifecycle_->ForgetIdleRuns(restored + kIdleMs + 1000, kIdleMs),
+            (std::vector<std::string>{"open"}));
 }
 
 TEST_F(LifecycleTest, ASecondLiveSenderOfARankIsNoRestartEvenGoingBack) {

@@ -56,5 +56,24 @@ TEST(SeriesLimitSinkTest, ZeroMeansNoLimit) {
   EXPECT_EQ(metrics.series_limited_total.Add({}).Value(), 0.0);
 }
 
+// A forgotten run's series are no longer counted: when it comes back, it
+// has its whole --max_series_per_run again (its stored series were kept by
+// the store, not here).
+TEST(SeriesLimitSinkTest, AForgottenRunIsNoLongerCounted) {
+  prometheus::Registry registry;
+  DaemonMetrics metrics(registry, false);
+  RecordingSink inner;
+  SeriesLimitSink sink(inner, 2, metrics);
+  detectors::Sample a;
+  a.run = "a";
+  for (int layer = 0; layer < 3; ++layer) sink.OnObservation(a, {"x", layer, -1, 1.0});
+  EXPECT_EQ(inner.seen.size(), 2u);
+  EXPECT_EQ(sink.RunsCounted(), 1u);
+  sink.OnRunForgotten("a");
+  EXPECT_EQ(sink.RunsCounted(), 0u);
+  sink.OnObservation(a, {"x", 2, -1, 1.0});
+  EXPECT_EQ(inner.seen.count({"a", "x", 2, -1}), 1u);
+}
+
 }  // namespace
 }  // namespace foreshock::server
