@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "detectors/curvature.h"
+#include "detectors/curvature_detector.h"
 #include "detectors/detector.h"
 
 namespace foreshock::detectors {
@@ -54,7 +55,7 @@ class CurvatureDetector final : public Detector {
   static std::span<const SignalSpec> Signals() { return kCurvatureSignals; }
 
   explicit CurvatureDetector(const DetectorOptions& options)
-      : max_residual_(options.curvature_max_residual) {}
+      : max_residual_(options.Get<CurvatureDetectorOptions>().max_residual) {}
 
   void Process(const Sample& sample, Emitter& emitter) override {
     const auto& c = std::get<CurvatureSample>(sample.payload);

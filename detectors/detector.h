@@ -20,6 +20,7 @@
 #include <string_view>
 #include <vector>
 
+#include "detectors/detector_options.h"
 #include "detectors/retained_state.h"
 #include "detectors/sample.h"
 #include "codec/state_codec.h"
@@ -67,44 +68,6 @@ class Emitter {
   // Non-finite values found in the sample (NaN or +-Inf). The sample is then
   // not used for computation: non-finite input is a signal, not an error.
   virtual void NonFinite(SampleKind kind, int64_t count) = 0;
-};
-
-// Tunables shared by all detectors; each detector reads what it needs.
-struct DetectorOptions {
-  // Compute the top singular vector overlap between consecutive QK increments.
-  bool qk_track_top_vector = true;
-
-  // Router: a token whose normalized routing entropy is below this counts as
-  // low-entropy (router_low_entropy_fraction).
-  double router_entropy_floor = 0.5;
-  // Router: an expert is dead when its mean load over the dead-expert window
-  // of the same probe is below 0.1/E. The window spans at least
-  // router_dead_window_steps training steps and router_dead_window samples,
-  // and at most router_dead_window_max samples (what memory is reserved for).
-  // In steps, because a fixed sample count judged a probe taken every 5 steps
-  // on 40 steps of a small probe, where an expert a balanced router still
-  // uses can get no token for that long (docs/DESIGN.md §1.2).
-  int router_dead_window = 8;
-  int64_t router_dead_window_steps = 200;
-  int router_dead_window_max = 64;
-  // Router: an expert is overloaded when its load exceeds capacity_factor/E.
-  double router_capacity_factor = 1.25;
-
-  // Curvature: estimates with residual ||Av - lambda v||/|lambda| above this
-  // are exported but flagged as unconverged and kept out of detection.
-  double curvature_max_residual = 0.1;
-
-  // Scalar baselines (what users have today): OLMo-style spike when loss or
-  // grad norm exceeds mean + sigmas * std of the trailing window ...
-  int baseline_spike_window = 128;
-  double baseline_spike_sigmas = 6.0;
-  // ... and Megatron-style spiky loss when loss exceeds factor x running max.
-  double baseline_spiky_loss_factor = 10.0;
-
-  // Learning rate (lr_over_held_max): the warm-up is over after this many
-  // samples without a new high, and a new LR level counts as trained at once
-  // it has been held this long.
-  int lr_held_samples = 20;
 };
 
 // Which series a restore keeps: called with the run and the layer of a

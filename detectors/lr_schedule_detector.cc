@@ -13,10 +13,10 @@
 //  - warm-up: while the LR keeps setting new highs, the reference is the
 //    highest LR before this sample, so a linear warm-up reads t/(t-1) and a
 //    jump reads its factor;
-//  - the warm-up is over once `lr_held_samples` samples in a row set no new
+//  - the warm-up is over once `held_samples` samples (LrScheduleOptions) in a row set no new
 //    high (a plateau, a decay); from then on the reference is the highest LR
 //    the run has *held*: a new level counts only after it has been held
-//    (equal within 1e-6) for `lr_held_samples` samples. A ramp never holds a
+//    (equal within 1e-6) for `held_samples` samples (LrScheduleOptions). A ramp never holds a
 //    level, so it is measured against where it started; a deliberate raise
 //    that is kept becomes the new reference, unless it is kSurgeFactor (3,
 //    the default bound of ForeshockLearningRateSurge) or more above the
@@ -34,6 +34,7 @@
 #include <map>
 
 #include "detectors/detector.h"
+#include "detectors/lr_schedule_detector.h"
 #include "detectors/run_map_state.h"
 
 namespace foreshock::detectors {
@@ -64,7 +65,7 @@ class LrScheduleDetector final : public Detector {
   static std::span<const SignalSpec> Signals() { return kLrSignals; }
 
   explicit LrScheduleDetector(const DetectorOptions& options)
-      : held_samples_(std::max<int64_t>(1, options.lr_held_samples)) {}
+      : held_samples_(std::max<int64_t>(1, options.Get<LrScheduleOptions>().held_samples)) {}
 
   void Process(const Sample& sample, Emitter& emitter) override {
     const auto& s = std::get<ScalarsSample>(sample.payload);

@@ -31,6 +31,7 @@
 #include "detectors/attention_stats.h"
 #include "detectors/detector.h"
 #include "detectors/dtype.h"
+#include "detectors/qk_detector.h"
 #include "detectors/qk_spectrum.h"
 
 namespace foreshock::detectors {
@@ -177,7 +178,8 @@ class QKDetector final : public Detector {
   static constexpr SampleKind kKind = SampleKind::kQK;
   static std::span<const SignalSpec> Signals() { return kQKSignals; }
 
-  explicit QKDetector(const DetectorOptions& options) : options_(options) {}
+  explicit QKDetector(const DetectorOptions& options)
+      : options_(options.Get<QKDetectorOptions>()) {}
   static std::optional<RetainedFootprint> RetainedBy(const Sample& sample,
                                                      const DetectorOptions& options);
 
@@ -209,7 +211,7 @@ class QKDetector final : public Detector {
         visit(run, kKind, layer, probe_id, head,
               QKHeadRetainedBytes(head_state.q.shape[0], head_state.q.shape[1], head_state.q.dtype,
                                   head_state.k->dtype, head_state.k.use_count(),
-                                  options_.qk_track_top_vector));
+                                  options_.track_top_vector));
       }
     }
   }
@@ -237,7 +239,7 @@ class QKDetector final : public Detector {
     std::map<int, HeadState> heads;  // by the model's query head index
   };
 
-  DetectorOptions options_;
+  QKDetectorOptions options_;
   std::map<SeriesKey, SeriesState> series_;
   // Decoding buffers, reused across samples.
   std::vector<float> q_, k_, q_prev_, k_prev_;
@@ -295,7 +297,7 @@ void QKDetector::Process(const Sample& sample, Emitter& emitter) {
   // values[signal] holds one entry per head that produced the signal.
   std::array<std::vector<std::pair<int, double>>, kHeadSignalCount> values;
   const AttentionMask mask{qk.causal, qk.seq_len};
-  const QKSpectrumOptions spectrum_options{options_.qk_track_top_vector};
+  const QKSpectrumOptions spectrum_options{options_.track_top_vector};
   using HeadMap = Eigen::Map<const RowMajorMatrix<float>>;
   std::vector<std::shared_ptr<const RawTensor>> k_heads(static_cast<size_t>(qk.k.shape[0]));
   for (int64_t row = 0; row < rows; ++row) {
@@ -354,7 +356,7 @@ void QKDetector::Process(const Sample& sample, Emitter& emitter) {
         values[kIncrementEffectiveRank].emplace_back(head, spectrum.effective_rank);
         values[kIncrementTop1Share].emplace_back(head, spectrum.top1_share);
         values[kSecondOrderRatio].emplace_back(head, spectrum.second_order_ratio);
-        if (options_.qk_track_top_vector) {
+        if (options_.track_top_vector) {
           if (!previous.top_vector.empty()) {
             values[kIncrementTop1Overlap].emplace_back(
                 head, TopVectorOverlap(previous.top_vector, spectrum.top_vector));
@@ -607,7 +609,7 @@ std::optional<RetainedFootprint> QKDetector::RetainedBy(const Sample& sample,
     const int head = qk->heads.empty() ? static_cast<int>(row) : qk->heads[static_cast<size_t>(row)];
     footprint.heads.emplace_back(
         head, QKHeadRetainedBytes(q[1], q[2], qk->q.dtype, qk->k.dtype, sharers[kv],
-                                  options.qk_track_top_vector));
+                                  options.Get<QKDetectorOptions>().track_top_vector));
   }
   return footprint;
 }

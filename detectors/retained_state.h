@@ -22,7 +22,7 @@
 
 namespace foreshock::detectors {
 
-struct DetectorOptions;
+class DetectorOptions;
 
 // Allocator and container overhead per retained head or router series
 // (map node, tensor headers, the shared K's control block): small probes

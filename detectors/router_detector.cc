@@ -11,6 +11,7 @@
 
 #include "detectors/detector.h"
 #include "detectors/dtype.h"
+#include "detectors/router_detector.h"
 #include "detectors/router_stats.h"
 
 namespace foreshock::detectors {
@@ -60,7 +61,8 @@ class RouterDetector final : public Detector {
 
   static std::optional<RetainedFootprint> RetainedBy(const Sample& sample,
                                                      const DetectorOptions& options);
-  explicit RouterDetector(const DetectorOptions& options) : options_(options) {}
+  explicit RouterDetector(const DetectorOptions& options)
+      : options_(options.Get<RouterDetectorOptions>()) {}
 
   void Process(const Sample& sample, Emitter& emitter) override {
     const auto& router = std::get<RouterSample>(sample.payload);
@@ -78,8 +80,7 @@ class RouterDetector final : public Detector {
                             state.previous.top_k == router.top_k;
     if (!comparable) state = State{};
 
-    RouterOptions options{router.top_k, options_.router_entropy_floor,
-                          options_.router_capacity_factor};
+    RouterOptions options{router.top_k, options_.entropy_floor, options_.capacity_factor};
     RouterDecisions current;
     const RouterStats stats = ComputeRouterStats(logits_, tokens, experts, options, current);
     state.loads.push_back(stats.load);
@@ -181,9 +182,9 @@ class RouterDetector final : public Detector {
   static constexpr uint32_t kStateVersion = 3;
   static constexpr int64_t kNoStep = std::numeric_limits<int64_t>::min();
 
-  int MinWindowSamples() const { return std::max(1, options_.router_dead_window); }
+  int MinWindowSamples() const { return std::max(1, options_.dead_window); }
   int MaxWindowSamples() const {
-    return std::max(MinWindowSamples(), options_.router_dead_window_max);
+    return std::max(MinWindowSamples(), options_.dead_window_max);
   }
 
   // Drops the oldest sample while the rest still span the window's steps
@@ -195,7 +196,7 @@ class RouterDetector final : public Detector {
            (state.loads.size() > min_samples &&
             (state.load_steps[1] == kNoStep ||
              state.load_steps.back() - state.load_steps[1] >=
-                 options_.router_dead_window_steps))) {
+                 options_.dead_window_steps))) {
       state.loads.pop_front();
       state.load_steps.pop_front();
     }
@@ -269,14 +270,14 @@ class RouterDetector final : public Detector {
     return true;
   }
 
-  const DetectorOptions options_;
+  const RouterDetectorOptions options_;
   std::map<Key, State> states_;
   std::vector<float> logits_;  // decode buffer, reused
 };
 
 
 // What a router sample leaves: its decisions and the dead-expert window at
-// its largest (router_dead_window_max).
+// its largest (RouterDetectorOptions::dead_window_max).
 std::optional<RetainedFootprint> RouterDetector::RetainedBy(const Sample& sample,
                                                             const DetectorOptions& options) {
   const auto* router = std::get_if<RouterSample>(&sample.payload);
@@ -286,8 +287,8 @@ std::optional<RetainedFootprint> RouterDetector::RetainedBy(const Sample& sample
   return RetainedFootprint{
       SampleKind::kRouter, router->layer, router->probe_id, true,
       {{-1, RouterRetainedBytes(shape[0], shape[1], router->top_k,
-                               std::max(options.router_dead_window,
-                                        options.router_dead_window_max))}}};
+                               std::max(options.Get<RouterDetectorOptions>().dead_window,
+                                        options.Get<RouterDetectorOptions>().dead_window_max))}}};
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <map>
 
 #include "detectors/detector.h"
+#include "detectors/scalar_baselines_detector.h"
 #include "detectors/run_map_state.h"
 
 namespace foreshock::detectors {
@@ -102,7 +103,8 @@ class ScalarBaselinesDetector final : public Detector {
   static constexpr SampleKind kKind = SampleKind::kScalars;
   static std::span<const SignalSpec> Signals() { return kBaselineSignals; }
 
-  explicit ScalarBaselinesDetector(const DetectorOptions& options) : options_(options) {}
+  explicit ScalarBaselinesDetector(const DetectorOptions& options)
+      : options_(options.Get<ScalarBaselinesOptions>()) {}
 
   void Process(const Sample& sample, Emitter& emitter) override {
     const auto& s = std::get<ScalarsSample>(sample.payload);
@@ -121,7 +123,7 @@ class ScalarBaselinesDetector final : public Detector {
     if (nonfinite) return;  // keep the windows clean
 
     bool spike = false;
-    const double sigmas = options_.baseline_spike_sigmas;
+    const double sigmas = options_.spike_sigmas;
     if (s.has_loss) {
       if (state.loss.full()) {
         const double z = state.loss.ZScore(s.loss);
@@ -129,7 +131,7 @@ class ScalarBaselinesDetector final : public Detector {
         spike |= z > sigmas;
       }
       const bool spiky = state.max_loss > -std::numeric_limits<double>::infinity() &&
-                         s.loss > options_.baseline_spiky_loss_factor * state.max_loss;
+                         s.loss > options_.spiky_loss_factor * state.max_loss;
       emit("baseline_megatron_spiky_loss", spiky ? 1.0 : 0.0);
       state.loss.Push(s.loss);
       state.max_loss = std::max(state.max_loss, s.loss);
@@ -171,14 +173,14 @@ class ScalarBaselinesDetector final : public Detector {
  private:
   static constexpr uint32_t kStateVersion = 1;
   struct RunState {
-    explicit RunState(const DetectorOptions& options)
-        : loss(static_cast<size_t>(std::max(2, options.baseline_spike_window))),
-          grad_norm(static_cast<size_t>(std::max(2, options.baseline_spike_window))) {}
+    explicit RunState(const ScalarBaselinesOptions& options)
+        : loss(static_cast<size_t>(std::max(2, options.spike_window))),
+          grad_norm(static_cast<size_t>(std::max(2, options.spike_window))) {}
     int64_t last_step = -1;
     Window loss, grad_norm;
     double max_loss = -std::numeric_limits<double>::infinity();
   };
-  const DetectorOptions options_;
+  const ScalarBaselinesOptions options_;
   std::map<std::string, RunState> runs_;
 };
 

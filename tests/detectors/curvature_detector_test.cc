@@ -4,6 +4,7 @@
 
 #include "detectors/curvature.h"
 #include "tests/detectors/detector_test_support.h"
+#include "detectors/curvature_detector.h"
 
 namespace foreshock::detectors {
 namespace {
@@ -50,7 +51,7 @@ TEST(CurvatureDetectorTest, RatioAgainstAdamThresholdAndBlocks) {
 
 TEST(CurvatureDetectorTest, UnconvergedEstimatesAreExportedButNotForDetection) {
   DetectorOptions options;
-  options.curvature_max_residual = 0.05;
+  options.Mutable<CurvatureDetectorOptions>().max_residual = 0.05;
   auto detector = MakeDetector("curvature", options);
   RecordingEmitter emitter;
   CurvatureSample c;

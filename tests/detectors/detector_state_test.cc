@@ -21,6 +21,7 @@
 #include "codec/state_codec.h"
 #include "tests/detectors/detector_test_support.h"
 #include "tests/detectors/sample_streams.h"
+#include "detectors/scalar_baselines_detector.h"
 
 namespace foreshock::detectors {
 namespace {
@@ -373,7 +374,7 @@ TEST(DetectorStateTest, ScalarBaselinesWindowShorterThanSavedKeepsTheNewest) {
   auto original = MakeDetector("scalar_baselines");
   Feed(*original, scenario.a);
   DetectorOptions shorter;
-  shorter.baseline_spike_window = 16;
+  shorter.Mutable<ScalarBaselinesOptions>().spike_window = 16;
   auto restored = MakeDetector("scalar_baselines", shorter);
   ASSERT_TRUE(Restore(*restored, Save(*original)));
   // Compare with a detector that ran with the short window all along (its

@@ -15,6 +15,7 @@
 #include "detectors/detector.h"
 #include "detectors/qk_spectrum.h"
 #include "codec/state_codec.h"
+#include "detectors/qk_detector.h"
 
 namespace foreshock::detectors {
 namespace {
@@ -592,7 +593,7 @@ TEST(QKDetector, TheIncrementFollowsEachQueryHeadsKAcrossKOrders) {
 
 TEST(QKDetector, NoOverlapWhenTopVectorTrackingIsOff) {
   std::mt19937 rng(4);
-  auto detector = MakeDetector("qk", DetectorOptions{.qk_track_top_vector = false});
+  auto detector = MakeDetector("qk", DetectorOptions().With(QKDetectorOptions{.track_top_vector = false}));
   Heads q = RandomHeads(2, 20, 4, rng), k = RandomHeads(2, 20, 4, rng);
   RecordingEmitter emitter;
   for (int step = 0; step < 4; ++step) {

@@ -16,6 +16,7 @@
 #include "codec/state_codec.h"
 #include "tests/detectors/detector_test_support.h"
 #include "tests/detectors/sample_streams.h"
+#include "detectors/router_detector.h"
 
 namespace foreshock::detectors {
 namespace {
@@ -165,7 +166,7 @@ TEST(RetainedStateTest, GroupedQueryHeadsShareTheirKCopy) {
 TEST(RetainedStateTest, RouterPredictionMatchesWhatTheDetectorHolds) {
   std::mt19937 rng(9);
   DetectorOptions options;
-  options.router_dead_window = 4;
+  options.Mutable<RouterDetectorOptions>().dead_window = 4;
   auto detector = MakeDetector("router", options);
   Ledger predicted;
   RouterStream a{"r", 1, "p", 16, 8, 2};

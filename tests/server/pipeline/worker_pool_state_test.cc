@@ -17,6 +17,8 @@
 #include "codec/state_codec.h"
 #include "server/pipeline/worker_pool.h"
 #include "tests/detectors/sample_streams.h"
+#include "detectors/router_detector.h"
+#include "detectors/scalar_baselines_detector.h"
 
 namespace foreshock::server {
 namespace {
@@ -78,8 +80,8 @@ class RecordingSink final : public ObservationSink {
 
 detectors::DetectorOptions Options() {
   detectors::DetectorOptions options;
-  options.baseline_spike_window = 16;
-  options.router_dead_window = 4;
+  options.Mutable<detectors::ScalarBaselinesOptions>().spike_window = 16;
+  options.Mutable<detectors::RouterDetectorOptions>().dead_window = 4;
   return options;
 }
 
