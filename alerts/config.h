@@ -2,49 +2,12 @@
 // threshold, window and persistence per signal.
 //
 // DefaultAlertConfig() is the documented source of the defaults; the
-// checked-in deploy/foreshock.yaml spells out the same values (a test keeps
-// the two equal). A YAML file overrides only the keys it names:
-//
-//   code defaults of the signal  <  alerts.defaults  <  alerts.signals.<name>
-//
-// File layout (every key is optional):
-//
-//   alerts:
-//     defaults:            # detector keys applied to every signal
-//       warmup: 40
-//     signals:
-//       <signal name>:     # a series name, e.g. qk_increment_entropy
-//         alert: ForeshockQKIncrementCollapse   # required for a signal not in the defaults
-//         direction: drop                       # rise | drop; required likewise
-//         enabled: true
-//         severity: warning                     # info | warning | critical
-//         change_detection: true
-//         warmup / warmup_steps / window / gap / persist_m / persist_n / clear_after: integers
-//         trend: true
-//         z_threshold / cusum_k / cusum_h / min_relative_change / min_absolute_change: numbers
-//         bound: null                           # a number enables the absolute guard
-//         bound_growth: 0                       # past the bound, also grown by this factor ...
-//         bound_growth_steps: 100               # ... over these training steps (log_scale, rise)
-//         bound_without_growth: null            # past this, no growth asked
-//         per_head: false                       # judge each head on its own baseline
-//         head_z_correction: 1.0                # per-head thresholds + this * ln(heads)
-//     nonfinite:
-//       enabled: true
-//       severity: critical
-//       clear_after: 20
-//     probable_cause:
-//       onset_window_steps: 50
-//       settle_steps: 100
-//       lr_rise_factor: 3.0
-//       lr_baseline_steps: 1000
-//       lr_baseline_gap_steps: 100
-//       fp32_attention_needs_corroboration: true
-//       curvature_needs_corroboration: true
-//       expert_deaths_need_corroboration: true
-//       unbiased_output_rules_out_precision: true
-//
-// Unknown keys, wrong types and out-of-range values are errors that name the
-// key and its line.
+// checked-in deploy/foreshock.yaml spells out the same values in the file
+// layout (a test keeps the two equal). A YAML file (--config) overrides only
+// the keys it names: code defaults of the signal < alerts.defaults <
+// alerts.signals.<name>. Every key, its default and its range are in
+// docs/OPERATIONS.md ("Alert configuration keys"). Unknown keys, wrong types and
+// out-of-range values are errors that name the key and its line.
 #pragma once
 
 #include <array>

@@ -1,51 +1,16 @@
-// Several ranks' step scalars -> one run-level series (docs/DESIGN.md §1.4).
-//
-// Every rank of a data-parallel job reports loss, grad_norm and lr for the
-// same step. The run's series (what the detectors, the alert rules, the
-// dashboards and the UI see) is the mean, per field, over the ranks that
-// reported the step; each rank's own value is kept for drill-down as the
-// series' head slot (head = rank), which the alert engine ignores.
-//
-// When a step is complete, so that the series does not depend on the order
-// in which the ranks' streams arrive (a replay gives the same means):
-//  - a run with one rank (one distinct rank, and no Hello label
-//    world_size > 1) passes its samples through unchanged and at once;
-//  - otherwise a step is complete once every rank of the run has reported
-//    it. The ranks of the run are the ranks that reported scalars for it;
-//    during the first `window` steps of the run, at least world_size of
-//    them (the Hello hint), so that the first steps wait for ranks whose
-//    streams connect late;
-//  - a step still open when `window` newer steps are open is completed with
-//    the ranks it has, so a dead or slow rank delays the series by at most
-//    `window` steps; a rank missing from `window` steps in a row is no
-//    longer waited for (it is again once it reports);
-//  - completing a step completes every older open step first: the series
-//    stays in step order. A report for a step already completed is late: it
-//    is kept as that rank's value only;
-//  - a rank that reports a step not above its previous one (its process
-//    restarted from a checkpoint while the other ranks stream on) replays:
-//    for a step still open its new value replaces its earlier one; for one
-//    of the last `window` completed steps that had its value, the step's
-//    mean is recomputed with the new value in place of the old and returned
-//    as a correction (stored as the step's value, not scored again); older
-//    completed steps keep theirs. Either way the run's series gets no
-//    second, one-rank point. A whole job resumed under the same run_id is a
-//    new attempt instead (run lifecycle: ForgetRun);
-//  - a rank new to a run that already has a series (a step completed) joins
-//    late: its first kLateJoinSteps reports (steps above its previous one)
-//    are its own values only, not in the mean and not waited for; from the
-//    kLateJoinSteps-th on it is one of the run's ranks. So a second client
-//    that joins a live run as a free rank cannot put a NaN or a wild value
-//    into the run's series (ForeshockNonFinite, the spike rules) before it
-//    has a history of its own. A job's ranks that connect late are waited
-//    for during the first `window` steps (the world_size hint), so they are
-//    not late joiners.
-// The mean sums in rank order, and equal values give that value exactly.
+// Several ranks' step scalars -> one run-level series: per field, the mean
+// over the ranks that reported the step, summed in rank order so that the
+// series does not depend on the order the ranks' streams arrive in; each
+// rank's own value is kept in the series' head slot (head = rank). When a
+// step is complete (one rank; every rank; or `window` newer steps open), how
+// a rank that replays revises a recent mean (a correction), and how a late
+// joiner earns its place in the mean (kLateJoinSteps) are docs/DESIGN.md
+// §1.4, the contract this class implements.
 //
 // One instance per worker: all of a run's scalars go to one worker, in order
 // (WorkerPool), so no locks. Checkpointed with the detectors (SaveState):
-// the steps open at a checkpoint, the one taken at shutdown included, are
-// completed after the restart as if the daemon had not stopped.
+// the steps open at a checkpoint are completed after the restart as if the
+// daemon had not stopped.
 #pragma once
 
 #include <cstdint>
