@@ -11,31 +11,15 @@
 // follows FsyncPolicy; with kEvery, data is on disk when AppendBatch returns
 // (concurrent appenders share fsyncs: group commit).
 //
-// Recovery (Open): segments are scanned in order and every record's CRC32C
-// checked. Damage is skipped, not followed: after a bad record the scan looks
-// for the next record that checks out and goes on from there, so one flipped
-// bit costs the points of its own block (point encoding state restarts at the
-// next block start), never what follows. Series definitions and events after
-// the damage are kept; a sealed segment repeats its series definitions at its
-// end (kSeriesTable), so a damaged definition orphans nothing. Only bytes
-// after the last valid record of the newest segment, with no valid record
-// after them, are taken for an interrupted write and cut off. What was lost is
-// reported (Problems, Stats: corrupt_records, lost_points); a segment with no
-// valid record at all is moved to quarantine/, never deleted. Only regular
-// files are opened (no links, FIFOs or devices). Opening never fails because
-// of segment contents or a full disk, only on a held lock or an unreadable
-// directory. Open seals the newest segment if it was not closed cleanly and
-// starts a new one: sealed segments are never modified.
-//
-// Write errors: an append that cannot be written (ENOSPC, EIO, EROFS, ...) or
-// made durable (an fsync error, with FsyncPolicy::kEvery) returns an error
-// status and is not in the store; nothing after it is lost. A failed write is
-// cut back and the next one starts a new block; after a failed fsync the
-// segment is abandoned (what reached its disk is unknown) and writing goes on
-// in a new one. WriteHealth() reports the failure for write_retry_interval,
-// then lets the next append try again, so the store resumes by itself when
-// space returns. A store that cannot create a segment at Open (a full disk)
-// opens anyway: it serves what it holds and starts writing once it can.
+// Recovery (Open) never fails on segment contents or a full disk, only on a
+// held lock or an unreadable directory: every record's CRC32C is checked,
+// damage is skipped to the next record that checks out (a flipped bit costs
+// its own block), only a tail with no valid record after it is cut, and a
+// segment with no valid record is quarantined; what was lost is reported
+// (Problems, Stats). Write errors (ENOSPC, EIO, a failed fsync with kEvery)
+// refuse the append, lose nothing written before it, and WriteHealth()
+// reports them until a retry succeeds. The contract, and why, is
+// docs/DESIGN.md §2.6; the passes are store/segment_recovery.cc.
 //
 // Reads: each series keeps its most recent `cache_points_per_series` points in
 // memory; older points are read back from the segment files. Point encoding
