@@ -62,15 +62,16 @@ int64_t RunTracker::LastStep(const std::string& run) const {
 
 void RunTracker::OnRunForgotten(const std::string& run) {
   std::lock_guard<std::mutex> lock(mu_);
-  const auto it = runs_.find(run);
-  if (it == runs_.end()) return;
-  RunState& state = it->second;
-  if (state.info_gauge != nullptr) metrics_.run_info.Remove(state.info_gauge);
-  if (state.last_step_gauge != nullptr) metrics_.last_step.Remove(state.last_step_gauge);
-  state.info_gauge = nullptr;  // a later Hello describes the run again
-  state.last_step_gauge = nullptr;
-  if (state.series_added) metrics_.RemoveRun(run);
-  state.series_added = false;
+  if (const auto it = runs_.find(run); it != runs_.end()) {
+    RunState& state = it->second;
+    if (state.info_gauge != nullptr) metrics_.run_info.Remove(state.info_gauge);
+    if (state.last_step_gauge != nullptr) metrics_.last_step.Remove(state.last_step_gauge);
+    state.info_gauge = nullptr;  // a later Hello describes the run again
+    state.last_step_gauge = nullptr;
+    state.series_added = false;
+  }
+  // Also signal gauges exported without a summary here (restored from the store).
+  metrics_.RemoveRun(run);
 }
 
 std::vector<RunTracker::RunSummary> RunTracker::Runs() const {
