@@ -206,6 +206,11 @@ def parse_args(argv=None):
     g.add_argument("--stop-after-divergence", type=int, default=None, metavar="N",
                    help="stop N steps after the divergence rule (divergence_step) triggers "
                         "(default: run all --steps)")
+    g.add_argument("--output-stats-out", default=None, metavar="PATH",
+                   help="write {\"losses\": [...], \"log_partition\": [[mean, max], ...]} as JSON "
+                        "to PATH at the end: every step's loss and the log-partition "
+                        "(logsumexp of the output logits) of its training batch, mean and max "
+                        "over the tokens (what a z-loss penalizes; tests/eval/output_logits.py)")
     g.add_argument("--losses-out", default=None, metavar="PATH",
                    help="write {\"losses\": [...]} (every step's loss) as JSON to PATH at the "
                         "end; '-': as the last line of standard output")
@@ -497,6 +502,7 @@ def run(args, tap=None, out=print):
         recorder.start()
 
     losses, grad_norms, train_seconds, monitor_seconds = [], [], [], []
+    log_partitions = []  # (mean, max) over the batch's tokens, with --output-stats-out
     watch = DivergenceWatch(args.warmup)
     tie_stats_start = None  # lowprec_rtn: RTN_TIE_STATS at the fault step
     batch_size = args.batch_size
@@ -532,6 +538,10 @@ def run(args, tap=None, out=print):
                 model.parameters(), args.clip if args.clip > 0 else math.inf)
             optimizer.step()
             ce_value, grad_norm_value = ce.item(), grad_norm.item()
+            if args.output_stats_out:
+                with torch.no_grad():
+                    log_z = torch.logsumexp(logits.detach().float(), dim=-1)
+                    log_partitions.append((log_z.mean().item(), log_z.max().item()))
             t1 = time.perf_counter()
             if monitor is not None:
                 monitor.step(step, loss=ce_value, grad_norm=grad_norm_value, lr=lr)
@@ -576,6 +586,7 @@ def run(args, tap=None, out=print):
         mean_nonprobe_monitor_s=(sum(monitor_seconds[s] for s in other_steps) / len(other_steps)
                                  if monitor is not None and other_steps else 0.0),
         stats=stats, recorder=recorder, model=model, alert_events=alert_events,
+        log_partitions=log_partitions,
         divergence_step=divergence_step(losses, args.warmup), rtn_tie_share=None)
     if tie_stats_start is not None:
         # Attention rows (training, probe and curvature forwards) with a row-max tie.
@@ -629,6 +640,12 @@ def alert_timeline(events, divergence, args):
 def main(argv=None):
     args = parse_args(argv)
     result = run(args)
+    if args.output_stats_out:
+        finite = lambda x: x if math.isfinite(x) else None  # noqa: E731
+        with open(args.output_stats_out, "w") as f:
+            json.dump({"losses": [finite(x) for x in result["losses"]],
+                       "log_partition": [[finite(m), finite(x)]
+                                         for m, x in result["log_partitions"]]}, f)
     if args.losses_out:
         text = json.dumps({"losses": [x if math.isfinite(x) else None for x in result["losses"]]})
         if args.losses_out == "-":
