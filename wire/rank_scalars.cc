@@ -1,6 +1,7 @@
 #include "wire/rank_scalars.h"
 
 #include <algorithm>
+#include <type_traits>
 
 namespace foreshock::wire {
 namespace {
@@ -216,6 +217,21 @@ template <typename Io, typename J>
 bool JoiningFields(Io& io, J& joining) {
   return io(joining.last_step) && io(joining.steps);
 }
+// One rank's report of an open step: a bit per field it has (loss 1,
+// grad_norm 2, lr 4), then every field's value. False on a read that failed
+// or bits no field has.
+template <typename Io, typename S>
+bool ReportFields(Io& io, S& s) {
+  uint8_t fields = static_cast<uint8_t>((s.has_loss ? 1 : 0) | (s.has_grad_norm ? 2 : 0) |
+                                        (s.has_lr ? 4 : 0));
+  if (!io(fields) || !io(s.loss) || !io(s.grad_norm) || !io(s.lr) || fields > 7) return false;
+  if constexpr (!std::is_const_v<S>) {
+    s.has_loss = fields & 1;
+    s.has_grad_norm = fields & 2;
+    s.has_lr = fields & 4;
+  }
+  return true;
+}
 }  // namespace
 
 void RankScalars::SaveState(codec::StateWriter& writer) const {
@@ -237,11 +253,7 @@ void RankScalars::SaveState(codec::StateWriter& writer) const {
       writer.PutU64(open.by_rank.size());
       for (const auto& [rank, s] : open.by_rank) {
         writer.PutI32(rank);
-        writer.PutU8(static_cast<uint8_t>((s.has_loss ? 1 : 0) | (s.has_grad_norm ? 2 : 0) |
-                                          (s.has_lr ? 4 : 0)));
-        writer.PutDouble(s.loss);
-        writer.PutDouble(s.grad_norm);
-        writer.PutDouble(s.lr);
+        ReportFields(io, s);
       }
     }
     writer.PutU64(run.joining.size());
@@ -289,19 +301,12 @@ bool RankScalars::RestoreState(codec::StateReader& reader,
       if (step <= run.emitted) return reader.Fail("an open step at or below the emitted one");
       for (uint64_t k = 0; k < n_reports; ++k) {
         int32_t rank = 0;
-        uint8_t fields = 0;
         ScalarsSample s;
-        if (!reader.GetI32(rank) || !reader.GetU8(fields) || !reader.GetDouble(s.loss) ||
-            !reader.GetDouble(s.grad_norm) || !reader.GetDouble(s.lr)) {
-          return false;
-        }
-        if (fields > 7) return reader.Fail("unknown scalar fields");
+        if (!reader.GetI32(rank)) return false;
+        if (!ReportFields(io, s)) return reader.ok() && reader.Fail("unknown scalar fields");
         if (!open.by_rank.empty() && open.by_rank.back().first >= rank) {
           return reader.Fail("an open step's ranks out of order");
         }
-        s.has_loss = fields & 1;
-        s.has_grad_norm = fields & 2;
-        s.has_lr = fields & 4;
         open.by_rank.emplace_back(rank, s);
       }
       if (!run.open.emplace(step, std::move(open)).second) return reader.Fail("a step saved twice");
