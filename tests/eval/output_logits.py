@@ -17,7 +17,8 @@ first step that rise reached 6 nats, against the run's divergence step.
 
 PLAN is a tests/eval/preregistered/natural-<freeze>.json, GROUP one of its
 cells, TWIN 1 for the QK-layernorm twin, LR the peak LR. Without specs: the
-seven twins of draws 1, 3, 4 and 5 that diverged and ten healthy twins.
+seven twins of draws 1, 3, 4 and 5 that diverged, eleven healthy twins, and
+eight runs of draw 4 without QK-layernorm.
 """
 import argparse
 import json
@@ -43,6 +44,13 @@ DEFAULT_SPECS = [
     f"{D5}:g7-fp32:1:0.003", f"{D5}:g7-fp32:1:0.03", f"{D5}:g7-fp32:1:0.1",
     f"{D5}:g0-bf16:1:0.03", f"{D5}:g2-fp32-zloss:1:0.03", f"{D5}:g3-fp32:1:0.03",
     f"{D5}:g6-fp32-zloss:1:0.03",
+    # Added after the first seventeen: a healthy twin at 3e-2 on the copy
+    # task, and runs without QK-layernorm (draw 4: three healthy runs the
+    # max-logit bound alarmed on, four damaged ones, one at the best LR).
+    f"{D4}:g5-fp32-nobalance:1:0.03",
+    f"{D4}:g2-bf16:0:0.03", f"{D4}:g5-fp32-nobalance:0:0.03", f"{D4}:g0-fp32-zloss:0:0.03",
+    f"{D4}:g3-fp32:0:0.03", f"{D4}:g7-fp32:0:0.03", f"{D4}:g2-bf16:0:0.1",
+    f"{D4}:g6-bf16:0:0.03", f"{D4}:g5-fp32-nobalance:0:0.003",
 ]
 
 
