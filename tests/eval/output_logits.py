@@ -17,8 +17,8 @@ first step that rise reached 6 nats, against the run's divergence step.
 
 PLAN is a tests/eval/preregistered/natural-<freeze>.json, GROUP one of its
 cells, TWIN 1 for the QK-layernorm twin, LR the peak LR. Without specs: the
-seven twins of draws 1, 3, 4 and 5 that diverged, eleven healthy twins, and
-eight runs of draw 4 without QK-layernorm.
+seven twins of draws 1, 3, 4 and 5 that diverged, fifteen healthy twins,
+three unclear ones, and eight runs of draw 4 without QK-layernorm.
 """
 import argparse
 import json
@@ -34,8 +34,9 @@ RISE_NATS = 10.0  # the first step log Z is this far above its step-0 value
 GROWTH_NATS, GROWTH_STEPS = 6.0, 100  # the first step log Z rose this much over these steps
 STEPS_SHOWN = (0, 100, 200, 300, 400, 500, 600, 700, 799)
 
-D1, D3, D4, D5 = ("natural-4b49e7616203.json", "natural-d9060f0fa946.json",
-                  "natural-90041835440d.json", "natural-187b130d595d.json")
+D1, D2, D3, D4, D5 = ("natural-4b49e7616203.json", "natural-69368599bb2a.json",
+                      "natural-d9060f0fa946.json", "natural-90041835440d.json",
+                      "natural-187b130d595d.json")
 DEFAULT_SPECS = [
     f"{D1}:g0-fp32-nobalance:1:0.003", f"{D1}:g0-fp32-nobalance:1:0.03",
     f"{D3}:g0-bf16:1:0.003", f"{D3}:g0-bf16:1:0.03", f"{D3}:g0-bf16:1:0.1",
@@ -51,6 +52,11 @@ DEFAULT_SPECS = [
     f"{D4}:g2-bf16:0:0.03", f"{D4}:g5-fp32-nobalance:0:0.03", f"{D4}:g0-fp32-zloss:0:0.03",
     f"{D4}:g3-fp32:0:0.03", f"{D4}:g7-fp32:0:0.03", f"{D4}:g2-bf16:0:0.1",
     f"{D4}:g6-bf16:0:0.03", f"{D4}:g5-fp32-nobalance:0:0.003",
+    # Then every other copy-task twin at 3e-2 of draws 2-4: four healthy,
+    # three unclear.
+    f"{D2}:g1-fp32-nobalance:1:0.03", f"{D4}:g7-fp32:1:0.03", f"{D3}:g2-fp32:1:0.03",
+    f"{D3}:g3-fp32-zloss:1:0.03", f"{D4}:g3-fp32:1:0.03", f"{D3}:g1-fp32-nobalance:1:0.03",
+    f"{D2}:g2-fp32-zloss:1:0.03",
 ]
 
 
