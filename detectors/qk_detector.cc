@@ -604,12 +604,13 @@ std::optional<RetainedFootprint> QKDetector::RetainedBy(const Sample& sample,
   }
   RetainedFootprint footprint{SampleKind::kQK, qk->layer, qk->probe_id, qk->heads.empty(), {}};
   footprint.heads.reserve(static_cast<size_t>(rows));
+  const bool track_top_vector = options.Get<QKDetectorOptions>().track_top_vector;
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t kv = qk->kv_head_of.empty() ? row : qk->kv_head_of[static_cast<size_t>(row)];
     const int head = qk->heads.empty() ? static_cast<int>(row) : qk->heads[static_cast<size_t>(row)];
     footprint.heads.emplace_back(
         head, QKHeadRetainedBytes(q[1], q[2], qk->q.dtype, qk->k.dtype, sharers[kv],
-                                  options.Get<QKDetectorOptions>().track_top_vector));
+                                  track_top_vector));
   }
   return footprint;
 }

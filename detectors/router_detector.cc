@@ -284,11 +284,12 @@ std::optional<RetainedFootprint> RouterDetector::RetainedBy(const Sample& sample
   if (router == nullptr) return std::nullopt;
   const auto& shape = router->logits.shape;
   if (shape.size() != 2) return std::nullopt;
+  const auto& router_options = options.Get<RouterDetectorOptions>();
   return RetainedFootprint{
       SampleKind::kRouter, router->layer, router->probe_id, true,
       {{-1, RouterRetainedBytes(shape[0], shape[1], router->top_k,
-                               std::max(options.Get<RouterDetectorOptions>().dead_window,
-                                        options.Get<RouterDetectorOptions>().dead_window_max))}}};
+                               std::max(router_options.dead_window,
+                                        router_options.dead_window_max))}}};
 }
 
 }  // namespace
