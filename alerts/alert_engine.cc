@@ -290,7 +290,7 @@ std::vector<AlertTransition> AlertEngine::Observe(const SignalPoint& point) {
       series.record->alert.state == AlertState::kPending && assessment.onset_step >= 0 &&
       IsAttentionFamily(FamilyOfAlert(series.record->alert.alertname)) &&
       point.step - assessment.onset_step > config_.probable_cause.onset_window_steps &&
-      HeldForCorroboration(run, *series.record)) {
+      HeldForCorroboration(run, *series.record, point.step)) {
     series.detector.ResetEpisode();
     Evaluate(run, *series.record, series, series.detector.last(), point.step, out);
     return out;
@@ -301,7 +301,7 @@ std::vector<AlertTransition> AlertEngine::Observe(const SignalPoint& point) {
   if (assessment.state != before ||
       (assessment.state == SeriesState::kAnomalous &&
        series.record->alert.state == AlertState::kPending &&
-       !HeldForCorroboration(run, *series.record))) {
+       !HeldForCorroboration(run, *series.record, point.step))) {
     Evaluate(run, *series.record, series, assessment, point.step, out);
   }
   return out;
@@ -356,7 +356,7 @@ void AlertEngine::Evaluate(RunState& run, AlertRecord& record, const Series& tri
   // fp32 attention: an attention-side alert confirms, but waits pending for
   // another kind of alert in the run (ProbableCauseConfig).
   const bool held = any_anomalous && alert.state != AlertState::kFiring &&
-                    HeldForCorroboration(run, record);
+                    HeldForCorroboration(run, record, step);
   if (held) {
     any_anomalous = false;
     any_pending = true;

@@ -298,11 +298,15 @@ class AlertEngine {
   void OnFired(RunState& run, AlertRecord& fired, int64_t step, std::vector<AlertTransition>& out);
   // An alert that must wait, pending, for another kind: attention-side in an
   // fp32 run, the curvature, or expert deaths alone
-  // (ProbableCauseConfig::*_needs_corroboration).
-  bool HeldForCorroboration(const RunState& run, const AlertRecord& record) const;
+  // (ProbableCauseConfig::*_needs_corroboration), judged as of training step
+  // `step`: an alert that fired at a later step (its layer processed ahead by
+  // another worker) corroborates nothing yet.
+  bool HeldForCorroboration(const RunState& run, const AlertRecord& record, int64_t step) const;
   // A router collapse that only expert deaths raised, in a run with no other
-  // kind of trouble (ProbableCauseConfig::expert_deaths_need_corroboration).
-  bool ExpertDeathsAlone(const RunState& run, const AlertRecord& record) const;
+  // kind of trouble by `step` (ProbableCauseConfig::expert_deaths_need_corroboration).
+  bool ExpertDeathsAlone(const RunState& run, const AlertRecord& record, int64_t step) const;
+  // Fired (firing now, or fired then resolved) at or before `step`.
+  static bool FiredBy(const AlertRecord& record, int64_t step);
   // The families whose alerts release an fp32 attention hold.
   static bool Corroborates(AlertFamily family);
   // Firing, or with a series anomalous now (confirmed, though perhaps held).

@@ -103,7 +103,14 @@ using engine_internal::kOutputBiasSignal;
 using engine_internal::kUnbiasedOutputEvidence;
 using engine_internal::Num;
 
-bool AlertEngine::HeldForCorroboration(const RunState& run, const AlertRecord& record) const {
+bool AlertEngine::FiredBy(const AlertRecord& record, int64_t step) {
+  const AlertState state = record.alert.state;
+  return (state == AlertState::kFiring || state == AlertState::kResolved) &&
+         record.alert.firing_step >= 0 && record.alert.firing_step <= step;
+}
+
+bool AlertEngine::HeldForCorroboration(const RunState& run, const AlertRecord& record,
+                                       int64_t step) const {
   const AlertFamily family = FamilyOfAlert(record.alert.alertname);
   if (family == AlertFamily::kCurvature) {
     if (!config_.probable_cause.curvature_needs_corroboration) return false;
@@ -117,7 +124,7 @@ bool AlertEngine::HeldForCorroboration(const RunState& run, const AlertRecord& r
     }
     return true;
   }
-  if (family == AlertFamily::kRouterCollapse) return ExpertDeathsAlone(run, record);
+  if (family == AlertFamily::kRouterCollapse) return ExpertDeathsAlone(run, record, step);
   if (!config_.probable_cause.fp32_attention_needs_corroboration) return false;
   if (!IsAttentionFamily(family)) return false;
   // Attention logits past their absolute bound are never held (issue 33): in
@@ -137,13 +144,13 @@ bool AlertEngine::HeldForCorroboration(const RunState& run, const AlertRecord& r
   for (const auto& [key, other] : run.alerts) {
     const AlertFamily other_family = FamilyOfAlert(other.alert.alertname);
     if (!Corroborates(other_family)) continue;
-    if (other.alert.state == AlertState::kFiring) return false;
+    if (other.alert.state == AlertState::kFiring && FiredBy(other, step)) return false;
     // A curvature surge held for corroboration itself is the other kind.
     if (other_family == AlertFamily::kCurvature && other.alert.state == AlertState::kPending &&
         Anomalous(other)) {
       return false;
     }
-    trouble_seen |= other.alert.state == AlertState::kResolved;
+    trouble_seen |= other.alert.state == AlertState::kResolved && FiredBy(other, step);
   }
   // A value far beyond its absolute bound (attention max logit 800 against
   // 100) is not the model learning: once the run has shown trouble it is not
@@ -164,7 +171,8 @@ bool AlertEngine::HeldForCorroboration(const RunState& run, const AlertRecord& r
   return true;
 }
 
-bool AlertEngine::ExpertDeathsAlone(const RunState& run, const AlertRecord& record) const {
+bool AlertEngine::ExpertDeathsAlone(const RunState& run, const AlertRecord& record,
+                                    int64_t step) const {
   if (!config_.probable_cause.expert_deaths_need_corroboration) return false;
   // The router's logits moving (entropy, z-loss, flips) is a collapse of its
   // own: never held.
@@ -182,9 +190,7 @@ bool AlertEngine::ExpertDeathsAlone(const RunState& run, const AlertRecord& reco
     if (&other == &record) continue;
     const AlertFamily other_family = FamilyOfAlert(other.alert.alertname);
     if (other_family == AlertFamily::kRouterImbalance) continue;
-    if (other.alert.state == AlertState::kFiring || other.alert.state == AlertState::kResolved) {
-      return false;
-    }
+    if (FiredBy(other, step)) return false;
     if (other_family == AlertFamily::kCurvature && other.alert.state == AlertState::kPending &&
         Anomalous(other)) {
       return false;

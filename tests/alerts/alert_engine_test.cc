@@ -565,6 +565,23 @@ TEST(AlertEngineTest, ExpertDeathsAloneAreHeldUntilAnotherKindFires) {
   EXPECT_LE(r2[1].step, died + 220);  // the next probe of the held series
   EXPECT_EQ(r2[1].alert.description.find("Held: "), std::string::npos);
 
+  // r5: r2 as another worker may deliver it: the loss, spike included, is
+  // processed before the router's layer reaches the deaths. A spike at a
+  // later step corroborates nothing yet: the collapse fires at the spike's
+  // step or the held series' next probe, as in step order, not when its layer
+  // first shows the deaths (under load an end-to-end run fired at 319
+  // against a spike at 402).
+  driver.Series("r5", "loss", kNoLayer, died + 50, 150, 2.0, 1);
+  driver.Series("r5", "loss", kNoLayer, died + 200, 10, 4.0, 1);
+  dying("r5", 1);
+  const auto r5 = changes("r5");
+  ASSERT_EQ(r5.size(), 2u);
+  EXPECT_EQ(r5[0].to, AlertState::kPending);
+  EXPECT_EQ(r5[1].to, AlertState::kFiring);
+  EXPECT_EQ(r5[1].alert.first_step, died);
+  EXPECT_GE(r5[1].step, died + 200);
+  EXPECT_LE(r5[1].step, died + 220);
+
   // r3: the router's logits grow in the same layer as its experts die: the
   // collapse fires from the z-loss, unheld.
   driver.Fault("r3", "router_z_loss", 1, died + 100, 1.0, 3.0);

@@ -107,7 +107,9 @@ def test_experts_that_die_before_the_loss_spikes_are_a_collapse(foreshockd):
     assert collapse and collapse[0]["signal"] == "router_experts_died", alerts
     assert collapse[0]["state"] == "firing", collapse
     assert 250 <= int(collapse[0]["first_step"]) < 400
-    assert int(collapse[0]["firing_step"]) >= 400
+    assert int(collapse[0]["firing_step"]) >= 400, [
+        (a["alertname"], a["signal"], a["layer"], a["first_step"], a["firing_step"], a["state"])
+        for a in alerts]
     # Neither a router alert nor a loss spike is evidence of a cause.
     assert collapse[0]["probable_cause"] == "unknown", collapse[0]
 
