@@ -320,6 +320,8 @@ class AlertEngine {
   // Some alert of `run` other than `except` and of a mechanism family (not a
   // consequence) is pending or firing.
   static bool AnyMechanismAlertActive(const RunState& run, const AlertRecord* except);
+  // Every family of the run's episode, `except` aside, is a symptom (or none fired).
+  static bool OnlySymptomsFired(const RunState& run, AlertFamily except);
   // Every layer of `run` that computes attention in bf16 or fp16 sent the
   // output check (ProbableCauseConfig::unbiased_output_rules_out_precision).
   static bool OutputMeasuredUnbiased(const RunState& run);

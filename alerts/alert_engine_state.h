@@ -92,7 +92,7 @@ struct AlertEngine::RunState {
   std::array<int64_t, engine_internal::kFamilyCount> family_onset;
   std::array<int64_t, engine_internal::kFamilyCount> family_fired_step;  // when that episode fired
   ProbableCause cause = ProbableCause::kUnknown;
-  int64_t mechanism_onset = -1;  // earliest onset among the evidence families
+  int64_t mechanism_onset = -1;  // earliest onset among the families that name a cause (DeriveCause)
   bool cause_settled = false;
   std::string cause_evidence;
   // The streamed learning rate, (step, value) by step; trimmed to what the

@@ -85,8 +85,10 @@ struct ProbableCauseConfig {
   // Evidence for the probable cause is the set of mechanism alert families
   // (QK spectrum, attention logits, router, curvature) whose first episode
   // began within this many steps of the run's mechanism onset (the earliest
-  // such episode). Later alerts are consequences of a run that is already
-  // going unstable and must not change the diagnosis. Short, because a fault
+  // such episode that is not a symptom: dead experts, flip surges and load
+  // imbalance count when they began before it, but do not anchor it). Later
+  // alerts are consequences of a run that is already going unstable and must
+  // not change the diagnosis. Short, because a fault
   // spreads: on the demo model, attention faults disturbed the router ~100
   // steps later and LR faults the QK spectrum ~80-150 steps later.
   int64_t onset_window_steps = 50;

@@ -273,6 +273,11 @@ void AlertEngine::OnFired(RunState& run, AlertRecord& fired, int64_t step,
   family_onset = onset;
   run.family_fired_step[static_cast<size_t>(family)] = step;
 
+  // A diagnosis settled on symptoms alone named nothing: the first family
+  // that can name a cause opens it again, anchored at that family.
+  if (run.cause_settled && !IsSymptomFamily(family) && OnlySymptomsFired(run, family)) {
+    run.cause_settled = false;
+  }
   if (run.cause_settled) {
     // The diagnosis was delivered as final; an earlier onset (layers arrive
     // out of order) still moves the rollback step.
@@ -303,6 +308,17 @@ void AlertEngine::OnFired(RunState& run, AlertRecord& fired, int64_t step,
     DeriveCause(run);
   }
   ReannotateRun(run, &fired, step, out);
+}
+
+bool AlertEngine::OnlySymptomsFired(const RunState& run, AlertFamily except) {
+  for (size_t f = 0; f < kFamilyCount; ++f) {
+    const auto family = static_cast<AlertFamily>(f);
+    if (family == except || family == AlertFamily::kConsequence || run.family_onset[f] < 0) {
+      continue;
+    }
+    if (!IsSymptomFamily(family)) return false;
+  }
+  return true;
 }
 
 bool AlertEngine::OutputMeasuredUnbiased(const RunState& run) {
@@ -355,12 +371,20 @@ void AlertEngine::DeriveCause(RunState& run, int64_t fired_by) const {
   auto onset_of = [&](size_t f) {
     return run.family_fired_step[f] <= fired_by ? run.family_onset[f] : int64_t{-1};
   };
+  // The onset is the earliest family that can name a cause; symptoms anchor
+  // it only when nothing else fired (issue 33: held dead experts set a
+  // Qwen3-MoE run's onset at step 400, and the router z-loss that began at
+  // 500 fell outside the window and named nothing).
   int64_t mechanism_onset = -1;
+  int64_t symptom_onset = -1;
   for (size_t f = 0; f < kFamilyCount; ++f) {
     const int64_t onset_f = onset_of(f);
-    if (static_cast<AlertFamily>(f) == AlertFamily::kConsequence || onset_f < 0) continue;
-    if (mechanism_onset < 0 || onset_f < mechanism_onset) mechanism_onset = onset_f;
+    const auto family = static_cast<AlertFamily>(f);
+    if (family == AlertFamily::kConsequence || onset_f < 0) continue;
+    int64_t& anchor = IsSymptomFamily(family) ? symptom_onset : mechanism_onset;
+    if (anchor < 0 || onset_f < anchor) anchor = onset_f;
   }
+  if (mechanism_onset < 0) mechanism_onset = symptom_onset;
   run.mechanism_onset = mechanism_onset;
   if (mechanism_onset < 0) return;
   std::vector<std::string> because;
@@ -503,9 +527,15 @@ bool AlertEngine::RefreshCause(const RunState& run, AlertRecord& record,
       !(include_resolved && alert.state == AlertState::kResolved)) {
     return false;
   }
+  // Roll back before the earliest anomaly of the episode, symptoms included
+  // (they do not anchor the diagnosis, but the damage may begin with them).
   int64_t rollback = alert.first_step;
-  if (run.mechanism_onset >= 0 && (rollback < 0 || run.mechanism_onset < rollback)) {
-    rollback = run.mechanism_onset;
+  auto earlier = [&](int64_t step) {
+    if (step >= 0 && (rollback < 0 || step < rollback)) rollback = step;
+  };
+  earlier(run.mechanism_onset);
+  for (size_t f = 0; f < kFamilyCount; ++f) {
+    if (static_cast<AlertFamily>(f) != AlertFamily::kConsequence) earlier(run.family_onset[f]);
   }
   std::string cause(ProbableCauseName(run.cause));
   std::string action = SuggestedAction(run.cause, rollback);

@@ -2,7 +2,8 @@
 // a precision fault or of a too-large learning rate, and the cause they name
 // (combined, learning_rate_too_high, low_precision_attention, unknown). The
 // engine gathers each run's evidence near its mechanism onset (the first
-// step of its earliest mechanism alert; ProbableCauseConfig says how near)
+// step of its earliest mechanism alert that is not a symptom;
+// ProbableCauseConfig says how near)
 // and settles the cause; the table, the evidence families and why attention
 // evidence counts for precision only when it began before any learning-rate
 // evidence are docs/DESIGN.md §5.5. Loss spikes and non-finite values are
@@ -43,6 +44,13 @@ enum class AlertFamily : uint8_t {
   // family, for the same checkpoint reason.
   kRouterLogitGrowth,
 };
+
+// Dead experts, flip surges and load imbalance are symptoms: alone they name
+// no cause (a MoE without load balancing sheds experts at a healthy LR), so
+// they count as evidence but do not anchor a run's mechanism onset.
+inline bool IsSymptomFamily(AlertFamily family) {
+  return family == AlertFamily::kRouterCollapse || family == AlertFamily::kRouterImbalance;
+}
 
 // The family of one of the docs/DESIGN.md §5.1 alert names (kConsequence for others).
 AlertFamily FamilyOfAlert(std::string_view alertname);

@@ -615,6 +615,54 @@ TEST(AlertEngineTest, ExpertDeathsAloneAreHeldUntilAnotherKindFires) {
   EXPECT_EQ(fired[1].step, died + 20);
 }
 
+// Issue 33 (Hugging Face seed 1, a Qwen3-MoE at every=50): held expert
+// deaths released by the loss set the run's onset at step 400, the router's
+// z-loss that began at 500 fell outside the onset window, and the run stayed
+// "unknown". Symptoms count as evidence but do not anchor the diagnosis: a
+// diagnosis resting on symptoms alone is opened again by the first family
+// that can name a cause, anchored there.
+TEST(AlertEngineTest, SymptomsDoNotAnchorTheDiagnosis) {
+  EngineDriver driver(DefaultAlertConfig());
+  const int64_t start = StartStep("router_experts_died");
+  const int samples = static_cast<int>(start / 10) + Warmup("router_experts_died") + 20;
+  const int64_t died = 10 * samples;
+  driver.Series("r1", "loss", kNoLayer, died + 50, 150, 2.0, 1);
+  driver.Series("r1", "router_experts_died", 2, 0, samples, 0.0);
+  driver.Series("r1", "router_experts_died", 2, died, 60, 2.0);  // held, to died + 590
+  driver.Series("r1", "loss", kNoLayer, died + 200, 10, 4.0, 1);
+  driver.Series("r1", "loss", kNoLayer, died + 210, 200, 4.0, 1);
+  const auto deaths = driver.Transitions(kRouterCollapse, "2");
+  ASSERT_GE(deaths.size(), 2u);
+  EXPECT_EQ(deaths[1].to, AlertState::kFiring);
+  EXPECT_EQ(deaths[1].alert.first_step, died);
+  // Symptoms alone: the diagnosis settles, naming nothing.
+  EXPECT_EQ(deaths.back().alert.probable_cause, "unknown");
+  EXPECT_TRUE(deaths.back().alert.probable_cause_settled);
+
+  // The router's logits grow in another layer, 250 steps after the deaths.
+  driver.Fault("r1", "router_z_loss", 1, died + 250, 1.0, 3.0);
+  driver.Series("r1", "router_z_loss", 1, died + 350, 6, 3.0);
+  driver.Series("r1", "loss", kNoLayer, died + 410, 50, 4.0, 1);
+  const auto growth = driver.Transitions(kRouterCollapse, "1");
+  ASSERT_GE(growth.size(), 2u);
+  EXPECT_EQ(growth[1].to, AlertState::kFiring);
+  EXPECT_EQ(growth[1].alert.first_step, died + 250);
+  EXPECT_EQ(growth[1].alert.probable_cause, "learning_rate_too_high");
+  EXPECT_FALSE(growth[1].alert.probable_cause_settled);  // open again, anchored at died + 250
+  EXPECT_EQ(driver.engine.RunProbableCause("r1"), ProbableCause::kLearningRateTooHigh);
+  // Settled at the new anchor + settle_steps; the deaths' alert is re-sent
+  // with it, and the rollback still goes before the deaths.
+  const auto redone = driver.Transitions(kRouterCollapse, "2");
+  EXPECT_EQ(redone.back().alert.probable_cause, "learning_rate_too_high");
+  EXPECT_TRUE(redone.back().alert.probable_cause_settled);
+  EXPECT_NE(Annotation(redone.back().alert, "suggested_action")
+                .find("before step " + std::to_string(died)),
+            std::string::npos);
+  const std::string evidence = Annotation(redone.back().alert, "probable_cause_evidence");
+  EXPECT_NE(evidence.find("router collapse from step " + std::to_string(died)), std::string::npos)
+      << evidence;
+}
+
 TEST(AlertEngineTest, AttentionMaxLogitBoundFiresWithoutABaselineChange) {
   // A model whose logits sit steady past ten times the bound: no change, no
   // growth, but beyond bound_without_growth.
