@@ -126,6 +126,12 @@ std::string_view HeldNote(AlertFamily family) {
            "run; this waits for another kind of alert (attention, curvature, "
            "learning rate, loss) or for the router's logits to move.";
   }
+  if (family == AlertFamily::kRouterImbalance) {
+    return " Held: a skewed expert load while nothing else moves is often a "
+           "router without (enough) balance loss, which costs throughput, not "
+           "the run; this waits for another kind of alert (attention, router "
+           "collapse, curvature, learning rate, loss).";
+  }
   return " Held: this run computes attention in fp32, so this waits for another "
          "kind of alert (curvature, router, learning rate, loss) to fire.";
 }

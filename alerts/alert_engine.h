@@ -297,7 +297,7 @@ class AlertEngine {
   // annotations changed are appended to `out` as firing -> firing.
   void OnFired(RunState& run, AlertRecord& fired, int64_t step, std::vector<AlertTransition>& out);
   // An alert that must wait, pending, for another kind: attention-side in an
-  // fp32 run, the curvature, or expert deaths alone
+  // fp32 run, the curvature, or expert deaths or router imbalance alone
   // (ProbableCauseConfig::*_needs_corroboration), judged as of training step
   // `step`: an alert that fired at a later step (its layer processed ahead by
   // another worker) corroborates nothing yet.
@@ -305,6 +305,13 @@ class AlertEngine {
   // A router collapse that only expert deaths raised, in a run with no other
   // kind of trouble by `step` (ProbableCauseConfig::expert_deaths_need_corroboration).
   bool ExpertDeathsAlone(const RunState& run, const AlertRecord& record, int64_t step) const;
+  // A router imbalance in a run with no other kind of trouble by `step`
+  // (ProbableCauseConfig::imbalance_needs_corroboration).
+  bool ImbalanceAlone(const RunState& run, const AlertRecord& record, int64_t step) const;
+  // Another kind of trouble than `record`'s, by `step`, for the router
+  // symptoms' holds: an alert that fired (router imbalance aside), or a
+  // curvature surge held itself (the holds release each other).
+  static bool OtherTroubleBy(const RunState& run, const AlertRecord& record, int64_t step);
   // Fired (firing now, or fired then resolved) at or before `step`.
   static bool FiredBy(const AlertRecord& record, int64_t step);
   // The families whose alerts release an fp32 attention hold.

@@ -108,6 +108,7 @@ std::string ConfigFingerprint(const AlertConfig& config) {
   if (!pc.curvature_needs_corroboration) w.PutString("curvature_alone");
   if (!pc.unbiased_output_rules_out_precision) w.PutString("unbiased_output_not_evidence");
   if (!pc.expert_deaths_need_corroboration) w.PutString("expert_deaths_alone");
+  if (!pc.imbalance_needs_corroboration) w.PutString("imbalance_alone");
   return w.Take();
 }
 

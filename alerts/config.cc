@@ -454,6 +454,8 @@ void ParseAlertsSection(const YamlReader& reader, const YAML::Node& alerts, Aler
       config.probable_cause.curvature_needs_corroboration = reader.Bool(node, path);
     } else if (key == "expert_deaths_need_corroboration") {
       config.probable_cause.expert_deaths_need_corroboration = reader.Bool(node, path);
+    } else if (key == "imbalance_needs_corroboration") {
+      config.probable_cause.imbalance_needs_corroboration = reader.Bool(node, path);
     } else if (key == "unbiased_output_rules_out_precision") {
       config.probable_cause.unbiased_output_rules_out_precision = reader.Bool(node, path);
     } else {
@@ -461,7 +463,7 @@ void ParseAlertsSection(const YamlReader& reader, const YAML::Node& alerts, Aler
                      {"onset_window_steps", "settle_steps", "lr_rise_factor", "lr_baseline_steps",
                       "lr_baseline_gap_steps", "fp32_attention_needs_corroboration",
                       "curvature_needs_corroboration", "unbiased_output_rules_out_precision",
-                      "expert_deaths_need_corroboration"});
+                      "expert_deaths_need_corroboration", "imbalance_needs_corroboration"});
     }
   }
 }

@@ -142,6 +142,14 @@ struct ProbableCauseConfig {
   // paged); dead experts cost capacity, which the exported
   // router_experts_died and router_dead_experts series show, not the run.
   bool expert_deaths_need_corroboration = true;
+  // A router imbalance alert (router_load_cv, router_max_violation) waits,
+  // pending, until an alert of another kind fires in the run, as expert
+  // deaths do: the load of a router without (enough) balance loss drifts at
+  // a healthy LR, which costs throughput, not the run, and an imbalance
+  // names no cause (issue 33: the only alert on a healthy QK-layernorm twin
+  // without a balance loss, natural draw 7). On every recorded natural and
+  // injected run before it, imbalance fired after another kind had.
+  bool imbalance_needs_corroboration = true;
 };
 
 struct AlertConfig {

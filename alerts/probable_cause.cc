@@ -125,6 +125,7 @@ bool AlertEngine::HeldForCorroboration(const RunState& run, const AlertRecord& r
     return true;
   }
   if (family == AlertFamily::kRouterCollapse) return ExpertDeathsAlone(run, record, step);
+  if (family == AlertFamily::kRouterImbalance) return ImbalanceAlone(run, record, step);
   if (!config_.probable_cause.fp32_attention_needs_corroboration) return false;
   if (!IsAttentionFamily(family)) return false;
   // Attention logits past their absolute bound are never held (issue 33): in
@@ -181,22 +182,32 @@ bool AlertEngine::ExpertDeathsAlone(const RunState& run, const AlertRecord& reco
       return false;
     }
   }
-  // Another kind of trouble in the run: an alert firing now or fired earlier
-  // (then resolved), or a curvature surge held itself (the holds release
-  // each other). A router collapse elsewhere fired from its logits, since
-  // expert deaths alone never fire. Router imbalance is the same skewed load
-  // that starves the experts, so it proves nothing more.
+  return !OtherTroubleBy(run, record, step);
+}
+
+bool AlertEngine::ImbalanceAlone(const RunState& run, const AlertRecord& record,
+                                 int64_t step) const {
+  if (!config_.probable_cause.imbalance_needs_corroboration) return false;
+  return !OtherTroubleBy(run, record, step);
+}
+
+bool AlertEngine::OtherTroubleBy(const RunState& run, const AlertRecord& record, int64_t step) {
+  // An alert firing now or fired earlier (then resolved), or a curvature
+  // surge held itself. A router collapse elsewhere fired from its logits,
+  // since expert deaths alone never fire. Router imbalance is the same
+  // skewed load that starves the experts, so it proves nothing more, and two
+  // imbalanced layers do not corroborate each other.
   for (const auto& [key, other] : run.alerts) {
     if (&other == &record) continue;
     const AlertFamily other_family = FamilyOfAlert(other.alert.alertname);
     if (other_family == AlertFamily::kRouterImbalance) continue;
-    if (FiredBy(other, step)) return false;
+    if (FiredBy(other, step)) return true;
     if (other_family == AlertFamily::kCurvature && other.alert.state == AlertState::kPending &&
         Anomalous(other)) {
-      return false;
+      return true;
     }
   }
-  return true;
+  return false;
 }
 
 bool AlertEngine::Corroborates(AlertFamily family) {
