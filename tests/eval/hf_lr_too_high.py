@@ -25,7 +25,18 @@ replay is the mechanism's warning, whatever the loop streamed. With
 Per run it prints: model, loop, peak LR, every, the divergence step
 (demo/train.py's rule, docs/DESIGN.md §6.3), the first firing alert of the
 live daemon that is not a loss rule, the mechanism replay's first alert, each
-with its step, probable cause and lead in steps. Writes OUT/results.json."""
+with its step, probable cause and lead in steps. Writes OUT/results.json.
+
+Scoring (--score, after the runs or on an earlier OUT): replays
+OUT/recordings with --foreshockctl, takes each run's first mechanism alert
+that is not a loss rule (with the cause it fired with), classifies each run
+(`outcome`: diverged by the §6.3 rule, else against the best final loss of
+the same model and loop: degraded above 1.10x, healthy within 1.05x, else
+unclear) and writes OUT/scored.json, the per-run list that
+docs/evaluation/hf-seed*.json commit, and prints the table EVALUATION shows.
+
+    build/venv-pypi/bin/python tests/eval/hf_lr_too_high.py --score \\
+        --foreshockctl build/ctl/foreshockctl --out /work/hf-seed2"""
 import argparse
 import json
 import math
@@ -206,19 +217,79 @@ def first_mechanism_alert(alerts):
                 probable_cause=a.get("probable_cause"))
 
 
+def first_replayed_mechanism_alert(fired):
+    """The first of a backtest run's fired alerts that is not a loss rule (the
+    mechanism row replays the loss rules too, as consequences), with the cause
+    it fired with; None if there is none."""
+    fired = sorted((a for a in fired if a["alertname"] not in LOSS_RULES),
+                   key=lambda a: a["step"])
+    if not fired:
+        return None
+    return {k: fired[0].get(k) for k in
+            ("alertname", "first_step", "layer", "probable_cause", "signal", "step")}
+
+
 def mechanism_replay(foreshockctl, recordings):
-    """run_id -> the first alert of the mechanism-only backtest of the recordings."""
+    """run_id -> the first mechanism alert (not a loss rule) of the
+    mechanism-only backtest of the recordings."""
     out = subprocess.run([foreshockctl, "backtest", recordings, "--json", "--signals",
                           "mechanism"], capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
         raise RuntimeError(out.stderr)
-    first = {}
-    for run in json.loads(out.stdout)["runs"]:
-        fired = sorted(run.get("alerts", []), key=lambda a: a["step"])
-        first[run["run_id"]] = ({k: fired[0].get(k) for k in
-                                 ("alertname", "layer", "signal", "step", "probable_cause")}
-                                if fired else None)
-    return first
+    return {run["run_id"]: first_replayed_mechanism_alert(run.get("alerts", []))
+            for run in json.loads(out.stdout)["runs"]}
+
+
+def outcome(row, best_final_loss):
+    """diverged (the §6.3 rule), else against the best final loss of the same
+    model and loop: degraded above 1.10x, healthy within 1.05x, else unclear."""
+    if row["divergence_step"] is not None:
+        return "diverged"
+    ratio = row["final_loss"] / best_final_loss
+    return "degraded" if ratio > 1.10 else "healthy" if ratio <= 1.05 else "unclear"
+
+
+def score(results, first_alerts):
+    """Per run of results.json: outcome, the first mechanism alert and its lead
+    in steps on a diverged run (the layout of docs/evaluation/hf-seed*.json)."""
+    best = {}
+    for r in results:
+        key = (r["model"], r["loop"])
+        best[key] = min(best.get(key, math.inf), r["final_loss"])
+    rows = []
+    for r in results:
+        first = first_alerts.get(r["run_id"])
+        lead = (r["divergence_step"] - first["step"]
+                if first and r["divergence_step"] is not None else None)
+        rows.append(dict(model=r["model"], loop=r["loop"], peak_lr=r["peak_lr"],
+                         every=r["every"], outcome=outcome(r, best[(r["model"], r["loop"])]),
+                         divergence_step=r["divergence_step"], final_loss=r["final_loss"],
+                         first_mechanism_alert=first, lead=lead))
+    return rows
+
+
+def score_table(rows):
+    lines = ["| model | loop | peak LR | every | outcome | divergence | final loss | "
+             "first mechanism alert: layer (signal) step | lead | cause |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for x in rows:
+        a = x["first_mechanism_alert"]
+        alert = (f"{a['alertname'].removeprefix('Foreshock')} {a['layer']} ({a['signal']}) "
+                 f"{a['step']}" if a else "—")
+        lead = "" if x["lead"] is None else x["lead"]
+        lines.append(f"| {x['model']} | {x['loop']} | {x['peak_lr']:g} | {x['every']} | "
+                     f"{x['outcome']} | {x['divergence_step'] or '—'} | {x['final_loss']:.3f} | "
+                     f"{alert} | {lead} | {a['probable_cause'] if a else ''} |")
+    return "\n".join(lines)
+
+
+def score_recorded(foreshockctl, out_dir):
+    with open(os.path.join(out_dir, "results.json")) as f:
+        results = json.load(f)
+    rows = score(results, mechanism_replay(foreshockctl, os.path.join(out_dir, "recordings")))
+    with open(os.path.join(out_dir, "scored.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print(score_table(rows))
 
 
 def replay(foreshockctl, binary, recordings, workdir, run_id):
@@ -235,7 +306,9 @@ def replay(foreshockctl, binary, recordings, workdir, run_id):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--foreshockd", required=True)
+    p.add_argument("--score", action="store_true",
+                   help="only score the runs already in --out (see the module text)")
+    p.add_argument("--foreshockd")
     p.add_argument("--foreshockctl", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--lrs", nargs="+", type=float, default=[3e-1, 3e-3])
@@ -247,6 +320,11 @@ def main():
     p.add_argument("--models", nargs="+", default=["llama"], choices=["llama", "qwen3moe"])
     p.add_argument("--loops", nargs="+", default=["monitor"], choices=["monitor", "trainer"])
     args = p.parse_args()
+    if args.score:
+        score_recorded(args.foreshockctl, args.out)
+        return
+    if not args.foreshockd:
+        p.error("--foreshockd is required to record runs")
     os.makedirs(args.out, exist_ok=True)
     rec_dir = os.path.join(args.out, "recordings")
     os.makedirs(rec_dir, exist_ok=True)
