@@ -305,9 +305,6 @@ class AlertEngine {
   // A router collapse that only expert deaths raised, in a run with no other
   // kind of trouble by `step` (ProbableCauseConfig::expert_deaths_need_corroboration).
   bool ExpertDeathsAlone(const RunState& run, const AlertRecord& record, int64_t step) const;
-  // A router imbalance in a run with no other kind of trouble by `step`
-  // (ProbableCauseConfig::imbalance_needs_corroboration).
-  bool ImbalanceAlone(const RunState& run, const AlertRecord& record, int64_t step) const;
   // Another kind of trouble than `record`'s, by `step`, for the router
   // symptoms' holds: an alert that fired (router imbalance aside), or a
   // curvature surge held itself (the holds release each other).

@@ -125,7 +125,10 @@ bool AlertEngine::HeldForCorroboration(const RunState& run, const AlertRecord& r
     return true;
   }
   if (family == AlertFamily::kRouterCollapse) return ExpertDeathsAlone(run, record, step);
-  if (family == AlertFamily::kRouterImbalance) return ImbalanceAlone(run, record, step);
+  if (family == AlertFamily::kRouterImbalance) {
+    return config_.probable_cause.imbalance_needs_corroboration &&
+           !OtherTroubleBy(run, record, step);
+  }
   if (!config_.probable_cause.fp32_attention_needs_corroboration) return false;
   if (!IsAttentionFamily(family)) return false;
   // Attention logits past their absolute bound are never held (issue 33): in
@@ -182,12 +185,6 @@ bool AlertEngine::ExpertDeathsAlone(const RunState& run, const AlertRecord& reco
       return false;
     }
   }
-  return !OtherTroubleBy(run, record, step);
-}
-
-bool AlertEngine::ImbalanceAlone(const RunState& run, const AlertRecord& record,
-                                 int64_t step) const {
-  if (!config_.probable_cause.imbalance_needs_corroboration) return false;
   return !OtherTroubleBy(run, record, step);
 }
 
@@ -540,13 +537,12 @@ bool AlertEngine::RefreshCause(const RunState& run, AlertRecord& record,
   }
   // Roll back before the earliest anomaly of the episode, symptoms included
   // (they do not anchor the diagnosis, but the damage may begin with them).
+  // (The mechanism onset is one of these family onsets.)
   int64_t rollback = alert.first_step;
-  auto earlier = [&](int64_t step) {
-    if (step >= 0 && (rollback < 0 || step < rollback)) rollback = step;
-  };
-  earlier(run.mechanism_onset);
   for (size_t f = 0; f < kFamilyCount; ++f) {
-    if (static_cast<AlertFamily>(f) != AlertFamily::kConsequence) earlier(run.family_onset[f]);
+    const int64_t onset = run.family_onset[f];
+    if (static_cast<AlertFamily>(f) == AlertFamily::kConsequence || onset < 0) continue;
+    if (rollback < 0 || onset < rollback) rollback = onset;
   }
   std::string cause(ProbableCauseName(run.cause));
   std::string action = SuggestedAction(run.cause, rollback);
