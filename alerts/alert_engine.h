@@ -294,8 +294,11 @@ class AlertEngine {
                 std::vector<AlertTransition>& out);
   // Records evidence for the probable cause and the first firing layer, and
   // re-annotates the run's alerts; firing alerts other than `fired` whose
-  // annotations changed are appended to `out` as firing -> firing.
+  // annotations changed are appended to `out` as firing -> firing. Then fires
+  // the alerts held for corroboration (ReleaseHeld), with that evidence.
   void OnFired(RunState& run, AlertRecord& fired, int64_t step, std::vector<AlertTransition>& out);
+  void CountFiredEvidence(RunState& run, AlertRecord& fired, int64_t step,
+                          std::vector<AlertTransition>& out);
   // An alert that must wait, pending, for another kind: attention-side in an
   // fp32 run, the curvature, or expert deaths or router imbalance alone
   // (ProbableCauseConfig::*_needs_corroboration), judged as of training step

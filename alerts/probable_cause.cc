@@ -235,8 +235,16 @@ void AlertEngine::ReleaseHeld(RunState& run, int64_t step, std::vector<AlertTran
 
 void AlertEngine::OnFired(RunState& run, AlertRecord& fired, int64_t step,
                           std::vector<AlertTransition>& out) {
-  // Held alerts (fp32 attention, curvature) fire with the first alert of another kind.
+  CountFiredEvidence(run, fired, step, out);
+  // Held alerts fire with the first alert of another kind, after its evidence
+  // counted: they fire with the diagnosis it completes (issue 33: dead
+  // experts released by the router's z-loss fired "unknown" at the step the
+  // z-loss named the learning rate, then were re-sent with it).
   ReleaseHeld(run, step, out);
+}
+
+void AlertEngine::CountFiredEvidence(RunState& run, AlertRecord& fired, int64_t step,
+                                     std::vector<AlertTransition>& out) {
   const Alert& alert = fired.alert;
   // The episode's onset: the earliest first anomalous step of the series
   // that are anomalous now (a non-finite alert has no series: its step).

@@ -667,6 +667,39 @@ TEST(AlertEngineTest, SymptomsDoNotAnchorTheDiagnosis) {
       << evidence;
 }
 
+// Issue 33 (Hugging Face seed 3): held expert deaths released by the router's
+// z-loss in another layer fired with cause "unknown" at the very step the
+// z-loss named the learning rate, and were re-sent with it a moment later.
+// A released alert fires with the diagnosis that the alert releasing it
+// completes.
+TEST(AlertEngineTest, ReleasedAlertsFireWithTheEvidenceThatReleasedThem) {
+  EngineDriver driver(DefaultAlertConfig());
+  const int64_t start = StartStep("router_experts_died");
+  const int samples = static_cast<int>(start / 10) + Warmup("router_experts_died") + 20;
+  const int64_t died = 10 * samples;
+  driver.Series("r1", "router_experts_died", 1, 0, samples, 0.0);
+  driver.Series("r1", "router_experts_died", 1, died, 60, 2.0);  // held, to died + 590
+  driver.Fault("r1", "router_z_loss", 2, died + 100, 1.0, 3.0);
+  const auto growth = driver.StateChanges(kRouterCollapse, "2");
+  ASSERT_FALSE(growth.empty());
+  ASSERT_EQ(growth.back().to, AlertState::kFiring);
+  const int64_t released_at = growth.back().step;
+  EXPECT_EQ(growth.back().alert.probable_cause, "learning_rate_too_high");
+
+  const auto deaths = driver.Transitions(kRouterCollapse, "1");
+  ASSERT_GE(deaths.size(), 2u);
+  EXPECT_EQ(deaths[0].to, AlertState::kPending);
+  EXPECT_EQ(deaths[1].from, AlertState::kPending);
+  EXPECT_EQ(deaths[1].to, AlertState::kFiring);
+  EXPECT_EQ(deaths[1].step, released_at);
+  EXPECT_EQ(deaths[1].alert.first_step, died);
+  EXPECT_EQ(deaths[1].alert.probable_cause, "learning_rate_too_high");
+  // Every transition of the deaths' alert from its firing on names the cause.
+  for (size_t i = 1; i < deaths.size(); ++i) {
+    EXPECT_EQ(deaths[i].alert.probable_cause, "learning_rate_too_high") << "transition " << i;
+  }
+}
+
 // Issue 33 (natural draw 7): the only alert on a healthy QK-layernorm twin
 // trained without a balance loss was a router imbalance at step 565. A load
 // that drifts while nothing else moves names no cause and costs throughput,
